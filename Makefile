@@ -1,0 +1,25 @@
+# hvd_qsgd: `make demo` (the main job) and `make test` (the whole suite) both set up what they need.
+PY := .venv/bin/python
+NP ?= 4
+# Open MPI refuses to run as root without these; TensorFlow's start-up chatter is silenced.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test demo bench clean
+
+setup:
+	bash scripts/setup.sh
+
+test: setup
+	$(PY) -m pytest -q -rs tests
+
+demo: setup
+	bash scripts/demo.sh $(NP)
+
+bench: setup
+	$(PY) -m hvd_qsgd.bench kernels
+
+clean:
+	rm -rf build *.egg-info hvd_qsgd/*.so .pytest_cache

@@ -1,0 +1,19 @@
+"""hvd_qsgd: QSGD gradient compression for Horovod.
+
+The codec (``hvd_qsgd.codec``) encodes a tensor into a self-describing payload of b-bit stochastic
+levels scaled per bucket (QSGD, Alistarh et al., NeurIPS 2017) and decodes and sums many payloads
+in one fused pass. Its kernels live in ``kernels/`` (CPU and CUDA, one C ABI); the framework
+adapters are thin bindings on top.
+"""
+__version__ = "0.1.0"
+
+from hvd_qsgd.codec import (  # noqa: F401
+    Header,
+    decode,
+    decode_sum,
+    encode,
+    levels,
+    payload_nbytes,
+    read_header,
+    split_payloads,
+)

@@ -1,0 +1,139 @@
+"""ctypes binding of the codec's C ABI (kernels/qsgd.h).
+
+The CPU library is always built; the CUDA library only where nvcc was found at install time, and
+it only runs where a CUDA device is visible. Nothing here knows about a framework: callers pass
+data pointers (and, for CUDA, a stream handle).
+"""
+import ctypes
+import glob
+import os
+import threading
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_lock = threading.Lock()
+_cpu = None
+_cuda = None
+_cuda_tried = False
+
+HEADER_BYTES = 56
+ABI_VERSION = 1
+
+# qsgd_status codes (kernels/qsgd.h)
+OK = 0
+E_ARG, E_CAPACITY, E_TRUNCATED, E_MAGIC, E_VERSION, E_HEADER = -1, -2, -3, -4, -5, -6
+E_LENGTH, E_CHECKSUM, E_SCALE, E_STREAM, E_PADDING, E_MISMATCH = -7, -8, -9, -10, -11, -12
+E_NOMEM, E_CUDA = -13, -14
+
+
+class Config(ctypes.Structure):
+    _fields_ = [
+        ("bits", ctypes.c_int32), ("coding", ctypes.c_int32), ("norm", ctypes.c_int32),
+        ("dtype", ctypes.c_int32), ("bucket_size", ctypes.c_uint32), ("flags", ctypes.c_uint32),
+        ("seed", ctypes.c_uint64), ("fingerprint", ctypes.c_uint64),
+    ]
+
+
+class CHeader(ctypes.Structure):
+    _fields_ = [
+        ("magic", ctypes.c_uint32), ("version", ctypes.c_uint8), ("coding", ctypes.c_uint8),
+        ("bits", ctypes.c_uint8), ("norm", ctypes.c_uint8), ("dtype", ctypes.c_uint8),
+        ("flags", ctypes.c_uint8), ("reserved0", ctypes.c_uint16), ("bucket_size", ctypes.c_uint32),
+        ("numel", ctypes.c_uint64), ("payload_len", ctypes.c_uint64),
+        ("fingerprint", ctypes.c_uint64), ("segment_buckets", ctypes.c_uint32),
+        ("reserved1", ctypes.c_uint32), ("checksum", ctypes.c_uint64),
+    ]
+
+
+_P = ctypes.c_void_p
+_U64 = ctypes.c_uint64
+_I32 = ctypes.c_int32
+
+
+def _find(stem):
+    hits = sorted(glob.glob(os.path.join(_HERE, stem + "*.so")))
+    return hits[0] if hits else None
+
+
+def _declare_common(lib):
+    lib.qsgd_status_string.restype = ctypes.c_char_p
+    lib.qsgd_status_string.argtypes = [_I32]
+
+
+def load():
+    """The CPU library (built by ``pip install``); raises ImportError with the fix if missing."""
+    global _cpu
+    if _cpu is not None:
+        return _cpu
+    with _lock:
+        if _cpu is not None:
+            return _cpu
+        path = _find("_lib_cpu")
+        if path is None:
+            raise ImportError(
+                "hvd_qsgd's native codec library is not built: run `pip install -e .` (or "
+                "`make setup`) in the repository, which compiles kernels/ with g++ and OpenMP")
+        lib = ctypes.CDLL(path)
+        _declare_common(lib)
+        lib.qsgd_levels.restype = _I32
+        lib.qsgd_levels.argtypes = [_I32]
+        lib.qsgd_fixed_nbytes.restype = _U64
+        lib.qsgd_fixed_nbytes.argtypes = [_U64, _I32, ctypes.c_uint32]
+        lib.qsgd_elias_max_nbytes.restype = _U64
+        lib.qsgd_elias_max_nbytes.argtypes = [_U64, _I32, ctypes.c_uint32]
+        lib.qsgd_elias_segment_buckets.restype = ctypes.c_uint32
+        lib.qsgd_elias_segment_buckets.argtypes = [ctypes.c_uint32]
+        lib.qsgd_parse_header.restype = _I32
+        lib.qsgd_parse_header.argtypes = [_P, _U64, ctypes.POINTER(CHeader)]
+        lib.qsgd_checksum_cpu.restype = _U64
+        lib.qsgd_checksum_cpu.argtypes = [_P, _U64]
+        lib.qsgd_encode_cpu.restype = _I32
+        lib.qsgd_encode_cpu.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64,
+                                        ctypes.POINTER(_U64)]
+        lib.qsgd_validate_cpu.restype = _I32
+        lib.qsgd_validate_cpu.argtypes = [_P, _U64]
+        lib.qsgd_decode_sum_cpu.restype = _I32
+        lib.qsgd_decode_sum_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
+                                            ctypes.c_float, _P, _U64, _I32]
+        lib.qsgd_set_num_threads.restype = None
+        lib.qsgd_set_num_threads.argtypes = [_I32]
+        lib.qsgd_get_num_threads.restype = _I32
+        lib.qsgd_get_num_threads.argtypes = []
+        _cpu = lib
+        return lib
+
+
+def load_cuda():
+    """The CUDA library, or None when it was not built or no CUDA device is visible."""
+    global _cuda, _cuda_tried
+    if _cuda_tried:
+        return _cuda
+    with _lock:
+        if _cuda_tried:
+            return _cuda
+        _cuda_tried = True
+        path = _find("_lib_cuda")
+        if path is None:
+            return None
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            return None
+        lib.qsgd_cuda_device_count.restype = _I32
+        lib.qsgd_cuda_device_count.argtypes = []
+        lib.qsgd_encode_cuda.restype = _I32
+        lib.qsgd_encode_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64, _P]
+        lib.qsgd_decode_sum_cuda.restype = _I32
+        lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(CHeader), _I32,
+                                             ctypes.c_float, _P, _U64, _I32, _P, _P]
+        if lib.qsgd_cuda_device_count() > 0:
+            _cuda = lib
+        return _cuda
+
+
+def cuda_built():
+    """True when the CUDA library was compiled into this installation."""
+    return _find("_lib_cuda") is not None
+
+
+def status_string(code):
+    return load().qsgd_status_string(code).decode()

@@ -1,0 +1,294 @@
+"""The QSGD codec on NumPy arrays: encode a tensor into a payload, decode and sum payloads.
+
+QSGD (Alistarh et al., NeurIPS 2017) with b bits per coordinate and bucket size B: the tensor is
+cut into buckets of B consecutive elements; each bucket v gets a scale
+
+    scale(v) = max_i |v_i|          (norm="max", the paper's experiments; the default)
+    scale(v) = ||v||_2              (norm="l2", the paper's analysis)
+
+and each element is rounded stochastically to one of s + 1 levels 0, 1/s, ..., 1 of |v_i| / scale:
+
+    Q(v_i) = scale * sign(v_i) * l_i / s,   l_i = floor(t_i) + Bernoulli(t_i - floor(t_i)),
+    t_i = s * |v_i| / scale,
+
+so E[Q(v)] = v (unbiased). With b >= 2 bits a coordinate carries a sign bit and b - 1 level bits,
+s = 2^(b-1) - 1 (QSGD(2) is ternary, QSGD(4) has s = 7, QSGD(8) has s = 127). QSGD(1) is the
+two-point quantizer Q(v_i) in {-scale, +scale} with P(+scale) = (1 + v_i / scale) / 2.
+
+Variance (Lemma 3.1 of the paper, norm="l2", b >= 2): E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2
+per bucket of d elements. With norm="max" each coordinate's variance is at most (scale/s)^2 / 4.
+
+Payload: a 56-byte header, one fp32 scale per bucket, then the levels, either packed at b bits per
+coordinate (coding="fixed": exactly ``payload_nbytes(numel, bits, bucket_size)`` bytes) or
+Elias-coded (coding="elias", section 3.1 of the paper: gaps between nonzero levels, signs and
+levels; length depends on the data, shorter in the sparse regime of small s and large buckets).
+The layout is specified in docs/wire-format.md.
+
+Randomness: element i of a tensor uses a counter-based hash of (seed, i); the same input and seed
+give the same payload on every run, thread count and device (the CUDA kernels are bit-identical).
+"""
+import ctypes
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from hvd_qsgd import _native
+
+CODINGS = {"fixed": 0, "elias": 1}
+NORMS = {"max": 0, "l2": 1}
+DTYPE_NAMES = ("float32", "float16", "bfloat16")
+MAX_BUCKET = 0x7FFFFFFF
+MAX_SEED = 2**64 - 1
+HEADER_BYTES = _native.HEADER_BYTES
+FLAG_CHECKSUM = 1
+
+
+class PayloadError(ValueError):
+    """A payload failed validation; ``status`` is the kernels' qsgd_status code."""
+
+    def __init__(self, message, status):
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class Header:
+    """The parsed header of a payload (docs/wire-format.md)."""
+
+    version: int
+    coding: str
+    bits: int
+    norm: str
+    dtype: str
+    checksum_flag: bool
+    bucket_size: int
+    numel: int
+    payload_len: int
+    fingerprint: int
+    segment_buckets: int
+    checksum: int
+
+    @property
+    def levels(self):
+        return levels(self.bits)
+
+
+# ---- parameter checks: one message per parameter, naming it and the value -----------------------
+def _check_bits(bits):
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
+    return int(bits)
+
+
+def _check_bucket(bucket_size):
+    if (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer))
+            or not 1 <= bucket_size <= MAX_BUCKET):
+        raise ValueError(f"bucket_size must be an integer in 1..{MAX_BUCKET}, got {bucket_size!r}")
+    return int(bucket_size)
+
+
+def _check_u64(name, v):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_SEED:
+        raise ValueError(f"{name} must be an integer in 0..2**64-1, got {v!r}")
+    return int(v)
+
+
+def _check_choice(name, v, choices):
+    if v not in choices:
+        raise ValueError(f"{name} must be one of {sorted(choices)}, got {v!r}")
+    return choices[v]
+
+
+def levels(bits):
+    """The number of nonzero levels s of QSGD(bits): 1 for 1 and 2 bits, 2^(bits-1) - 1 above."""
+    return int(_native.load().qsgd_levels(_check_bits(bits)))
+
+
+def payload_nbytes(numel, bits=4, bucket_size=512):
+    """Exact payload length of the fixed coding: 56 + 4 * ceil(numel / B) + ceil(numel * bits / 8)."""
+    if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
+        raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
+    return int(_native.load().qsgd_fixed_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
+
+
+def max_payload_nbytes(numel, bits=4, bucket_size=512, coding="fixed"):
+    """An upper bound of the payload length (exact for the fixed coding)."""
+    if _check_choice("coding", coding, CODINGS) == 0:
+        return payload_nbytes(numel, bits, bucket_size)
+    return int(_native.load().qsgd_elias_max_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
+
+
+def tensor_fingerprint(name, shape=(), dtype=""):
+    """A 64-bit fingerprint of a tensor's identity (name, shape, dtype), recorded in payloads so that
+    payloads of different tensors are never summed together."""
+    text = f"{name}|{tuple(int(s) for s in shape)}|{dtype}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
+
+
+def _as_float32(x, what):
+    """A C-contiguous float32 view or copy of x, and the source dtype code."""
+    x = np.asarray(x)
+    name = x.dtype.name
+    if name not in DTYPE_NAMES:
+        raise TypeError(f"{what}: dtype {name} is not supported; QSGD encodes float32, float16 and "
+                        f"bfloat16 tensors (route other dtypes around the compressor)")
+    code = DTYPE_NAMES.index(name)
+    if code:
+        x = x.astype(np.float32)
+    return np.ascontiguousarray(x.reshape(-1)), code
+
+
+def _as_bytes(payload, what):
+    if isinstance(payload, (bytes, bytearray, memoryview)):
+        return np.frombuffer(payload, dtype=np.uint8)
+    p = np.asarray(payload)
+    if p.dtype != np.uint8 or p.ndim != 1:
+        raise TypeError(f"{what}: a payload is a 1-D uint8 array, got {p.dtype} with shape {p.shape}")
+    return np.ascontiguousarray(p)
+
+
+def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fingerprint=0,
+           checksum=True, name="tensor"):
+    """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
+
+    ``seed`` selects the random stream (use a different seed per step and tensor); ``fingerprint``
+    identifies the tensor (see ``tensor_fingerprint()``); ``checksum`` adds a checksum the decoder verifies.
+    Returns a 1-D uint8 array. ``name`` only labels error messages.
+    """
+    cfg = _native.Config(
+        bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
+        norm=_check_choice("norm", norm, NORMS), dtype=0, bucket_size=_check_bucket(bucket_size),
+        flags=FLAG_CHECKSUM if checksum else 0, seed=_check_u64("seed", seed),
+        fingerprint=_check_u64("fingerprint", fingerprint))
+    if coding == "elias" and cfg.bits < 2:
+        raise ValueError("coding='elias' needs bits >= 2 (QSGD(1) has no zero level to skip)")
+    flat, cfg.dtype = _as_float32(x, name)
+    n = flat.size
+    cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
+    out = np.empty(cap, dtype=np.uint8)
+    out_len = ctypes.c_uint64(0)
+    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
+                                        ctypes.byref(out_len))
+    if st != _native.OK:
+        raise RuntimeError(f"{name}: encode failed: {_native.status_string(st)}")
+    if out_len.value != cap:
+        out = out[: out_len.value].copy()
+    return out
+
+
+def _raise(st, where, payload=None):
+    msg = f"{where}: {_native.status_string(st)}"
+    if payload is not None and st in (_native.E_HEADER, _native.E_LENGTH) and payload.size >= HEADER_BYTES:
+        f = _raw_fields(payload)
+        msg += " (" + ", ".join(f"{k}={v}" for k, v in f.items()) + f"; buffer has {payload.size} bytes)"
+    raise PayloadError(msg, st)
+
+
+def _raw_fields(p):
+    b = bytes(p[:HEADER_BYTES])
+    le = lambda o, n: int.from_bytes(b[o:o + n], "little")  # noqa: E731
+    return dict(version=b[4], coding=b[5], bits=b[6], norm=b[7], dtype=b[8], flags=b[9],
+                reserved0=le(10, 2), bucket_size=le(12, 4), numel=le(16, 8), payload_len=le(24, 8),
+                segment_buckets=le(40, 4), reserved1=le(44, 4))
+
+
+def _to_header(h):
+    return Header(
+        version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
+        norm=("max", "l2")[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
+        bucket_size=h.bucket_size, numel=h.numel, payload_len=h.payload_len,
+        fingerprint=h.fingerprint, segment_buckets=h.segment_buckets, checksum=h.checksum)
+
+
+def read_header(payload, where="payload"):
+    """Parse and check the header (every field, and the declared length against the layout and the
+    buffer). Does not read the data; ``validate`` does."""
+    p = _as_bytes(payload, where)
+    h = _native.CHeader()
+    st = _native.load().qsgd_parse_header(p.ctypes.data, p.size, ctypes.byref(h))
+    if st != _native.OK:
+        _raise(st, where, p)
+    return _to_header(h)
+
+
+def validate(payload, where="payload"):
+    """Check a payload completely (header, length, checksum, scales, data); return its Header."""
+    p = _as_bytes(payload, where)
+    header = read_header(p, where)
+    st = _native.load().qsgd_validate_cpu(p.ctypes.data, p.size)
+    if st != _native.OK:
+        _raise(st, where, p)
+    return header
+
+
+def split_payloads(buffer, count=None, where="buffer"):
+    """Split concatenated payloads (what an allgather returns) using each header's length.
+
+    Returns views into ``buffer``. With ``count``, exactly that many payloads must fill the buffer.
+    """
+    buf = _as_bytes(buffer, where)
+    out, off = [], 0
+    while off < buf.size and (count is None or len(out) < count):
+        h = read_header(buf[off:], f"{where}: payload {len(out)} at byte {off}")
+        out.append(buf[off: off + h.payload_len])
+        off += h.payload_len
+    if off != buf.size or (count is not None and len(out) != count):
+        raise PayloadError(
+            f"{where}: expected {count if count is not None else 'whole'} payloads filling "
+            f"{buf.size} bytes, found {len(out)} covering {off} bytes", _native.E_LENGTH)
+    return out
+
+
+def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum"):
+    """``out = [out +] scale * (decode(p_0) + decode(p_1) + ...)`` in one fused pass, summing in list
+    order in float32 (so every caller that passes the same payloads in the same order gets
+    bit-identical results). All payloads must describe the same tensor (numel, fingerprint, bits,
+    bucket size, coding, norm, dtype); each is validated completely before ``out`` is written.
+    Returns a float32 array of numel elements."""
+    ps = [_as_bytes(p, f"{where}: payload {i}") for i, p in enumerate(payloads)]
+    if not ps:
+        raise ValueError(f"{where}: no payloads")
+    headers = [read_header(p, f"{where}: payload {i} of {len(ps)}") for i, p in enumerate(ps)]
+    h0 = headers[0]
+    for i, h in enumerate(headers[1:], 1):
+        for field in ("numel", "fingerprint", "bits", "bucket_size", "coding", "norm", "dtype"):
+            if getattr(h, field) != getattr(h0, field):
+                raise PayloadError(
+                    f"{where}: payload {i} of {len(ps)} has {field}={getattr(h, field)!r} but payload 0 "
+                    f"has {field}={getattr(h0, field)!r}: payloads of different tensors or settings "
+                    "cannot be summed", _native.E_MISMATCH)
+    n = h0.numel
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{where}: accumulate=True needs out=")
+        out = np.empty(n, dtype=np.float32)
+    elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous:
+        raise ValueError(f"{where}: out must be a C-contiguous float32 array of {n} elements, got "
+                         f"{out.dtype} with {out.size} elements")
+    lib = _native.load()
+    ptrs = (ctypes.c_void_p * len(ps))(*[p.ctypes.data for p in ps])
+    lens = (ctypes.c_uint64 * len(ps))(*[p.size for p in ps])
+    st = lib.qsgd_decode_sum_cpu(ptrs, lens, len(ps), float(scale), out.ctypes.data, n, int(bool(accumulate)))
+    if st != _native.OK:
+        # name the payload that fails
+        for i, p in enumerate(ps):
+            st_i = lib.qsgd_validate_cpu(p.ctypes.data, p.size)
+            if st_i != _native.OK:
+                _raise(st_i, f"{where}: payload {i} of {len(ps)}", p)
+        _raise(st, where)
+    return out
+
+
+def decode(payload, where="decode"):
+    """Decode one payload to a 1-D float32 array (the adapters restore shape and dtype)."""
+    return decode_sum([payload], 1.0, where=where)
+
+
+def set_num_threads(n):
+    """Threads of the CPU kernels (n <= 0: OpenMP's default)."""
+    _native.load().qsgd_set_num_threads(int(n))
+
+
+def get_num_threads():
+    return int(_native.load().qsgd_get_num_threads())

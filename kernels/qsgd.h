@@ -1,0 +1,138 @@
+/*
+ * hvd_qsgd codec: the C ABI shared by the CPU library (qsgd_cpu.cc, qsgd_elias_cpu.cc) and the
+ * CUDA library (qsgd_cuda.cu). Framework bindings (ctypes for NumPy/PyTorch, the TensorFlow op
+ * library) call only these functions. The payload layout is specified in docs/wire-format.md;
+ * the per-element math lives in qsgd_math.h and is compiled into both libraries.
+ *
+ * QSGD(b), b = bits per coordinate:
+ *   b >= 2: sign + level, s = 2^(b-1) - 1 levels, Q(x) = sign(x) * scale * l / s with l in 0..s
+ *           chosen stochastically so that E[Q(x)] = x (l = floor(|x|/scale*s) or that + 1).
+ *   b == 1: the two-point quantizer Q(x) in {-scale, +scale}, P(+scale) = (1 + x/scale) / 2.
+ *   scale is the bucket's max |x| (norm = QSGD_NORM_MAX, the QSGD paper's experiments) or its
+ *   L2 norm (QSGD_NORM_L2, the paper's analysis).
+ *
+ * Every function returns QSGD_OK (0) or a negative qsgd_status; none aborts, none reads or writes
+ * outside the buffers whose sizes it is given.
+ */
+#ifndef HVD_QSGD_H_
+#define HVD_QSGD_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define QSGD_ABI_VERSION 1
+#define QSGD_WIRE_VERSION 1
+#define QSGD_HEADER_BYTES 56
+#define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
+#define QSGD_MAX_BUCKET 0x7fffffffu
+
+enum qsgd_coding { QSGD_CODING_FIXED = 0, QSGD_CODING_ELIAS = 1 };
+enum qsgd_norm { QSGD_NORM_MAX = 0, QSGD_NORM_L2 = 1 };
+enum qsgd_dtype { QSGD_DTYPE_F32 = 0, QSGD_DTYPE_F16 = 1, QSGD_DTYPE_BF16 = 2 };
+enum qsgd_flags { QSGD_FLAG_CHECKSUM = 1 };
+
+typedef enum qsgd_status {
+  QSGD_OK = 0,
+  QSGD_E_ARG = -1,            /* invalid argument (bits, bucket size, norm, coding, dtype, NULL) */
+  QSGD_E_CAPACITY = -2,       /* output buffer too small */
+  QSGD_E_TRUNCATED = -3,      /* payload shorter than its header or its declared length */
+  QSGD_E_MAGIC = -4,          /* not a hvd_qsgd payload */
+  QSGD_E_VERSION = -5,        /* wire version this library does not read */
+  QSGD_E_HEADER = -6,         /* a header field out of range or inconsistent with the others */
+  QSGD_E_LENGTH = -7,         /* declared payload length disagrees with the layout */
+  QSGD_E_CHECKSUM = -8,       /* checksum mismatch: payload corrupted */
+  QSGD_E_SCALE = -9,          /* a bucket scale is negative */
+  QSGD_E_STREAM = -10,        /* variable-length stream malformed (overrun, bad index or level) */
+  QSGD_E_PADDING = -11,       /* nonzero padding bits */
+  QSGD_E_MISMATCH = -12,      /* payloads given to one decode_sum disagree (numel, fingerprint, ...) */
+  QSGD_E_NOMEM = -13,         /* allocation failed */
+  QSGD_E_CUDA = -14           /* a CUDA runtime call failed */
+} qsgd_status;
+
+/* Encoder settings. */
+typedef struct qsgd_config {
+  int32_t bits;          /* 1..8 */
+  int32_t coding;        /* qsgd_coding */
+  int32_t norm;          /* qsgd_norm */
+  int32_t dtype;         /* qsgd_dtype of the source tensor (recorded; input is always fp32) */
+  uint32_t bucket_size;  /* 1..QSGD_MAX_BUCKET elements per scale */
+  uint32_t flags;        /* qsgd_flags */
+  uint64_t seed;         /* randomness: element i uses qsgd_uniform24(seed, i) */
+  uint64_t fingerprint;  /* identity of the tensor, checked by decode_sum */
+} qsgd_config;
+
+/* The parsed header (docs/wire-format.md). */
+typedef struct qsgd_header {
+  uint32_t magic;
+  uint8_t version, coding, bits, norm, dtype, flags;
+  uint16_t reserved0;
+  uint32_t bucket_size;
+  uint64_t numel;
+  uint64_t payload_len;
+  uint64_t fingerprint;
+  uint32_t segment_buckets;
+  uint32_t reserved1;
+  uint64_t checksum;
+} qsgd_header;
+
+/* ---- sizes ------------------------------------------------------------------------------ */
+/* Levels s for b bits (1 for b = 1 and 2, 2^(b-1) - 1 above); 0 for invalid b. */
+int32_t qsgd_levels(int32_t bits);
+/* Exact payload length of the fixed coding; 0 on invalid arguments. */
+uint64_t qsgd_fixed_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_size);
+/* An upper bound of the Elias-coded payload length; 0 on invalid arguments. */
+uint64_t qsgd_elias_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_size);
+/* Buckets per independently coded segment in the Elias coding (a function of bucket size). */
+uint32_t qsgd_elias_segment_buckets(uint32_t bucket_size);
+
+/* ---- header ------------------------------------------------------------------------------- */
+/* Parse and validate the header and the declared layout of payload[0:len) (not the data).
+ * On success *h holds the header. Checks magic, version, every field's range, and that the
+ * declared payload length matches the layout (fixed) or lies within its bounds (Elias). */
+int32_t qsgd_parse_header(const uint8_t* payload, uint64_t len, qsgd_header* h);
+/* The checksum of payload[0:len) with its checksum field read as zero (docs/wire-format.md). */
+uint64_t qsgd_checksum_cpu(const uint8_t* payload, uint64_t len);
+
+/* ---- CPU codec (OpenMP) ------------------------------------------------------------------ */
+/* Encode x[0:numel) into out[0:cap). *out_len receives the payload length. */
+int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
+                        uint64_t cap, uint64_t* out_len);
+/* Fully validate a payload (header, layout, checksum when flagged, scales, stream, padding). */
+int32_t qsgd_validate_cpu(const uint8_t* payload, uint64_t len);
+/* out[i] = (accumulate ? out[i] : 0) + alpha * (v_0[i] + v_1[i] + ... + v_{count-1}[i]), where
+ * v_p is payload p decoded; the sum runs left to right from 0.0f in fp32. All payloads must agree
+ * on numel, fingerprint, bits, bucket size, coding, norm and dtype, and numel must equal n. Every
+ * payload is validated completely before out is written. */
+int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
+                            float alpha, float* out, uint64_t n, int32_t accumulate);
+/* Threads the CPU codec uses (OpenMP); n <= 0 restores the default. */
+void qsgd_set_num_threads(int32_t n);
+int32_t qsgd_get_num_threads(void);
+
+/* ---- CUDA codec (libhvd_qsgd_cuda; device pointers, stream-ordered, fixed coding) --------- */
+/* Number of visible CUDA devices (0 when there is no driver or device). */
+int32_t qsgd_cuda_device_count(void);
+/* Encode device x[0:numel) into device out (cap bytes) on stream; the payload length is
+ * qsgd_fixed_nbytes(...). Bit-identical to qsgd_encode_cpu for the same input and config. */
+int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
+                         uint64_t cap, void* stream);
+/* Decode-and-accumulate on the device. `headers` are the payloads' headers, parsed and checked on
+ * the host (qsgd_parse_header on a host copy of the first QSGD_HEADER_BYTES of each payload);
+ * `d_payloads` is a host array of device pointers. Checksums and padding are verified on the device;
+ * a failure is written to *d_status (device int32, QSGD_OK on success) and `out` is left untouched
+ * whenever *d_status is not QSGD_OK. Same arithmetic as qsgd_decode_sum_cpu. */
+int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
+                             int32_t count, float alpha, float* out, uint64_t n,
+                             int32_t accumulate, int32_t* d_status, void* stream);
+
+/* A short English description of a status code. */
+const char* qsgd_status_string(int32_t status);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* HVD_QSGD_H_ */

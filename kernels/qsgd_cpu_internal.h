@@ -1,0 +1,50 @@
+/* Pieces the CPU translation units share (not part of the C ABI). */
+#ifndef HVD_QSGD_CPU_INTERNAL_H_
+#define HVD_QSGD_CPU_INTERNAL_H_
+
+#include <stdint.h>
+
+#include "qsgd.h"
+
+namespace qsgd_cpu {
+
+/* Threads for a job of n elements (1 for small jobs, where a parallel region costs more). */
+int threads_for(uint64_t n);
+
+/* Sets the SSE control word to IEEE behaviour (no flush-to-zero, no denormals-are-zero) for the
+ * lifetime of the object, so results do not depend on what the host framework set on its threads:
+ * the CUDA library computes with denormals too. */
+struct IeeeFpScope {
+  unsigned saved;
+  IeeeFpScope();
+  ~IeeeFpScope();
+};
+
+/* The bucket's stored scale (qsgd_math.h: max or L2). */
+float bucket_scale(const float* x, uint64_t n, int norm);
+
+/* codes[k] = quantized code of x[k], element index i0 + k, for one bucket's scale. */
+void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
+                  uint8_t* codes);
+
+/* Scales are stored little-endian fp32 right after the header. */
+float load_scale(const uint8_t* scales, uint64_t b);
+void store_scale(uint8_t* scales, uint64_t b, float v);
+
+/* Full validation of scales (no negative value). */
+int32_t check_scales(const uint8_t* scales, uint64_t nb);
+
+/* Elias coding (qsgd_elias_cpu.cc). */
+int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
+                     uint64_t cap, uint64_t* out_len);
+/* Validate the Elias streams of a payload whose header and checksum were checked. */
+int32_t elias_validate(const uint8_t* payload, const qsgd_header* h);
+/* acc[0:n) += decoded elements [lo, lo+n) of a validated Elias payload; [lo, lo+n) must be a whole
+ * segment. */
+void elias_decode_segment_add(const uint8_t* payload, const qsgd_header* h, uint64_t seg,
+                              float* acc);
+uint64_t elias_max_bits_per_element(int bits);
+
+}  // namespace qsgd_cpu
+
+#endif

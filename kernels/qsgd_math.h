@@ -1,0 +1,203 @@
+/*
+ * The per-element math of the codec, compiled into both the CPU and the CUDA library so that the
+ * two cannot drift apart: the random stream, the bucket scale, the quantizer, the code layout,
+ * the checksum. Everything here is exact integer arithmetic or single IEEE-754 operations in a
+ * fixed order (both libraries are built without FMA contraction, -ffp-contract=off / --fmad=false),
+ * which is what makes CPU and CUDA payloads bit-identical for the same seed.
+ */
+#ifndef HVD_QSGD_MATH_H_
+#define HVD_QSGD_MATH_H_
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "qsgd.h"
+
+#if defined(__CUDACC__)
+#define QSGD_HD __host__ __device__ __forceinline__
+#else
+#define QSGD_HD static inline
+#endif
+
+/* ---- the counter-based random stream ----------------------------------------------------
+ * u24(seed, i) for element i of a tensor:
+ *   key = mix64(seed + G * (floor(i / 2^32) + 1))            (G = 0x9E3779B97F4A7C15)
+ *   y   = hash32(hash32(lo32(i) XOR lo32(key)) + hi32(key))  (mod 2^32)
+ *   u24 = y >> 8                                              uniform on 0 .. 2^24 - 1
+ * mix64 is the SplitMix64 finalizer and hash32 Wellons' "lowbias32"; both are bijections, so
+ * distinct elements of one page of 2^32 always hash distinct inputs. No state is carried. */
+#define QSGD_GOLDEN64 0x9E3779B97F4A7C15ull
+
+QSGD_HD uint64_t qsgd_mix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+
+QSGD_HD uint32_t qsgd_hash32(uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x7FEB352Du;
+  x ^= x >> 15;
+  x *= 0x846CA68Bu;
+  x ^= x >> 16;
+  return x;
+}
+
+/* The key of the page of 2^32 elements holding element i. */
+QSGD_HD uint64_t qsgd_page_key(uint64_t seed, uint64_t i) {
+  return qsgd_mix64(seed + QSGD_GOLDEN64 * ((i >> 32) + 1));
+}
+
+QSGD_HD uint32_t qsgd_u24(uint64_t key, uint32_t i_lo) {
+  uint32_t y = qsgd_hash32(i_lo ^ (uint32_t)key);
+  y = qsgd_hash32(y + (uint32_t)(key >> 32));
+  return y >> 8;
+}
+
+/* ---- levels and codes ----------------------------------------------------------------------
+ * A b-bit code holds the sign in its top bit (1 = negative) and the level l in the b-1 bits
+ * below; the sign bit is 0 whenever l == 0. For b == 1 the code is the sign alone, level 1. */
+QSGD_HD int32_t qsgd_levels_of(int32_t bits) {
+  return bits == 1 ? 1 : (bits >= 2 && bits <= 8 ? (1 << (bits - 1)) - 1 : 0);
+}
+
+/* ---- bucket scale ----------------------------------------------------------------------------
+ * max norm: the largest |x| of the bucket, found as the largest (bits(x) & 0x7fffffff) read as
+ * an unsigned integer (that order is the order of |x|, and NaN > Inf > finite), so it is exact and
+ * independent of the order of evaluation; any NaN gives NaN, else any Inf gives Inf.
+ * L2 norm: sqrt of the sum of x^2 in double (each square is exact), accumulated in 32 lanes --
+ * lane j sums elements j, j+32, j+64, ... of the bucket in increasing order -- and the 32 lane sums
+ * folded pairwise (lane j += lane j+16, then j+8, j+4, j+2, j+1): one fixed order for both
+ * libraries. Rounded to float. A NaN scale is stored as the canonical quiet NaN 0x7fc00000. */
+#define QSGD_L2_LANES 32
+#define QSGD_CANONICAL_NAN_BITS 0x7FC00000u
+
+QSGD_HD uint32_t qsgd_f2u(float f) {
+  uint32_t u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+QSGD_HD float qsgd_u2f(uint32_t u) {
+  float f;
+  memcpy(&f, &u, 4);
+  return f;
+}
+
+/* The stored scale from the bucket's largest |x| bit pattern. */
+QSGD_HD float qsgd_scale_from_absmax_bits(uint32_t m) {
+  return qsgd_u2f(m > 0x7F800000u ? QSGD_CANONICAL_NAN_BITS : m);
+}
+
+/* The stored scale from the folded L2 sum of squares. */
+QSGD_HD float qsgd_scale_from_sumsq(double sumsq) {
+  float f = (float)sqrt(sumsq);
+  return f != f ? qsgd_u2f(QSGD_CANONICAL_NAN_BITS) : f;
+}
+
+/* A scale is usable for quantizing when it is finite and positive; a zero bucket and a bucket with
+ * a non-finite scale get all-zero codes (and decode to 0, respectively to NaN/Inf, since the decoder
+ * multiplies by the scale). */
+QSGD_HD int qsgd_scale_quantizes(float scale) {
+  return scale > 0.0f && scale <= 3.40282347e38f;
+}
+
+/* ---- the quantizer -------------------------------------------------------------------------
+ * b >= 2:  t = min(|x| / scale * s, s);  l = floor(t) + [u24 < (t - floor(t)) * 2^24]
+ *          E[l] = t up to 2^-24 (the resolution of u24), so E[Q(x)] = x.
+ * b == 1:  p = 0.5 + 0.5 * (x / scale);  positive iff u24 < p * 2^24
+ * Requires qsgd_scale_quantizes(scale). */
+QSGD_HD uint32_t qsgd_quantize(float x, float scale, float s, uint32_t u24, int bits) {
+  const float r = (float)u24; /* exact: u24 < 2^24 */
+  if (bits == 1) {
+    const float p = 0.5f + 0.5f * (x / scale);
+    return r < p * 16777216.0f ? 0u : 1u;
+  }
+  float t = (x < 0.0f ? -x : x) / scale * s;
+  t = t < s ? t : s;
+  uint32_t l = (uint32_t)(int32_t)t; /* t >= 0: truncation is floor */
+  const float frac = t - (float)l;
+  l += r < frac * 16777216.0f ? 1u : 0u;
+  const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
+  return (neg << (bits - 1)) | l;
+}
+
+/* The decoded value of a code, given step = scale / s (computed once per bucket as scale / s). */
+QSGD_HD float qsgd_dequantize(uint32_t code, float step, int bits) {
+  const uint32_t sign_bit = 1u << (bits - 1);
+  const uint32_t level = bits == 1 ? 1u : (code & (sign_bit - 1u));
+  const float v = (float)level * step;
+  return (code & sign_bit) ? -v : v;
+}
+
+QSGD_HD float qsgd_step_of(float scale, float s) { return scale / s; }
+
+/* ---- the checksum ---------------------------------------------------------------------------
+ * Over the payload read as little-endian 64-bit words w_k (the last one zero-padded), with the
+ * checksum field (bytes 48..55) read as zero:
+ *   h_k = g(w_k XOR (k+1)*G),  g(z) = let y = z * C in (y XOR (y >> 32)) * C   (C odd)
+ *   checksum = mix64((sum_k h_k mod 2^64) + len)
+ * g is a bijection for each k, so changing any one word always changes the sum; the sum is order
+ * independent, so the CPU and CUDA libraries may add the terms in any order. */
+#define QSGD_CHECKSUM_C 0xD6E8FEB86659FD93ull
+#define QSGD_CHECKSUM_OFFSET 48
+
+QSGD_HD uint64_t qsgd_checksum_term(uint64_t w, uint64_t k) {
+  uint64_t y = (w ^ ((k + 1) * QSGD_GOLDEN64)) * QSGD_CHECKSUM_C;
+  return (y ^ (y >> 32)) * QSGD_CHECKSUM_C;
+}
+QSGD_HD uint64_t qsgd_checksum_final(uint64_t sum, uint64_t len) { return qsgd_mix64(sum + len); }
+
+/* ---- little-endian field access -------------------------------------------------------- */
+QSGD_HD uint64_t qsgd_load_le(const uint8_t* p, int nbytes) {
+  uint64_t v = 0;
+  for (int i = 0; i < nbytes; ++i) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+QSGD_HD void qsgd_store_le(uint8_t* p, uint64_t v, int nbytes) {
+  for (int i = 0; i < nbytes; ++i) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+/* ---- sizes ---------------------------------------------------------------------------------- */
+QSGD_HD uint64_t qsgd_num_buckets(uint64_t numel, uint32_t bucket) {
+  return bucket ? (numel + bucket - 1) / bucket : 0;
+}
+QSGD_HD uint64_t qsgd_packed_bytes(uint64_t numel, int bits) {
+  /* ceil(numel * bits / 8) without overflowing numel * bits */
+  return (numel / 8) * (uint64_t)bits + ((numel % 8) * (uint64_t)bits + 7) / 8;
+}
+
+/* Write the 56-byte header (checksum field zero). */
+QSGD_HD void qsgd_write_header(uint8_t* out, const qsgd_config* cfg, uint64_t numel,
+                               uint64_t payload_len, uint32_t segment_buckets) {
+  qsgd_store_le(out + 0, QSGD_MAGIC, 4);
+  out[4] = QSGD_WIRE_VERSION;
+  out[5] = (uint8_t)cfg->coding;
+  out[6] = (uint8_t)cfg->bits;
+  out[7] = (uint8_t)cfg->norm;
+  out[8] = (uint8_t)cfg->dtype;
+  out[9] = (uint8_t)cfg->flags;
+  qsgd_store_le(out + 10, 0, 2);
+  qsgd_store_le(out + 12, cfg->bucket_size, 4);
+  qsgd_store_le(out + 16, numel, 8);
+  qsgd_store_le(out + 24, payload_len, 8);
+  qsgd_store_le(out + 32, cfg->fingerprint, 8);
+  qsgd_store_le(out + 40, segment_buckets, 4);
+  qsgd_store_le(out + 44, 0, 4);
+  qsgd_store_le(out + 48, 0, 8);
+}
+
+/* Check an encoder configuration. */
+QSGD_HD int32_t qsgd_check_config(const qsgd_config* cfg) {
+  if (!cfg) return QSGD_E_ARG;
+  if (cfg->bits < 1 || cfg->bits > 8) return QSGD_E_ARG;
+  if (cfg->bucket_size < 1 || cfg->bucket_size > QSGD_MAX_BUCKET) return QSGD_E_ARG;
+  if (cfg->norm != QSGD_NORM_MAX && cfg->norm != QSGD_NORM_L2) return QSGD_E_ARG;
+  if (cfg->coding != QSGD_CODING_FIXED && cfg->coding != QSGD_CODING_ELIAS) return QSGD_E_ARG;
+  if (cfg->coding == QSGD_CODING_ELIAS && cfg->bits < 2) return QSGD_E_ARG;
+  if (cfg->dtype < QSGD_DTYPE_F32 || cfg->dtype > QSGD_DTYPE_BF16) return QSGD_E_ARG;
+  if (cfg->flags & ~(uint32_t)QSGD_FLAG_CHECKSUM) return QSGD_E_ARG;
+  return QSGD_OK;
+}
+
+#endif /* HVD_QSGD_MATH_H_ */
