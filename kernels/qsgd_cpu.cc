@@ -44,11 +44,9 @@ float load_scale(const uint8_t* scales, uint64_t b) {
 void store_scale(uint8_t* scales, uint64_t b, float v) { memcpy(scales + 4 * b, &v, 4); }
 
 float bucket_scale(const float* x, uint64_t n, int norm) {
-  if (norm == QSGD_NORM_MAX) {
-    uint32_t m = 0;
-    for (uint64_t k = 0; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
-    return qsgd_scale_from_absmax_bits(m);
-  }
+  uint32_t m = 0;
+  for (uint64_t k = 0; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
+  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
   double lane[QSGD_L2_LANES] = {0};
   const uint64_t full = n / QSGD_L2_LANES;
   for (uint64_t r = 0; r < full; ++r) {
@@ -59,7 +57,7 @@ float bucket_scale(const float* x, uint64_t n, int norm) {
   for (uint64_t j = 0; j < n % QSGD_L2_LANES; ++j) lane[j] += (double)p[j] * (double)p[j];
   for (int off = QSGD_L2_LANES / 2; off > 0; off /= 2)
     for (int j = 0; j < off; ++j) lane[j] = lane[j] + lane[j + off];
-  return qsgd_scale_from_sumsq(lane[0]);
+  return qsgd_scale_from_sumsq(lane[0], m);
 }
 
 template <int BITS>

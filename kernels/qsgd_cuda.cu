@@ -43,17 +43,17 @@ __global__ void scales_kernel(const float* __restrict__ x, uint64_t numel, uint3
   if (b >= nb) return; /* whole warps exit together: b is uniform in a warp */
   const uint64_t lo = b * B, hi = umin64(numel, lo + B);
   float scale;
+  uint32_t m = 0;
+  for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   if (norm == QSGD_NORM_MAX) {
-    uint32_t m = 0;
-    for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
-    for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
     scale = qsgd_scale_from_absmax_bits(m);
   } else {
     double acc = 0.0;
     for (uint64_t i = lo + lane; i < hi; i += 32) acc += (double)x[i] * (double)x[i];
     /* lane j += lane j + off, off = 16, 8, 4, 2, 1: the fold of qsgd_math.h */
     for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-    scale = qsgd_scale_from_sumsq(acc);
+    scale = qsgd_scale_from_sumsq(acc, m);
   }
   if (lane == 0) scales[b] = scale;
 }

@@ -69,7 +69,7 @@ QSGD_HD int32_t qsgd_levels_of(int32_t bits) {
  * L2 norm: sqrt of the sum of x^2 in double (each square is exact), accumulated in 32 lanes --
  * lane j sums elements j, j+32, j+64, ... of the bucket in increasing order -- and the 32 lane sums
  * folded pairwise (lane j += lane j+16, then j+8, j+4, j+2, j+1): one fixed order for both
- * libraries. Rounded to float. A NaN scale is stored as the canonical quiet NaN 0x7fc00000. */
+ * libraries. Rounded to float; NaN if any element is NaN, else Inf if any is infinite. A NaN scale is stored as the canonical quiet NaN 0x7fc00000. */
 #define QSGD_L2_LANES 32
 #define QSGD_CANONICAL_NAN_BITS 0x7FC00000u
 
@@ -89,10 +89,13 @@ QSGD_HD float qsgd_scale_from_absmax_bits(uint32_t m) {
   return qsgd_u2f(m > 0x7F800000u ? QSGD_CANONICAL_NAN_BITS : m);
 }
 
-/* The stored scale from the folded L2 sum of squares. */
-QSGD_HD float qsgd_scale_from_sumsq(double sumsq) {
-  float f = (float)sqrt(sumsq);
-  return f != f ? qsgd_u2f(QSGD_CANONICAL_NAN_BITS) : f;
+/* The stored scale from the folded L2 sum of squares and the bucket's largest |x| bit pattern.
+ * A bucket of finite values whose L2 norm exceeds the fp32 range stores its max-norm instead: any
+ * scale >= max |x| keeps the quantizer unbiased, and the decoder only reads the stored scale. */
+QSGD_HD float qsgd_scale_from_sumsq(double sumsq, uint32_t absmax_bits) {
+  if (absmax_bits >= 0x7F800000u) return qsgd_scale_from_absmax_bits(absmax_bits); /* NaN / Inf */
+  const float f = (float)sqrt(sumsq);
+  return f > 3.40282347e38f ? qsgd_u2f(absmax_bits) : f;
 }
 
 /* A scale is usable for quantizing when it is finite and positive; a zero bucket and a bucket with
