@@ -100,6 +100,19 @@ def _check_choice(name, v, choices):
     return choices[v]
 
 
+def make_config(bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fingerprint=0,
+                checksum=True, dtype="float32"):
+    """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
+    cfg = _native.Config(
+        bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
+        norm=_check_choice("norm", norm, NORMS), dtype=DTYPE_NAMES.index(dtype),
+        bucket_size=_check_bucket(bucket_size), flags=FLAG_CHECKSUM if checksum else 0,
+        seed=_check_u64("seed", seed), fingerprint=_check_u64("fingerprint", fingerprint))
+    if coding == "elias" and cfg.bits < 2:
+        raise ValueError("coding='elias' needs bits >= 2 (QSGD(1) has no zero level to skip)")
+    return cfg
+
+
 def levels(bits):
     """The number of nonzero levels s of QSGD(bits): 1 for 1 and 2 bits, 2^(bits-1) - 1 above."""
     return int(_native.load().qsgd_levels(_check_bits(bits)))
@@ -156,13 +169,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", finge
     identifies the tensor (see ``tensor_fingerprint()``); ``checksum`` adds a checksum the decoder verifies.
     Returns a 1-D uint8 array. ``name`` only labels error messages.
     """
-    cfg = _native.Config(
-        bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
-        norm=_check_choice("norm", norm, NORMS), dtype=0, bucket_size=_check_bucket(bucket_size),
-        flags=FLAG_CHECKSUM if checksum else 0, seed=_check_u64("seed", seed),
-        fingerprint=_check_u64("fingerprint", fingerprint))
-    if coding == "elias" and cfg.bits < 2:
-        raise ValueError("coding='elias' needs bits >= 2 (QSGD(1) has no zero level to skip)")
+    cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum)
     flat, cfg.dtype = _as_float32(x, name)
     n = flat.size
     cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
@@ -177,7 +184,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", finge
     return out
 
 
-def _raise(st, where, payload=None):
+def raise_status(st, where, payload=None):
     msg = f"{where}: {_native.status_string(st)}"
     if payload is not None and st in (_native.E_HEADER, _native.E_LENGTH) and payload.size >= HEADER_BYTES:
         f = _raw_fields(payload)
@@ -193,7 +200,7 @@ def _raw_fields(p):
                 segment_buckets=le(40, 4), reserved1=le(44, 4))
 
 
-def _to_header(h):
+def header_from_c(h):
     return Header(
         version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
         norm=("max", "l2")[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
@@ -208,8 +215,8 @@ def read_header(payload, where="payload"):
     h = _native.CHeader()
     st = _native.load().qsgd_parse_header(p.ctypes.data, p.size, ctypes.byref(h))
     if st != _native.OK:
-        _raise(st, where, p)
-    return _to_header(h)
+        raise_status(st, where, p)
+    return header_from_c(h)
 
 
 def validate(payload, where="payload"):
@@ -218,7 +225,7 @@ def validate(payload, where="payload"):
     header = read_header(p, where)
     st = _native.load().qsgd_validate_cpu(p.ctypes.data, p.size)
     if st != _native.OK:
-        _raise(st, where, p)
+        raise_status(st, where, p)
     return header
 
 
@@ -275,8 +282,8 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
         for i, p in enumerate(ps):
             st_i = lib.qsgd_validate_cpu(p.ctypes.data, p.size)
             if st_i != _native.OK:
-                _raise(st_i, f"{where}: payload {i} of {len(ps)}", p)
-        _raise(st, where)
+                raise_status(st_i, f"{where}: payload {i} of {len(ps)}", p)
+        raise_status(st, where)
     return out
 
 

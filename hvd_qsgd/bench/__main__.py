@@ -1,0 +1,36 @@
+"""Command line of the benchmarks: ``python -m hvd_qsgd.bench <subcommand> [options]``.
+
+A subcommand is a module of this package with ``add_arguments(parser)`` and ``run(args)`` (returning
+an exit status or None). To add one (``torch``, ``e2e``, ``convergence``, ...), write the module and
+add a line to ``SUBCOMMANDS``. Every module is imported to declare its arguments, so a module keeps
+heavy imports (torch, horovod, ...) inside ``run``.
+"""
+import argparse
+import importlib
+import sys
+
+# name -> (module, one-line help)
+SUBCOMMANDS = {
+    "kernels": ("hvd_qsgd.bench.kernels",
+                "codec encode/decode throughput vs memcpy and NumPy / PyTorch baselines"),
+}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m hvd_qsgd.bench",
+                                     description="Benchmarks of the hvd_qsgd codec.")
+    sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        p.set_defaults(_module=module)
+        importlib.import_module(module).add_arguments(p)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    return importlib.import_module(args._module).run(args) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,373 @@
+"""``python -m hvd_qsgd.bench kernels``: codec throughput against memcpy and hand-written baselines.
+
+For each size and bit width, side by side in one run: np.copyto of a same-size float32 array (the
+memory-bandwidth reference), hvd_qsgd encode, decode and encode+decode, and encode+decode of the
+NumPy and PyTorch-ops baselines of the same quantizer (``baselines.py``). Throughput is GB/s of fp32
+input: 4 * numel / seconds (1 GB = 1e9 bytes; e+d uses t_encode + t_decode); each time is the median
+of ``--repeats`` runs after one warm-up. Before timing, a self-check verifies every implementation
+(error within one level spacing, unbiasedness, scales and bit layout equal to the codec's). With a
+CUDA device and the codec's CUDA library, the CUDA kernels are timed against a device-to-device copy.
+"""
+import argparse
+import ctypes
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from hvd_qsgd import _native, codec
+from hvd_qsgd.bench import baselines as bl
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_CHECK_TRIALS = 200  # encodes per implementation in the unbiasedness check
+
+
+# ---- arguments ---------------------------------------------------------------------------------
+def parse_size(text):
+    """'64M' -> 64 * 2^20 (suffixes K, M, G are powers of 1024; a plain integer is elements)."""
+    t = text.strip().upper()
+    unit = t[-1] if t and t[-1] in _UNITS else ""
+    try:
+        n = int(t[: len(t) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return n
+
+
+def parse_sizes(text):
+    return [parse_size(s) for s in text.split(",") if s.strip()]
+
+
+def parse_bits(text):
+    try:
+        bits = [int(b) for b in text.split(",") if b.strip()]
+    except ValueError:
+        bits = []
+    if not bits or any(not 2 <= b <= 8 for b in bits):
+        raise argparse.ArgumentTypeError(f"bits must be integers in 2..8: {text!r}")
+    return bits
+
+
+def positive_int(text):
+    try:
+        v = int(text)
+    except ValueError:
+        v = 0
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
+    return v
+
+
+def fmt_size(n):
+    for unit in ("G", "M", "K"):
+        if n % _UNITS[unit] == 0:
+            return f"{n // _UNITS[unit]}{unit}"
+    return str(n)
+
+
+def add_arguments(p):
+    p.add_argument("--sizes", type=parse_sizes, default="1M,4M,16M,64M",
+                   help="fp32 element counts, comma-separated; K/M/G = 2^10/2^20/2^30 (default %(default)s)")
+    p.add_argument("--bits", type=parse_bits, default="2,4,8", help="bit widths in 2..8 (default %(default)s)")
+    p.add_argument("--bucket-size", type=positive_int, default=512, help="elements per scale (default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per measurement (default %(default)s)")
+    p.add_argument("--baseline-max", type=parse_size, default="16M",
+                   help="skip the NumPy/PyTorch baselines above this many elements (default %(default)s)")
+    p.add_argument("--threads", type=int, default=0, help="codec CPU threads (0: the codec's default)")
+    p.add_argument("--no-checksum", action="store_true", help="encode without the payload checksum")
+    p.add_argument("--seed", type=int, default=0, help="seed of the data and of the quantizers")
+    p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+
+
+# ---- measurement helpers --------------------------------------------------------------------------
+def median_time(fn, repeats):
+    """(median seconds of `repeats` calls after one warm-up call, the last call's result)."""
+    out = fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def gbps(numel, seconds):
+    return 4 * numel / seconds / 1e9
+
+
+def machine_info():
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    info = dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+                codec_threads=codec.get_num_threads(), numpy=np.__version__, torch=None, torch_threads=None,
+                load_avg_1min=os.getloadavg()[0])
+    if bl.torch is not None:
+        info.update(torch=bl.torch.__version__, torch_threads=bl.torch.get_num_threads())
+    return info
+
+
+# ---- self-check ----------------------------------------------------------------------------------
+def _implementations(bits, bucket, checksum):
+    """name -> (encode(x, seed), decode(q) -> np.ndarray) for every implementation timed here."""
+    impls = {"hvd_qsgd": (lambda x, k: codec.encode(x, bits=bits, bucket_size=bucket, seed=k, checksum=checksum),
+                          codec.decode),
+             "numpy": (lambda x, k: bl.numpy_encode(x, bits, bucket, np.random.default_rng(k)), bl.numpy_decode)}
+    if bl.torch is not None:
+        impls["torch"] = (
+            lambda x, k: bl.torch_encode(bl.torch.from_numpy(x), bits, bucket, bl.torch.Generator().manual_seed(k)),
+            lambda q: bl.torch_decode(q).numpy())
+    return impls
+
+
+def self_check(bits_list, bucket, checksum, seed):
+    """Check every implementation on a small array; return a list of failure messages (empty: pass).
+
+    Per element, |Q(x) - x| <= scale/s; over K encodes with different seeds, |mean Q(x) - x| <=
+    0.3 scale/s (Hoeffding: P(fail) <= 2 exp(-2 K 0.09) ~ 5e-16 per element for an unbiased Q), and
+    the mean error in units of scale/s is below 0.02. Baseline scales and packed sizes must equal the
+    codec's, and the baseline decoders must decode the codec's own packed codes to the codec's values.
+    """
+    n = 4 * bucket + 37  # a zero first bucket and a partial last one
+    x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
+    x[:bucket] = 0.0
+    x[n // 2] = -x[n // 2] * 3  # some bucket has its max at a negative element
+    fails = []
+    for bits in bits_list:
+        s = bl.levels(bits)
+        payload = codec.encode(x, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum)
+        nb = -(-n // bucket)
+        scales = payload[codec.HEADER_BYTES: codec.HEADER_BYTES + 4 * nb].view(np.float32)
+        packed = payload[codec.HEADER_BYTES + 4 * nb:]
+        ref = bl.numpy_decode(bl.Quantized(scales, packed, n, bits, bucket))
+        if not np.array_equal(ref, codec.decode(payload)):
+            fails.append(f"bits={bits}: numpy_decode of the codec's codes differs from codec.decode")
+        if bl.torch is not None:
+            tq = bl.Quantized(bl.torch.from_numpy(scales.copy()), bl.torch.from_numpy(packed.copy()), n, bits, bucket)
+            if not np.array_equal(bl.torch_decode(tq).numpy(), ref):
+                fails.append(f"bits={bits}: torch_decode of the codec's codes differs from codec.decode")
+        step = np.repeat(scales / np.float32(s), bucket)[:n].astype(np.float64)
+        live = step > 0
+        for name, (enc, dec) in _implementations(bits, bucket, checksum).items():
+            if name != "hvd_qsgd":
+                q = enc(x, seed)
+                if not np.array_equal(np.asarray(q.scales), scales) or len(q.packed) != len(packed):
+                    fails.append(f"bits={bits} {name}: scales or packed size differ from the codec's")
+            total = np.zeros(n)
+            for k in range(_CHECK_TRIALS):
+                err = dec(enc(x, seed + k)).astype(np.float64) - x
+                if np.any(np.abs(err) > step * (1 + 1e-6)):
+                    fails.append(f"bits={bits} {name}: error above one level spacing (seed {seed + k})")
+                    break
+                total += err
+            mean = total / _CHECK_TRIALS
+            if np.any(np.abs(mean) > 0.3 * step):
+                fails.append(f"bits={bits} {name}: per-element mean error above 0.3 level spacings")
+            if abs(np.mean(mean[live] / step[live])) > 0.02:
+                fails.append(f"bits={bits} {name}: biased (mean error {np.mean(mean[live] / step[live]):.3f} spacings)")
+    return fails
+
+
+# ---- CPU timing ----------------------------------------------------------------------------------
+_COLS = [("size", 6), ("bits", 4), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
+         ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11)]
+
+
+def _row_text(cells):
+    return "  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, _COLS))
+
+
+def _num(v, ratio=False):
+    return "-" if v is None else (f"{v:.2f}x" if ratio else f"{v:.2f}")
+
+
+def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselines):
+    """Measure one (size, bits) cell; returns the row dict (None where not measured)."""
+    row = dict(numel=n, bits=bits, memcpy_s=memcpy_s, memcpy_gbps=gbps(n, memcpy_s))
+    enc, dec = _implementations(bits, bucket, checksum)["hvd_qsgd"]
+    te, payload = median_time(lambda: enc(x, seed), repeats)
+    td, _ = median_time(lambda: dec(payload), repeats)
+    row.update(payload_bytes=int(payload.size), qsgd_encode_s=te, qsgd_decode_s=td,
+               qsgd_encode_gbps=gbps(n, te), qsgd_decode_gbps=gbps(n, td), qsgd_ed_gbps=gbps(n, te + td))
+    for name in ("numpy", "torch"):
+        row.update({f"{name}_encode_s": None, f"{name}_decode_s": None, f"{name}_ed_gbps": None})
+        if not with_baselines or (name == "torch" and bl.torch is None):
+            continue
+        if name == "numpy":
+            rng = np.random.default_rng(seed)
+            benc, bdec = (lambda: bl.numpy_encode(x, bits, bucket, rng)), bl.numpy_decode
+        else:
+            xt, gen = bl.torch.from_numpy(x), bl.torch.Generator().manual_seed(seed)
+            benc, bdec = (lambda: bl.torch_encode(xt, bits, bucket, gen)), bl.torch_decode
+        be, q = median_time(benc, repeats)
+        bd, _ = median_time(lambda: bdec(q), repeats)
+        row.update({f"{name}_encode_s": be, f"{name}_decode_s": bd, f"{name}_ed_gbps": gbps(n, be + bd)})
+    row["ratio_qsgd_torch"] = row["qsgd_ed_gbps"] / row["torch_ed_gbps"] if row["torch_ed_gbps"] else None
+    row["ratio_qsgd_memcpy"] = row["qsgd_ed_gbps"] / row["memcpy_gbps"]
+    return row
+
+
+def _print_cpu_row(r):
+    print(_row_text([fmt_size(r["numel"]), r["bits"], _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
+                     _num(r["qsgd_decode_gbps"]), _num(r["qsgd_ed_gbps"]), _num(r["numpy_ed_gbps"]),
+                     _num(r["torch_ed_gbps"]), _num(r["ratio_qsgd_torch"], True),
+                     _num(r["ratio_qsgd_memcpy"], True)]), flush=True)
+
+
+# ---- CUDA timing ---------------------------------------------------------------------------------
+def cuda_unavailable_reason():
+    """None when the CUDA kernels can be timed, else why not (one short phrase)."""
+    lib = _native.load_cuda()
+    torch = bl.torch
+    torch_cuda = torch is not None and torch.cuda.is_available()
+    if lib is not None and torch_cuda:
+        return None
+    if lib is not None:
+        return "torch in this environment has no CUDA support"
+    if torch_cuda:
+        return ("hvd_qsgd's CUDA library sees no device or did not load" if _native.cuda_built()
+                else "hvd_qsgd was built without its CUDA library")
+    return "no CUDA device on this machine"
+
+
+def _cuda_median(fn, repeats):
+    torch = bl.torch
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _check(st, what):
+    if st != _native.OK:
+        raise RuntimeError(f"{what}: {_native.status_string(st)}")
+
+
+def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s):
+    """Time qsgd_encode_cuda and qsgd_decode_sum_cuda on device x; the results are checked against
+    the CPU codec (bit-identical payload, equal decode) before the row is returned."""
+    torch, lib, cpu = bl.torch, _native.load_cuda(), _native.load()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    cfg = _native.Config(bits=bits, coding=0, norm=0, dtype=0, bucket_size=bucket,
+                         flags=codec.FLAG_CHECKSUM if checksum else 0, seed=seed, fingerprint=0)
+    cap = int(cpu.qsgd_fixed_nbytes(n, bits, bucket))
+    out = torch.empty(cap, dtype=torch.uint8, device=x.device)
+    te = _cuda_median(lambda: _check(lib.qsgd_encode_cuda(x.data_ptr(), n, ctypes.byref(cfg), out.data_ptr(),
+                                                          cap, stream), "qsgd_encode_cuda"), repeats)
+    # The decoder takes headers parsed on the host from a copy of the first 56 bytes (not timed). With
+    # only the header given, qsgd_parse_header checks every field and then reports E_TRUNCATED, since
+    # the declared length exceeds the 56 bytes; the length is checked against the device buffer here.
+    head = out[: codec.HEADER_BYTES].cpu().numpy()
+    headers = (_native.CHeader * 1)()
+    st = cpu.qsgd_parse_header(head.ctypes.data, head.size, headers)
+    if st not in (_native.OK, _native.E_TRUNCATED) or headers[0].payload_len != cap:
+        raise RuntimeError(f"header of the CUDA payload: {_native.status_string(st)}")
+    ptrs = (ctypes.c_void_p * 1)(out.data_ptr())
+    y = torch.empty(n, dtype=torch.float32, device=x.device)
+    d_status = torch.zeros(1, dtype=torch.int32, device=x.device)
+    td = _cuda_median(lambda: _check(lib.qsgd_decode_sum_cuda(ptrs, headers, 1, 1.0, y.data_ptr(), n, 0,
+                                                              d_status.data_ptr(), stream),
+                                     "qsgd_decode_sum_cuda"), repeats)
+    _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
+    ref = codec.encode(x_host, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum)
+    if not np.array_equal(out.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
+        raise RuntimeError(f"CUDA results differ from the CPU codec (n={n}, bits={bits})")
+    return dict(numel=n, bits=bits, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te, decode_s=td,
+                encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td),
+                ratio_ed_copy=gbps(n, te + td) / gbps(n, copy_s))
+
+
+def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
+    torch = bl.torch
+    print(f"\nCUDA: {torch.cuda.get_device_name()}; GB/s of fp32 input; decode = qsgd_decode_sum_cuda of "
+          "one payload (host header parse not timed); copy = torch .copy_ device to device")
+    cols = [("size", 6), ("bits", 4), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9)]
+    print("  ".join(c.rjust(w) for c, w in cols))
+    rows = []
+    for n in sizes:
+        x_host = np.random.default_rng(seed).standard_normal(n, dtype=np.float32)
+        x = torch.from_numpy(x_host).cuda()
+        dst = torch.empty_like(x)
+        copy_s = _cuda_median(lambda: dst.copy_(x), repeats)
+        for bits in bits_list:
+            r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s)
+            rows.append(r)
+            cells = [fmt_size(n), bits] + [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps",
+                                                                    "ed_gbps")] + [f"{r['ratio_ed_copy']:.2f}x"]
+            print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
+        del x, dst
+    return rows
+
+
+# ---- the subcommand ------------------------------------------------------------------------------
+def run(args):
+    if args.threads > 0:
+        codec.set_num_threads(args.threads)
+    checksum = not args.no_checksum
+    info = machine_info()
+    torch_text = f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"] else "torch absent"
+    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); codec threads "
+          f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; load average {info['load_avg_1min']:.2f}")
+    if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
+        print("warning: other processes are using the CPUs (load average above half the usable cores); "
+              "the timings below are shared with them")
+    print(f"config: bucket {args.bucket_size}, norm max, fixed coding, checksum {'on' if checksum else 'off'}; "
+          f"median of {args.repeats} after 1 warm-up; baselines up to {fmt_size(args.baseline_max)} elements")
+    fails = self_check(args.bits, args.bucket_size, checksum, args.seed)
+    if fails:
+        print("self-check FAILED:\n  " + "\n  ".join(fails))
+        return 1
+    print(f"self-check passed (hvd_qsgd, numpy{', torch' if bl.torch else ''}; bits {args.bits}: error <= "
+          f"scale/s, unbiased over {_CHECK_TRIALS} seeds, scales and bit layout equal to the codec's)")
+    print("\nGB/s of fp32 input (4 * numel bytes / s, 1 GB = 1e9 B); e+d = 4 * numel / (t_enc + t_dec)")
+    print(_row_text([c for c, _ in _COLS]))
+    rows = []
+    for n in args.sizes:
+        x = np.random.default_rng(args.seed).standard_normal(n, dtype=np.float32)
+        dst = np.empty_like(x)
+        memcpy_s, _ = median_time(lambda: np.copyto(dst, x), args.repeats)
+        del dst
+        for bits in args.bits:
+            r = time_cpu(n, bits, args.bucket_size, args.repeats, args.seed, checksum, x, memcpy_s,
+                         n <= args.baseline_max)
+            rows.append(r)
+            _print_cpu_row(r)
+        del x
+    print("memcpy = np.copyto (counts the 4 * numel bytes read; it also writes as many); "
+          f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
+    status, cuda = 0, dict(measured=False, reason=cuda_unavailable_reason(), rows=[])
+    if cuda["reason"] is not None:
+        print(f"\nCUDA: not measured ({cuda['reason']})")
+    else:
+        try:
+            cuda.update(measured=True, rows=run_cuda(args.sizes, args.bits, args.bucket_size, args.repeats,
+                                                     args.seed, checksum))
+        except Exception as e:  # report, keep the CPU numbers, and fail the command
+            cuda.update(measured=False, reason=f"failed: {e}")
+            print(f"CUDA: not measured (failed: {e})")
+            status = 1
+    if args.json:
+        result = dict(machine=info, config=dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket_size,
+                                                repeats=args.repeats, baseline_max=args.baseline_max,
+                                                checksum=checksum, seed=args.seed, gb=1e9),
+                      cpu=rows, cuda=cuda, load_avg_1min_end=os.getloadavg()[0])
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"wrote {args.json}", file=sys.stderr)
+    return status
