@@ -1,0 +1,49 @@
+"""The stack `make setup` promises, and the packaging of the native libraries."""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+from tests.conftest import BIN, ROOT, mp_env
+
+
+def test_horovod_check_build_shows_frameworks_and_controllers():
+    out = subprocess.run([os.path.join(BIN, "horovodrun"), "--check-build"], env=mp_env(), text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300).stdout
+    assert "v0.28.1" in out
+    for item in ("TensorFlow", "PyTorch", "MPI", "Gloo"):
+        assert re.search(rf"\[X\] {item}\b", out), f"horovodrun --check-build lacks {item}:\n{out}"
+
+
+def test_pinned_frameworks():
+    import tensorflow as tf
+    import torch
+    assert torch.__version__.split("+")[0] == "2.13.0" and not torch.version.cuda
+    assert tf.__version__ == "2.21.0"
+
+
+def test_missing_compiler_gives_a_clear_error(tmp_path):
+    env = dict(os.environ, CXX="no-such-compiler-xyz")
+    proc = subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path),
+                           "--build-temp", str(tmp_path / "t")], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode != 0
+    assert "hvd_qsgd build error: no C++ compiler: 'no-such-compiler-xyz' is not on PATH" in proc.stdout
+    assert "Traceback" not in proc.stdout
+
+
+def test_wheel_carries_the_native_libraries(tmp_path):
+    """`pip install .` (a wheel) ships the CPU library, and the CUDA one wherever nvcc is."""
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                           "-w", str(tmp_path), ROOT], text=True, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
+    names = zipfile.ZipFile(tmp_path / wheel).namelist()
+    assert any(re.match(r"hvd_qsgd/_lib_cpu.*\.so$", n) for n in names), names
+    if shutil.which("nvcc"):
+        assert any(re.match(r"hvd_qsgd/_lib_cuda.*\.so$", n) for n in names), names
