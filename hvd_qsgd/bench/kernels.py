@@ -14,7 +14,6 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 
 import numpy as np
@@ -74,9 +73,12 @@ def fmt_size(n):
 def add_arguments(p):
     p.add_argument("--sizes", type=parse_sizes, default="1M,4M,16M,64M",
                    help="fp32 element counts, comma-separated; K/M/G = 2^10/2^20/2^30 (default %(default)s)")
-    p.add_argument("--bits", type=parse_bits, default="2,4,8", help="bit widths in 2..8 (default %(default)s)")
-    p.add_argument("--bucket-size", type=positive_int, default=512, help="elements per scale (default %(default)s)")
-    p.add_argument("--repeats", type=positive_int, default=5, help="timed runs per measurement (default %(default)s)")
+    p.add_argument("--bits", type=parse_bits, default="2,4,8",
+                   help="bit widths in 2..8 (default %(default)s)")
+    p.add_argument("--bucket-size", type=positive_int, default=512,
+                   help="elements per scale (default %(default)s)")
+    p.add_argument("--repeats", type=positive_int, default=5,
+                   help="timed runs per measurement, after one warm-up (default %(default)s)")
     p.add_argument("--baseline-max", type=parse_size, default="16M",
                    help="skip the NumPy/PyTorch baselines above this many elements (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="codec CPU threads (0: the codec's default)")
@@ -119,13 +121,18 @@ def machine_info():
 # ---- self-check ----------------------------------------------------------------------------------
 def _implementations(bits, bucket, checksum):
     """name -> (encode(x, seed), decode(q) -> np.ndarray) for every implementation timed here."""
-    impls = {"hvd_qsgd": (lambda x, k: codec.encode(x, bits=bits, bucket_size=bucket, seed=k, checksum=checksum),
-                          codec.decode),
-             "numpy": (lambda x, k: bl.numpy_encode(x, bits, bucket, np.random.default_rng(k)), bl.numpy_decode)}
+    def qsgd_encode(x, k):
+        return codec.encode(x, bits=bits, bucket_size=bucket, seed=k, checksum=checksum)
+
+    def numpy_encode(x, k):
+        return bl.numpy_encode(x, bits, bucket, np.random.default_rng(k))
+
+    def torch_encode(x, k):
+        return bl.torch_encode(bl.torch.from_numpy(x), bits, bucket, bl.torch.Generator().manual_seed(k))
+
+    impls = {"hvd_qsgd": (qsgd_encode, codec.decode), "numpy": (numpy_encode, bl.numpy_decode)}
     if bl.torch is not None:
-        impls["torch"] = (
-            lambda x, k: bl.torch_encode(bl.torch.from_numpy(x), bits, bucket, bl.torch.Generator().manual_seed(k)),
-            lambda q: bl.torch_decode(q).numpy())
+        impls["torch"] = (torch_encode, lambda q: bl.torch_decode(q).numpy())
     return impls
 
 
@@ -152,7 +159,8 @@ def self_check(bits_list, bucket, checksum, seed):
         if not np.array_equal(ref, codec.decode(payload)):
             fails.append(f"bits={bits}: numpy_decode of the codec's codes differs from codec.decode")
         if bl.torch is not None:
-            tq = bl.Quantized(bl.torch.from_numpy(scales.copy()), bl.torch.from_numpy(packed.copy()), n, bits, bucket)
+            tq = bl.Quantized(bl.torch.from_numpy(scales.copy()), bl.torch.from_numpy(packed.copy()),
+                              n, bits, bucket)
             if not np.array_equal(bl.torch_decode(tq).numpy(), ref):
                 fails.append(f"bits={bits}: torch_decode of the codec's codes differs from codec.decode")
         step = np.repeat(scales / np.float32(s), bucket)[:n].astype(np.float64)
@@ -172,8 +180,9 @@ def self_check(bits_list, bucket, checksum, seed):
             mean = total / _CHECK_TRIALS
             if np.any(np.abs(mean) > 0.3 * step):
                 fails.append(f"bits={bits} {name}: per-element mean error above 0.3 level spacings")
-            if abs(np.mean(mean[live] / step[live])) > 0.02:
-                fails.append(f"bits={bits} {name}: biased (mean error {np.mean(mean[live] / step[live]):.3f} spacings)")
+            bias = np.mean(mean[live] / step[live])
+            if abs(bias) > 0.02:
+                fails.append(f"bits={bits} {name}: biased (mean error {bias:.3f} level spacings)")
     return fails
 
 
@@ -308,8 +317,8 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
         for bits in bits_list:
             r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s)
             rows.append(r)
-            cells = [fmt_size(n), bits] + [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps",
-                                                                    "ed_gbps")] + [f"{r['ratio_ed_copy']:.2f}x"]
+            gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
+            cells = [fmt_size(n), bits] + gb + [f"{r['ratio_ed_copy']:.2f}x"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst
     return rows
@@ -321,14 +330,17 @@ def run(args):
         codec.set_num_threads(args.threads)
     checksum = not args.no_checksum
     info = machine_info()
-    torch_text = f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"] else "torch absent"
+    torch_text = (f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"]
+                  else "torch absent")
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); codec threads "
-          f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; load average {info['load_avg_1min']:.2f}")
+          f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; "
+          f"load average {info['load_avg_1min']:.2f}")
     if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
         print("warning: other processes are using the CPUs (load average above half the usable cores); "
               "the timings below are shared with them")
-    print(f"config: bucket {args.bucket_size}, norm max, fixed coding, checksum {'on' if checksum else 'off'}; "
-          f"median of {args.repeats} after 1 warm-up; baselines up to {fmt_size(args.baseline_max)} elements")
+    print(f"config: bucket {args.bucket_size}, norm max, fixed coding, "
+          f"checksum {'on' if checksum else 'off'}; median of {args.repeats} after 1 warm-up; "
+          f"baselines up to {fmt_size(args.baseline_max)} elements")
     fails = self_check(args.bits, args.bucket_size, checksum, args.seed)
     if fails:
         print("self-check FAILED:\n  " + "\n  ".join(fails))
@@ -363,11 +375,10 @@ def run(args):
             print(f"CUDA: not measured (failed: {e})")
             status = 1
     if args.json:
-        result = dict(machine=info, config=dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket_size,
-                                                repeats=args.repeats, baseline_max=args.baseline_max,
-                                                checksum=checksum, seed=args.seed, gb=1e9),
-                      cpu=rows, cuda=cuda, load_avg_1min_end=os.getloadavg()[0])
+        config = dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket_size, repeats=args.repeats,
+                      baseline_max=args.baseline_max, checksum=checksum, seed=args.seed, gb=1e9)
+        result = dict(machine=info, config=config, cpu=rows, cuda=cuda, load_avg_1min_end=os.getloadavg()[0])
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
-        print(f"wrote {args.json}", file=sys.stderr)
+        print(f"wrote {args.json}")
     return status
