@@ -54,21 +54,7 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     if not payloads:
         raise ValueError(f"{where}: no payloads")
     device = payloads[0].device
-    heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else
-                         torch.zeros(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
-                         for p in payloads]).cpu().numpy()
-    cheads = (_native.CHeader * len(payloads))()
-    lib_cpu = _native.load()
-    for i, p in enumerate(payloads):
-        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_cuda:
-            raise TypeError(f"{where}: payload {i} must be a 1-D uint8 CUDA tensor")
-        if p.numel() < codec.HEADER_BYTES:
-            codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(payloads)}")
-        st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, p.numel(), ctypes.byref(cheads[i]))
-        if st == _native.OK and cheads[i].payload_len != p.numel():
-            st = _native.E_LENGTH
-        if st != _native.OK:
-            codec.raise_status(st, f"{where}: payload {i} of {len(payloads)}", heads[i])
+    cheads = device_headers(payloads, where)
     n = cheads[0].numel
     if out is None:
         if accumulate:
@@ -86,3 +72,26 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     if st != _native.OK:
         codec.raise_status(st, where)
     return out
+
+
+def device_headers(payloads, where="payloads"):
+    """Host copies of the headers of uint8 CUDA payload tensors, parsed and checked against each
+    tensor's length (what qsgd_decode_sum_cuda takes); one device-to-host copy for all of them."""
+    import torch
+    device = payloads[0].device
+    heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else
+                         torch.zeros(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
+                         for p in payloads]).cpu().numpy()
+    cheads = (_native.CHeader * len(payloads))()
+    lib_cpu = _native.load()
+    for i, p in enumerate(payloads):
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_cuda:
+            raise TypeError(f"{where}: payload {i} must be a 1-D uint8 CUDA tensor")
+        if p.numel() < codec.HEADER_BYTES:
+            codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(payloads)}")
+        st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, p.numel(), ctypes.byref(cheads[i]))
+        if st == _native.OK and cheads[i].payload_len != p.numel():
+            st = _native.E_LENGTH
+        if st != _native.OK:
+            codec.raise_status(st, f"{where}: payload {i} of {len(payloads)}", heads[i])
+    return cheads

@@ -6,7 +6,6 @@ import subprocess
 import sys
 import zipfile
 
-import pytest
 
 from tests.conftest import BIN, ROOT, mp_env
 

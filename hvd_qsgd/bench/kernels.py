@@ -271,22 +271,16 @@ def _check(st, what):
 def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s):
     """Time qsgd_encode_cuda and qsgd_decode_sum_cuda on device x; the results are checked against
     the CPU codec (bit-identical payload, equal decode) before the row is returned."""
-    torch, lib, cpu = bl.torch, _native.load_cuda(), _native.load()
+    from hvd_qsgd import cuda
+    torch, lib = bl.torch, _native.load_cuda()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    cfg = _native.Config(bits=bits, coding=0, norm=0, dtype=0, bucket_size=bucket,
-                         flags=codec.FLAG_CHECKSUM if checksum else 0, seed=seed, fingerprint=0)
-    cap = int(cpu.qsgd_fixed_nbytes(n, bits, bucket))
+    cfg = codec.make_config(bits, bucket, "max", seed, "fixed", 0, checksum)
+    cap = codec.payload_nbytes(n, bits, bucket)
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
     te = _cuda_median(lambda: _check(lib.qsgd_encode_cuda(x.data_ptr(), n, ctypes.byref(cfg), out.data_ptr(),
                                                           cap, stream), "qsgd_encode_cuda"), repeats)
-    # The decoder takes headers parsed on the host from a copy of the first 56 bytes (not timed). With
-    # only the header given, qsgd_parse_header checks every field and then reports E_TRUNCATED, since
-    # the declared length exceeds the 56 bytes; the length is checked against the device buffer here.
-    head = out[: codec.HEADER_BYTES].cpu().numpy()
-    headers = (_native.CHeader * 1)()
-    st = cpu.qsgd_parse_header(head.ctypes.data, head.size, headers)
-    if st not in (_native.OK, _native.E_TRUNCATED) or headers[0].payload_len != cap:
-        raise RuntimeError(f"header of the CUDA payload: {_native.status_string(st)}")
+    # the decoder takes headers parsed on the host (not timed: the kernels are)
+    headers = cuda.device_headers([out])
     ptrs = (ctypes.c_void_p * 1)(out.data_ptr())
     y = torch.empty(n, dtype=torch.float32, device=x.device)
     d_status = torch.zeros(1, dtype=torch.int32, device=x.device)
