@@ -80,16 +80,7 @@ void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float 
     const uint64_t m = std::min<uint64_t>(n, page_end - i0);
     const uint64_t key = qsgd_page_key(seed, i0);
     const uint32_t lo = (uint32_t)i0;
-    switch (bits) {
-      case 1: quantize_page<1>(x, m, key, lo, scale, codes); break;
-      case 2: quantize_page<2>(x, m, key, lo, scale, codes); break;
-      case 3: quantize_page<3>(x, m, key, lo, scale, codes); break;
-      case 4: quantize_page<4>(x, m, key, lo, scale, codes); break;
-      case 5: quantize_page<5>(x, m, key, lo, scale, codes); break;
-      case 6: quantize_page<6>(x, m, key, lo, scale, codes); break;
-      case 7: quantize_page<7>(x, m, key, lo, scale, codes); break;
-      default: quantize_page<8>(x, m, key, lo, scale, codes); break;
-    }
+    dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, m, key, lo, scale, codes); });
     x += m, codes += m, i0 += m, n -= m;
   }
 }
@@ -172,29 +163,11 @@ static void unpack(const uint8_t* __restrict src, uint64_t m, uint8_t* __restric
 }
 
 static void pack_bits(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
-  switch (bits) {
-    case 1: pack<1>(codes, m, dst); break;
-    case 2: pack<2>(codes, m, dst); break;
-    case 3: pack<3>(codes, m, dst); break;
-    case 4: pack<4>(codes, m, dst); break;
-    case 5: pack<5>(codes, m, dst); break;
-    case 6: pack<6>(codes, m, dst); break;
-    case 7: pack<7>(codes, m, dst); break;
-    default: pack<8>(codes, m, dst); break;
-  }
+  dispatch_bits(bits, [&](auto b) { pack<b.value>(codes, m, dst); });
 }
 
 static void unpack_bits(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
-  switch (bits) {
-    case 1: unpack<1>(src, m, codes); break;
-    case 2: unpack<2>(src, m, codes); break;
-    case 3: unpack<3>(src, m, codes); break;
-    case 4: unpack<4>(src, m, codes); break;
-    case 5: unpack<5>(src, m, codes); break;
-    case 6: unpack<6>(src, m, codes); break;
-    case 7: unpack<7>(src, m, codes); break;
-    default: unpack<8>(src, m, codes); break;
-  }
+  dispatch_bits(bits, [&](auto b) { unpack<b.value>(src, m, codes); });
 }
 
 template <int BITS>
@@ -204,16 +177,7 @@ static void dequantize_add(const uint8_t* __restrict codes, uint64_t n, float st
 }
 
 static void dequantize_add_bits(int bits, const uint8_t* codes, uint64_t n, float step, float* acc) {
-  switch (bits) {
-    case 1: dequantize_add<1>(codes, n, step, acc); break;
-    case 2: dequantize_add<2>(codes, n, step, acc); break;
-    case 3: dequantize_add<3>(codes, n, step, acc); break;
-    case 4: dequantize_add<4>(codes, n, step, acc); break;
-    case 5: dequantize_add<5>(codes, n, step, acc); break;
-    case 6: dequantize_add<6>(codes, n, step, acc); break;
-    case 7: dequantize_add<7>(codes, n, step, acc); break;
-    default: dequantize_add<8>(codes, n, step, acc); break;
-  }
+  dispatch_bits(bits, [&](auto b) { dequantize_add<b.value>(codes, n, step, acc); });
 }
 
 /* ---- sizes ------------------------------------------------------------------------------ */
@@ -311,39 +275,26 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   uint64_t chunk_buckets = std::max<uint64_t>(1, kChunkElems / B);
   chunk_buckets = (chunk_buckets + g - 1) / g * g;
   const uint64_t nchunks = (nb + chunk_buckets - 1) / chunk_buckets;
-  int32_t status = QSGD_OK;
-  const int nt = threads_for(numel);
-#pragma omp parallel num_threads(nt)
-  {
-    IeeeFpScope fp;
-    uint8_t* stage = (uint8_t*)malloc(kStage);
-    if (!stage) {
-#pragma omp atomic write
-      status = QSGD_E_NOMEM;
-    }
-#pragma omp for schedule(static)
-    for (uint64_t c = 0; c < nchunks; ++c) {
-      if (!stage) continue;
-      const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
-      uint64_t pos = b0 * B, staged = 0;
-      for (uint64_t b = b0; b < b1; ++b) {
-        const uint64_t lo = b * B, hi = std::min(numel, lo + B);
-        const float scale = bucket_scale(x + lo, hi - lo, cfg->norm);
-        store_scale(scales, b, scale);
-        for (uint64_t i = lo; i < hi;) {
-          const uint64_t take = std::min(hi - i, kStage - staged);
-          quantize_run(x + i, take, i, cfg->seed, scale, bits, stage + staged);
-          staged += take, i += take;
-          if (staged == kStage) {
-            pack_bits(bits, stage, kStage, data + pos / 8 * bits);
-            pos += kStage, staged = 0;
-          }
+  const int32_t status = parallel_for_with_scratch(threads_for(numel), nchunks, kStage, [&](uint64_t c, void* scratch) {
+    uint8_t* stage = (uint8_t*)scratch;
+    const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
+    uint64_t pos = b0 * B, staged = 0;
+    for (uint64_t b = b0; b < b1; ++b) {
+      const uint64_t lo = b * B, hi = std::min(numel, lo + B);
+      const float scale = bucket_scale(x + lo, hi - lo, cfg->norm);
+      store_scale(scales, b, scale);
+      for (uint64_t i = lo; i < hi;) {
+        const uint64_t take = std::min(hi - i, kStage - staged);
+        quantize_run(x + i, take, i, cfg->seed, scale, bits, stage + staged);
+        staged += take, i += take;
+        if (staged == kStage) {
+          pack_bits(bits, stage, kStage, data + pos / 8 * bits);
+          pos += kStage, staged = 0;
         }
       }
-      if (staged) pack_bits(bits, stage, staged, data + pos / 8 * bits);
     }
-    free(stage);
-  }
+    if (staged) pack_bits(bits, stage, staged, data + pos / 8 * bits);
+  });
   if (status != QSGD_OK) return status;
   if (cfg->flags & QSGD_FLAG_CHECKSUM) qsgd_store_le(out + 48, qsgd_checksum_cpu(out, need), 8);
   return QSGD_OK;
@@ -434,30 +385,20 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
   else unit = kStage;
   const uint64_t nunits = (n + unit - 1) / unit;
   const uint64_t scratch = std::min<uint64_t>(unit, n);
-  const int nt = threads_for(n);
-#pragma omp parallel num_threads(nt)
-  {
-    IeeeFpScope fp;
-    float* acc = (float*)malloc(sizeof(float) * (scratch ? scratch : 1));
-    uint8_t* codes = (uint8_t*)malloc(elias ? 1 : scratch + 1);
-    if (!acc || !codes) {
-#pragma omp atomic write
-      st = QSGD_E_NOMEM;
+  /* per thread: the accumulator, then (fixed coding) the unpacked codes of one unit */
+  const size_t acc_bytes = sizeof(float) * scratch;
+  st = parallel_for_with_scratch(threads_for(n), nunits, acc_bytes + (elias ? 0 : scratch),
+                                 [&](uint64_t u, void* buf) {
+    float* acc = (float*)buf;
+    uint8_t* codes = (uint8_t*)buf + acc_bytes;
+    const uint64_t lo = u * unit, m = std::min(unit, n - lo);
+    memset(acc, 0, sizeof(float) * m);
+    for (int32_t p = 0; p < count; ++p) {
+      if (elias) elias_decode_segment_add(payloads[p], &hs[p], u, acc);
+      else fixed_decode_add(payloads[p], &hs[p], lo, m, codes, acc);
     }
-#pragma omp for schedule(static)
-    for (uint64_t u = 0; u < nunits; ++u) {
-      if (!acc || !codes) continue;
-      const uint64_t lo = u * unit, m = std::min(unit, n - lo);
-      memset(acc, 0, sizeof(float) * m);
-      for (int32_t p = 0; p < count; ++p) {
-        if (elias) elias_decode_segment_add(payloads[p], &hs[p], u, acc);
-        else fixed_decode_add(payloads[p], &hs[p], lo, m, codes, acc);
-      }
-      finish(out + lo, acc, m, alpha, accumulate);
-    }
-    free(acc);
-    free(codes);
-  }
+    finish(out + lo, acc, m, alpha, accumulate);
+  });
   free(hs);
   return st;
 }

@@ -3,6 +3,9 @@
 #define HVD_QSGD_CPU_INTERNAL_H_
 
 #include <stdint.h>
+#include <stdlib.h>
+
+#include <type_traits>
 
 #include "qsgd.h"
 
@@ -19,6 +22,43 @@ struct IeeeFpScope {
   IeeeFpScope();
   ~IeeeFpScope();
 };
+
+/* f(std::integral_constant<int, bits>{}) for bits in 1..8: calls a kernel templated on the width. */
+template <class F>
+void dispatch_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+/* fn(u, scratch) for u in [0, n) on nt OpenMP threads (static schedule), each thread with IEEE
+ * floating point (IeeeFpScope) and its own scratch buffer of scratch_bytes. Returns QSGD_E_NOMEM,
+ * without running fn, where a thread's buffer cannot be allocated. */
+template <class F>
+int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& fn) {
+  int32_t status = QSGD_OK;
+#pragma omp parallel num_threads(nt)
+  {
+    IeeeFpScope fp;
+    void* scratch = malloc(scratch_bytes ? scratch_bytes : 1);
+    if (!scratch) {
+#pragma omp atomic write
+      status = QSGD_E_NOMEM;
+    }
+#pragma omp for schedule(static)
+    for (uint64_t u = 0; u < n; ++u)
+      if (scratch) fn(u, scratch);
+    free(scratch);
+  }
+  return status;
+}
 
 /* The bucket's stored scale (qsgd_math.h: max or L2). */
 float bucket_scale(const float* x, uint64_t n, int norm);

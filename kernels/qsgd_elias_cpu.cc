@@ -165,38 +165,26 @@ int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uin
     return QSGD_E_NOMEM;
   }
   const int bits = cfg->bits;
-  int32_t status = QSGD_OK;
   const int nt = threads_for(numel);
   /* pass 1: scales, nonzero counts and the exact length of every segment */
-#pragma omp parallel num_threads(nt)
-  {
-    IeeeFpScope fp;
-    uint8_t* stage = (uint8_t*)malloc(kStage);
-    if (!stage) {
-#pragma omp atomic write
-      status = QSGD_E_NOMEM;
-    }
-#pragma omp for schedule(static)
-    for (uint64_t sg = 0; sg < nseg; ++sg) {
-      if (!stage) continue;
-      uint64_t total = 0;
-      for (uint64_t b = sg * seg_buckets; b < std::min(nb, (sg + 1) * seg_buckets); ++b) {
-        const uint64_t lo = b * B, hi = std::min(numel, lo + B);
-        const float scale = bucket_scale(x + lo, hi - lo, cfg->norm);
-        store_scale(scales, b, scale);
-        BucketCounter cnt;
-        for (uint64_t i = lo; i < hi; i += kStage) {
-          const uint64_t m = std::min(kStage, hi - i);
-          quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
-          cnt.add(stage, m, i - lo, bits);
-        }
-        nnz[b] = (uint32_t)cnt.nnz;
-        total += (uint64_t)omega_len(cnt.nnz + 1) + cnt.bits;
+  int32_t status = parallel_for_with_scratch(nt, nseg, kStage, [&](uint64_t sg, void* scratch) {
+    uint8_t* stage = (uint8_t*)scratch;
+    uint64_t total = 0;
+    for (uint64_t b = sg * seg_buckets; b < std::min(nb, (sg + 1) * seg_buckets); ++b) {
+      const uint64_t lo = b * B, hi = std::min(numel, lo + B);
+      const float scale = bucket_scale(x + lo, hi - lo, cfg->norm);
+      store_scale(scales, b, scale);
+      BucketCounter cnt;
+      for (uint64_t i = lo; i < hi; i += kStage) {
+        const uint64_t m = std::min(kStage, hi - i);
+        quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
+        cnt.add(stage, m, i - lo, bits);
       }
-      seg_bytes[sg] = (total + 7) / 8;
+      nnz[b] = (uint32_t)cnt.nnz;
+      total += (uint64_t)omega_len(cnt.nnz + 1) + cnt.bits;
     }
-    free(stage);
-  }
+    seg_bytes[sg] = (total + 7) / 8;
+  });
   uint64_t total = fixed_part;
   for (uint64_t sg = 0; sg < nseg; ++sg) total += seg_bytes[sg];
   if (out_len) *out_len = total;
@@ -212,44 +200,33 @@ int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uin
   }
   qsgd_write_header(out, cfg, numel, total, (uint32_t)seg_buckets);
   /* pass 2: write the streams (same codes: same scales, same random stream) */
-#pragma omp parallel num_threads(nt)
-  {
-    IeeeFpScope fp;
-    uint8_t* stage = (uint8_t*)malloc(kStage);
-    if (!stage) {
-#pragma omp atomic write
-      status = QSGD_E_NOMEM;
-    }
-#pragma omp for schedule(static)
-    for (uint64_t sg = 0; sg < nseg; ++sg) {
-      if (!stage) continue;
-      uint8_t* dst = streams + (sg ? qsgd_load_le(table + 8 * (sg - 1), 8) : 0);
-      memset(dst, 0, seg_bytes[sg]);
-      BitWriter w(dst);
-      const uint32_t lmask = (1u << (bits - 1)) - 1u;
-      for (uint64_t b = sg * seg_buckets; b < std::min(nb, (sg + 1) * seg_buckets); ++b) {
-        const uint64_t lo = b * B, hi = std::min(numel, lo + B);
-        const float scale = load_scale(scales, b);
-        w.omega((uint64_t)nnz[b] + 1);
-        int64_t prev = -1;
-        for (uint64_t i = lo; i < hi; i += kStage) {
-          const uint64_t m = std::min(kStage, hi - i);
-          quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
-          for (uint64_t k = 0; k < m; ++k) {
-            const uint32_t l = stage[k] & lmask;
-            if (!l) continue;
-            const int64_t idx = (int64_t)(i - lo + k);
-            w.omega((uint64_t)(idx - prev));
-            w.bit((stage[k] >> (bits - 1)) & 1u);
-            w.omega(l);
-            prev = idx;
-          }
+  status = parallel_for_with_scratch(nt, nseg, kStage, [&](uint64_t sg, void* scratch) {
+    uint8_t* stage = (uint8_t*)scratch;
+    uint8_t* dst = streams + (sg ? qsgd_load_le(table + 8 * (sg - 1), 8) : 0);
+    memset(dst, 0, seg_bytes[sg]);
+    BitWriter w(dst);
+    const uint32_t lmask = (1u << (bits - 1)) - 1u;
+    for (uint64_t b = sg * seg_buckets; b < std::min(nb, (sg + 1) * seg_buckets); ++b) {
+      const uint64_t lo = b * B, hi = std::min(numel, lo + B);
+      const float scale = load_scale(scales, b);
+      w.omega((uint64_t)nnz[b] + 1);
+      int64_t prev = -1;
+      for (uint64_t i = lo; i < hi; i += kStage) {
+        const uint64_t m = std::min(kStage, hi - i);
+        quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
+        for (uint64_t k = 0; k < m; ++k) {
+          const uint32_t l = stage[k] & lmask;
+          if (!l) continue;
+          const int64_t idx = (int64_t)(i - lo + k);
+          w.omega((uint64_t)(idx - prev));
+          w.bit((stage[k] >> (bits - 1)) & 1u);
+          w.omega(l);
+          prev = idx;
         }
       }
-      w.flush();
     }
-    free(stage);
-  }
+    w.flush();
+  });
   free(nnz), free(seg_bytes);
   if (status != QSGD_OK) return status;
   if (cfg->flags & QSGD_FLAG_CHECKSUM) qsgd_store_le(out + 48, qsgd_checksum_cpu(out, total), 8);
