@@ -62,7 +62,7 @@ export CXXFLAGS="${CXXFLAGS:-} -I$TFINC/external/highwayhash -I$TFINC/external/f
 # The system cmake, not one from the registry (fix 1).
 command -v cmake >/dev/null || die "cmake not found (the system cmake 3.x is needed)"
 export PATH="/usr/bin:$PATH"
-log "building $KEY (takes about 15 minutes on 2 cores)"
+log "building $KEY (3 to 15 minutes on 2 cores)"
 HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1 \
 HOROVOD_WITH_GLOO=1 HOROVOD_WITH_MPI=1 MAKEFLAGS="-j$(nproc)" \
     "$VPY" -m pip wheel -q --no-build-isolation --no-deps -w "$WORK/dist" "$SRC" >&2 \
