@@ -16,6 +16,11 @@
 #include "qsgd.h"
 #include "qsgd_math.h"
 
+/* Kernel launch; a host emulation of the CUDA runtime (tests/cuda_emu) replaces it. */
+#ifndef QSGD_LAUNCH
+#define QSGD_LAUNCH(kernel, grid, block, stream) kernel<<<(grid), (block), 0, (stream)>>>
+#endif
+
 namespace {
 
 constexpr int kThreads = 256;
@@ -208,7 +213,7 @@ template <int BITS>
 void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, const float* scales,
                  uint8_t* data, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
-  if (groups) pack_kernel<BITS><<<blocks_for(groups), kThreads, 0, st>>>(x, numel, B, seed, scales, data);
+  if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, scales, data);
 }
 
 template <int BITS>
@@ -216,7 +221,7 @@ void launch_decode(const PayloadJob* jobs, int count, uint64_t numel, uint32_t B
                    float* out, int accumulate, const int32_t* status, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
   if (groups)
-    decode_sum_kernel<BITS><<<blocks_for(groups), kThreads, 0, st>>>(jobs, count, numel, B, alpha, out,
+    QSGD_LAUNCH(decode_sum_kernel<BITS>, blocks_for(groups), kThreads, st)(jobs, count, numel, B, alpha, out,
                                                                       accumulate, status);
 }
 
@@ -259,16 +264,16 @@ extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_c
   const uint64_t nb = qsgd_num_buckets(numel, cfg->bucket_size);
   float* scales = reinterpret_cast<float*>(out + QSGD_HEADER_BYTES);
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
-  header_kernel<<<1, 1, 0, s>>>(out, *cfg, numel, len);
-  if (nb) scales_kernel<<<blocks_for(nb * 32), kThreads, 0, s>>>(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
+  QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len);
+  if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
   QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, scales, data, s);
   if (cfg->flags & QSGD_FLAG_CHECKSUM) {
     unsigned long long* sum = nullptr;
     QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&sum), sizeof(*sum), s));
     QSGD_CUDA_TRY(cudaMemsetAsync(sum, 0, sizeof(*sum), s));
     const unsigned blocks = (unsigned)umin64(blocks_for((len + 7) / 8), 1024);
-    checksum_kernel<<<blocks, kThreads, 0, s>>>(out, len, sum);
-    checksum_store_kernel<<<1, 1, 0, s>>>(out, len, sum);
+    QSGD_LAUNCH(checksum_kernel, blocks, kThreads, s)(out, len, sum);
+    QSGD_LAUNCH(checksum_store_kernel, 1, 1, s)(out, len, sum);
     QSGD_CUDA_TRY(cudaFreeAsync(sum, s));
   }
   QSGD_CUDA_TRY(cudaGetLastError());
@@ -307,8 +312,8 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
   QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
   const uint64_t work = umax64((h0.payload_len + 7) / 8, nb);
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
-  verify_terms_kernel<<<grid, kThreads, 0, s>>>(d_jobs, d_sums, d_status);
-  verify_final_kernel<<<blocks_for(count), kThreads, 0, s>>>(d_jobs, count, n, h0.bits, d_sums, d_status);
+  QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(d_jobs, d_sums, d_status);
+  QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(d_jobs, count, n, h0.bits, d_sums, d_status);
   QSGD_BITS_DISPATCH(h0.bits, launch_decode, d_jobs, count, n, h0.bucket_size, alpha, out, accumulate,
                      d_status, s);
   QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));

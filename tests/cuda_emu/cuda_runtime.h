@@ -1,0 +1,133 @@
+/*
+ * A host emulation of the small part of the CUDA runtime that kernels/qsgd_cuda.cu uses, so that
+ * its kernels can be compiled as C++ and run on a machine without a GPU (tests/test_cuda_emulated.py).
+ *
+ * A launch runs 32 host threads, one per warp lane; each lane thread walks every (block, warp) of
+ * the grid in the same order and executes its own thread of that warp. __shfl_xor_sync is a real
+ * exchange between the 32 lane threads (two barriers), atomics are std::atomic_ref, "device memory"
+ * is host memory and streams are ignored (everything is synchronous). This checks the kernels'
+ * arithmetic, indexing, packing, reduction order and validation; it says nothing about the GPU's
+ * memory model, alignment faults or stream ordering, which only a GPU run checks.
+ *
+ * Limits: every warp of a launch that shuffles must be full and take uniform control flow around
+ * the shuffles (true of qsgd_cuda.cu); there is no shared memory.
+ */
+#ifndef HVD_QSGD_CUDA_EMU_H_
+#define HVD_QSGD_CUDA_EMU_H_
+
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+#include <barrier>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+typedef int cudaError_t;
+typedef void* cudaStream_t;
+enum { cudaSuccess = 0 };
+enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1 };
+
+namespace qsgd_emu {
+inline thread_local dim3 tid, bid;
+inline dim3 bdim, gdim;
+inline std::barrier<>* lanes_barrier = nullptr;
+inline uint64_t slots[32];
+
+template <class... P>
+struct Launch {
+  void (*kernel)(P...);
+  dim3 grid, block;
+  template <class... A>
+  void operator()(A&&... a) {
+    std::tuple<P...> args(static_cast<P>(a)...);
+    gdim = grid, bdim = block;
+    std::barrier<> bar(32);
+    lanes_barrier = &bar;
+    std::vector<std::thread> lanes;
+    for (unsigned lane = 0; lane < 32; ++lane)
+      lanes.emplace_back([&, lane] {
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx)
+            for (unsigned w = 0; w * 32 < block.x; ++w) {
+              const unsigned t = w * 32 + lane;
+              if (t >= block.x) continue;
+              bid = dim3(bx, by), tid = dim3(t);
+              std::apply(kernel, args);
+            }
+      });
+    for (auto& l : lanes) l.join();
+    lanes_barrier = nullptr;
+  }
+};
+
+template <class... P>
+Launch<P...> make_launch(void (*kernel)(P...), dim3 grid, dim3 block) {
+  return Launch<P...>{kernel, grid, block};
+}
+}  // namespace qsgd_emu
+
+#define threadIdx (qsgd_emu::tid)
+#define blockIdx (qsgd_emu::bid)
+#define blockDim (qsgd_emu::bdim)
+#define gridDim (qsgd_emu::gdim)
+#define QSGD_LAUNCH(kernel, grid, block, stream) qsgd_emu::make_launch(kernel, dim3(grid), dim3(block))
+
+template <class T>
+inline T __shfl_xor_sync(unsigned, T v, int off) {
+  static_assert(sizeof(T) <= 8, "shuffle of at most 8 bytes");
+  const unsigned lane = qsgd_emu::tid.x & 31u;
+  uint64_t u = 0;
+  memcpy(&u, &v, sizeof(T));
+  qsgd_emu::slots[lane] = u;
+  qsgd_emu::lanes_barrier->arrive_and_wait();
+  const uint64_t r = qsgd_emu::slots[lane ^ (unsigned)off];
+  qsgd_emu::lanes_barrier->arrive_and_wait();
+  T out;
+  memcpy(&out, &r, sizeof(T));
+  return out;
+}
+
+inline unsigned __float_as_uint(float f) {
+  unsigned u;
+  memcpy(&u, &f, 4);
+  return u;
+}
+inline unsigned max(unsigned a, unsigned b) { return a > b ? a : b; }
+inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return std::atomic_ref<unsigned long long>(*p).fetch_add(v);
+}
+inline int atomicCAS(int* p, int compare, int val) {
+  std::atomic_ref<int>(*p).compare_exchange_strong(compare, val);
+  return compare;
+}
+
+inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) {
+  *p = malloc(n ? n : 1);
+  return *p ? cudaSuccess : 2;
+}
+inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { free(p); return cudaSuccess; }
+inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  memset(p, v, n);
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) {
+  memcpy(d, s, n);
+  return cudaSuccess;
+}
+
+#endif
