@@ -240,3 +240,41 @@ def test_elias_beats_fixed_for_small_s_and_meets_theorem_3_2(bucket, kind):
 def test_elias_rejects_one_bit():
     with pytest.raises(ValueError, match="bits >= 2"):
         codec.encode(_rand(10), bits=1, coding="elias")
+
+
+def fold_order_bucket():
+    """A 32-element bucket whose L2 scale depends on the summation order of the squares.
+
+    The squares are 1, 2^-24 (twice), 2^-48 and eight of 2^-54. Their exact sum is m^2 + 2^-51 with
+    m = 1 + 2^-24, the midpoint between 1 and the next float. Summed one by one in fp64 each 2^-54
+    is lost (below half an ulp of 1), the sum is m^2, sqrt is m, and the float rounds to even: 1.0.
+    In the documented order -- lane j holds element j, lanes folded j += j+16, 8, 4, 2, 1 -- the
+    eight 2^-54 (elements 1, 5, 9, 13, 17, 21, 25, 29) meet first and survive as 2^-51, sqrt is
+    m + 2^-52 in fp64, and the scale rounds up to 1 + 2^-23."""
+    x = np.zeros(32, np.float32)
+    x[0] = 1.0
+    x[[1, 5, 9, 13, 17, 21, 25, 29]] = 2.0 ** -27
+    x[[2, 3]] = 2.0 ** -12
+    x[4] = 2.0 ** -24
+    return x
+
+
+def documented_l2_scale(x):
+    lane = [0.0] * 32
+    for i, v in enumerate(x.astype(np.float64)):
+        lane[i % 32] += v * v
+    off = 16
+    while off:
+        for j in range(off):
+            lane[j] = lane[j] + lane[j + off]
+        off //= 2
+    return np.float32(np.sqrt(lane[0]))
+
+
+def test_l2_scale_follows_the_documented_summation_order():
+    x = fold_order_bucket()
+    sequential = np.float32(np.sqrt(sum(float(v) * float(v) for v in x)))
+    assert sequential == np.float32(1.0)
+    assert documented_l2_scale(x) == np.float32(1.0) + np.finfo(np.float32).eps
+    p = codec.encode(x, bits=4, bucket_size=32, norm="l2")
+    assert p[56:60].view(np.float32)[0] == documented_l2_scale(x)

@@ -16,6 +16,7 @@ import pytest
 
 from hvd_qsgd import _native, codec
 from tests.conftest import ROOT
+from tests.test_codec_format import fold_order_bucket
 
 torch = pytest.importorskip("torch")
 
@@ -131,6 +132,15 @@ def test_encode_is_byte_identical_to_cpu(backend):
                     cpu = codec.encode(x, bits=bits, bucket_size=bucket, norm=norm, seed=1234 + i, fingerprint=99)
                     dev = backend.encode(x, bits=bits, bucket_size=bucket, norm=norm, seed=1234 + i, fingerprint=99)
                     np.testing.assert_array_equal(dev, cpu, err_msg=f"bits={bits} norm={norm} bucket={bucket} case={i}")
+
+
+def test_l2_scale_summation_order_matches_cpu(backend):
+    """The bucket whose L2 scale exposes the order in which squares are summed (see
+    tests/test_codec_format.py): the device must fold its 32 lanes exactly as the CPU does."""
+    x = np.concatenate([fold_order_bucket(), -fold_order_bucket()[::-1]])
+    cpu = codec.encode(x, bits=8, bucket_size=32, norm="l2")
+    assert cpu[56:64].view(np.float32)[0] == np.float32(1) + np.finfo(np.float32).eps
+    np.testing.assert_array_equal(backend.encode(x, bits=8, bucket_size=32, norm="l2"), cpu)
 
 
 def test_decode_sum_is_bit_identical_to_cpu(backend):
