@@ -16,7 +16,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 1
+ABI_VERSION = 1  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -59,6 +59,18 @@ def _declare_common(lib):
     lib.qsgd_status_string.argtypes = [_I32]
 
 
+def _check_abi(lib, symbol, path):
+    fn = getattr(lib, symbol, None)
+    found = None
+    if fn is not None:
+        fn.restype, fn.argtypes = _I32, []
+        found = fn()
+    if found != ABI_VERSION:
+        raise ImportError(
+            f"{path} implements codec ABI {found}, this package needs {ABI_VERSION}: the native library "
+            "is stale; rebuild it with `pip install -e .` (or `make setup`) in the repository")
+
+
 def load():
     """The CPU library (built by ``pip install``); raises ImportError with the fix if missing."""
     global _cpu
@@ -73,6 +85,7 @@ def load():
                 "hvd_qsgd's native codec library is not built: run `pip install -e .` (or "
                 "`make setup`) in the repository, which compiles kernels/ with g++ and OpenMP")
         lib = ctypes.CDLL(path)
+        _check_abi(lib, "qsgd_abi_version", path)
         _declare_common(lib)
         lib.qsgd_levels.restype = _I32
         lib.qsgd_levels.argtypes = [_I32]
@@ -118,6 +131,7 @@ def load_cuda():
             lib = ctypes.CDLL(path)
         except OSError:
             return None
+        _check_abi(lib, "qsgd_cuda_abi_version", path)
         lib.qsgd_cuda_device_count.restype = _I32
         lib.qsgd_cuda_device_count.argtypes = []
         lib.qsgd_encode_cuda.restype = _I32

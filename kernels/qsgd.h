@@ -79,6 +79,9 @@ typedef struct qsgd_header {
   uint64_t checksum;
 } qsgd_header;
 
+/* QSGD_ABI_VERSION of the library: bindings refuse a library built from other headers. */
+int32_t qsgd_abi_version(void);
+
 /* ---- sizes ------------------------------------------------------------------------------ */
 /* Levels s for b bits (1 for b = 1 and 2, 2^(b-1) - 1 above); 0 for invalid b. */
 int32_t qsgd_levels(int32_t bits);
@@ -114,6 +117,8 @@ void qsgd_set_num_threads(int32_t n);
 int32_t qsgd_get_num_threads(void);
 
 /* ---- CUDA codec (libhvd_qsgd_cuda; device pointers, stream-ordered, fixed coding) --------- */
+/* QSGD_ABI_VERSION of the CUDA library. */
+int32_t qsgd_cuda_abi_version(void);
 /* Number of visible CUDA devices (0 when there is no driver or device). */
 int32_t qsgd_cuda_device_count(void);
 /* Encode device x[0:numel) into device out (cap bytes) on stream; the payload length is

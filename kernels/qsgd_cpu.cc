@@ -181,6 +181,8 @@ static void dequantize_add_bits(int bits, const uint8_t* codes, uint64_t n, floa
 }
 
 /* ---- sizes ------------------------------------------------------------------------------ */
+extern "C" int32_t qsgd_abi_version(void) { return QSGD_ABI_VERSION; }
+
 extern "C" int32_t qsgd_levels(int32_t bits) { return qsgd_levels_of(bits); }
 
 extern "C" uint64_t qsgd_fixed_nbytes(uint64_t numel, int32_t bits, uint32_t bucket) {

@@ -243,6 +243,8 @@ inline uint64_t fixed_nbytes(uint64_t numel, int bits, uint32_t B) {
 
 }  // namespace
 
+extern "C" int32_t qsgd_cuda_abi_version(void) { return QSGD_ABI_VERSION; }
+
 extern "C" int32_t qsgd_cuda_device_count(void) {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

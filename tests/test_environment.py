@@ -6,6 +6,8 @@ import subprocess
 import sys
 import zipfile
 
+import pytest
+
 
 from tests.conftest import BIN, ROOT, mp_env
 
@@ -46,3 +48,16 @@ def test_wheel_carries_the_native_libraries(tmp_path):
     assert any(re.match(r"hvd_qsgd/_lib_cpu.*\.so$", n) for n in names), names
     if shutil.which("nvcc"):
         assert any(re.match(r"hvd_qsgd/_lib_cuda.*\.so$", n) for n in names), names
+
+
+def test_stale_native_library_is_refused(tmp_path):
+    """A library from other headers (here: one without the ABI entry point) gives a clear ImportError."""
+    import ctypes
+
+    from hvd_qsgd import _native
+    src = tmp_path / "old.c"
+    src.write_text("int qsgd_levels(int b) { return b; }\n")
+    so = tmp_path / "old.so"
+    subprocess.run(["gcc", "-shared", "-fPIC", str(src), "-o", str(so)], check=True)
+    with pytest.raises(ImportError, match=r"stale; rebuild it with `pip install -e \.`"):
+        _native._check_abi(ctypes.CDLL(str(so)), "qsgd_abi_version", str(so))
