@@ -200,7 +200,7 @@ def _raw_fields(p):
                 segment_buckets=le(40, 4), reserved1=le(44, 4))
 
 
-def header_from_c(h):
+def _header_from_c(h):
     return Header(
         version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
         norm=("max", "l2")[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
@@ -216,7 +216,7 @@ def read_header(payload, where="payload"):
     st = _native.load().qsgd_parse_header(p.ctypes.data, p.size, ctypes.byref(h))
     if st != _native.OK:
         raise_status(st, where, p)
-    return header_from_c(h)
+    return _header_from_c(h)
 
 
 def validate(payload, where="payload"):

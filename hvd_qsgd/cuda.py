@@ -78,6 +78,9 @@ def device_headers(payloads, where="payloads"):
     """Host copies of the headers of uint8 CUDA payload tensors, parsed and checked against each
     tensor's length (what qsgd_decode_sum_cuda takes); one device-to-host copy for all of them."""
     import torch
+    for i, p in enumerate(payloads):
+        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_cuda:
+            raise TypeError(f"{where}: payload {i} must be a 1-D uint8 CUDA tensor")
     device = payloads[0].device
     heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else
                          torch.zeros(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
@@ -85,8 +88,6 @@ def device_headers(payloads, where="payloads"):
     cheads = (_native.CHeader * len(payloads))()
     lib_cpu = _native.load()
     for i, p in enumerate(payloads):
-        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_cuda:
-            raise TypeError(f"{where}: payload {i} must be a 1-D uint8 CUDA tensor")
         if p.numel() < codec.HEADER_BYTES:
             codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(payloads)}")
         st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, p.numel(), ctypes.byref(cheads[i]))

@@ -277,7 +277,8 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   uint64_t chunk_buckets = std::max<uint64_t>(1, kChunkElems / B);
   chunk_buckets = (chunk_buckets + g - 1) / g * g;
   const uint64_t nchunks = (nb + chunk_buckets - 1) / chunk_buckets;
-  const int32_t status = parallel_for_with_scratch(threads_for(numel), nchunks, kStage, [&](uint64_t c, void* scratch) {
+  const int nt = threads_for(numel);
+  const int32_t status = parallel_for_with_scratch(nt, nchunks, kStage, [&](uint64_t c, void* scratch) {
     uint8_t* stage = (uint8_t*)scratch;
     const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
     uint64_t pos = b0 * B, staged = 0;

@@ -69,7 +69,8 @@ QSGD_HD int32_t qsgd_levels_of(int32_t bits) {
  * L2 norm: sqrt of the sum of x^2 in double (each square is exact), accumulated in 32 lanes --
  * lane j sums elements j, j+32, j+64, ... of the bucket in increasing order -- and the 32 lane sums
  * folded pairwise (lane j += lane j+16, then j+8, j+4, j+2, j+1): one fixed order for both
- * libraries. Rounded to float; NaN if any element is NaN, else Inf if any is infinite. A NaN scale is stored as the canonical quiet NaN 0x7fc00000. */
+ * libraries. Rounded to float; NaN if any element is NaN, else Inf if any is infinite. A NaN
+ * scale is stored as the canonical quiet NaN 0x7fc00000. */
 #define QSGD_L2_LANES 32
 #define QSGD_CANONICAL_NAN_BITS 0x7FC00000u
 
