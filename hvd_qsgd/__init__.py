@@ -4,6 +4,8 @@ The codec (``hvd_qsgd.codec``) encodes a tensor into a self-describing payload o
 levels scaled per bucket (QSGD, Alistarh et al., NeurIPS 2017) and decodes and sums many payloads
 in one fused pass. Its kernels live in ``kernels/`` (CPU and CUDA, one C ABI); the framework
 adapters are thin bindings on top.
+
+``hvd_qsgd.QSGD(bits)`` is the compressor users pass to Horovod as ``compression=``.
 """
 __version__ = "0.1.0"
 
@@ -17,3 +19,5 @@ from hvd_qsgd.codec import (  # noqa: F401
     read_header,
     split_payloads,
 )
+from hvd_qsgd.compressor import QSGD, Settings  # noqa: F401,E402
+from hvd_qsgd.protocol import MismatchError  # noqa: F401,E402

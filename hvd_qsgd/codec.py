@@ -162,15 +162,19 @@ def _as_bytes(payload, what):
 
 
 def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fingerprint=0,
-           checksum=True, name="tensor"):
+           checksum=True, name="tensor", source_dtype=None):
     """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
 
     ``seed`` selects the random stream (use a different seed per step and tensor); ``fingerprint``
     identifies the tensor (see ``tensor_fingerprint()``); ``checksum`` adds a checksum the decoder verifies.
-    Returns a 1-D uint8 array. ``name`` only labels error messages.
+    ``source_dtype`` ("float32", "float16" or "bfloat16") overrides the dtype recorded in the header,
+    for a float32 copy of a lower-precision tensor. Returns a 1-D uint8 array. ``name`` only labels
+    error messages.
     """
     cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum)
     flat, cfg.dtype = _as_float32(x, name)
+    if source_dtype is not None:
+        cfg.dtype = _check_choice("source_dtype", source_dtype, {n: i for i, n in enumerate(DTYPE_NAMES)})
     n = flat.size
     cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
     out = np.empty(cap, dtype=np.uint8)

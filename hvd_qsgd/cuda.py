@@ -25,16 +25,18 @@ def _stream_handle(torch, device):
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
-def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, name="tensor"):
+def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, name="tensor",
+           source_dtype=None):
     """Encode a CUDA tensor (float32, float16 or bfloat16; converted to float32) into a uint8 CUDA
-    tensor holding the payload."""
+    tensor holding the payload. ``source_dtype`` overrides the dtype recorded in the header."""
     import torch
     if not x.is_cuda:
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
     if dtype_name is None:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
-    cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum, dtype_name)
+    cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum,
+                            source_dtype or dtype_name)
     flat = x.detach().reshape(-1).to(torch.float32).contiguous()
     n = flat.numel()
     cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
@@ -96,3 +98,8 @@ def device_headers(payloads, where="payloads"):
         if st != _native.OK:
             codec.raise_status(st, f"{where}: payload {i} of {len(payloads)}", heads[i])
     return cheads
+
+
+def read_headers(payloads, where="payloads"):
+    """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors."""
+    return [codec._header_from_c(h) for h in device_headers(payloads, where)]

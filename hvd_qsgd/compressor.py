@@ -1,0 +1,203 @@
+"""``hvd_qsgd.QSGD``: the one object a user passes as ``compression=`` to Horovod.
+
+It holds the settings, checks them once, and hands each tensor to the adapter of its framework
+(``hvd_qsgd.torch.QSGD`` for PyTorch tensors), created on first use. Everything a framework adapter
+shares that is not framework API lives here and in ``hvd_qsgd.protocol``: the settings and their
+defaults, the statistics, and the creation index that names a compressor's exchanges.
+
+Defaults follow the QSGD paper's experiments (section 5): max-norm scaling, bucket size 512 for
+4 and 8 bits and 128 for 2 bits or fewer, and tensors of fewer than 10,000 elements left
+unquantized (they go through Horovod's own allreduce, with the same Sum/Average semantics).
+"""
+import itertools
+import threading
+from dataclasses import asdict, dataclass
+
+from hvd_qsgd import codec, protocol
+
+REDUCTIONS = ("allgather",)
+_creation_counter = itertools.count()
+_creation_lock = threading.Lock()
+
+
+def next_creation_index():
+    """Compressors are numbered in creation order; the number is part of their exchange names, so
+    every rank must create its compressors in the same order (a mismatch is detected, not hung on)."""
+    with _creation_lock:
+        return next(_creation_counter)
+
+
+def default_bucket_size(bits):
+    return 128 if bits <= 2 else 512
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum`` and
+    ``error_feedback`` are each rank's own choice."""
+
+    bits: int = 4
+    bucket_size: int = 512
+    norm: str = "max"
+    coding: str = "fixed"
+    min_numel: int = 10000
+    seed: int = 0
+    error_feedback: bool = False
+    checksum: bool = True
+    reduction: str = "allgather"
+
+    @classmethod
+    def make(cls, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
+             error_feedback=False, checksum=True, reduction="allgather"):
+        """Settings with every parameter checked (ValueError naming the parameter)."""
+        if bucket_size is None and isinstance(bits, int) and not isinstance(bits, bool):
+            bucket_size = default_bucket_size(bits)
+        codec.make_config(bits, bucket_size, norm, seed, coding)  # checks bits, bucket, norm, coding, seed
+        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+            raise ValueError(f"min_numel must be a positive integer, got {min_numel!r}")
+        if reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
+                   bool(error_feedback), bool(checksum), reduction)
+
+    def tag(self):
+        return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
+                                   f"{self.min_numel}|{self.reduction}")
+
+    def as_dict(self):
+        return asdict(self)
+
+
+class Stats:
+    """Cumulative counters of one rank, safe to update from several threads.
+
+    elements:       elements of the tensors this rank compressed
+    bytes_sent:     payload bytes this rank put on the wire (its own payloads)
+    bytes_received: payload bytes this rank took off the wire (the other ranks' payloads)
+    ratio:          4 * elements / bytes_sent, the size of fp32 over what was sent
+    tensors:        compressed exchanges; raw_elements / raw_tensors: those sent uncompressed
+    """
+
+    FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **counts):
+        with self._lock:
+            for k, v in counts.items():
+                self._values[k] += int(v)
+
+    def as_dict(self):
+        with self._lock:
+            d = dict(self._values)
+        d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
+        return d
+
+    def load(self, values):
+        with self._lock:
+            for k in self.FIELDS:
+                self._values[k] = int(values.get(k, 0))
+
+    @staticmethod
+    def merge(dicts):
+        total = dict.fromkeys(Stats.FIELDS, 0)
+        for d in dicts:
+            for k in Stats.FIELDS:
+                total[k] += d[k]
+        total["ratio"] = protocol.ratio(total["elements"], total["bytes_sent"])
+        return total
+
+
+def _framework(tensor):
+    module = type(tensor).__module__ or ""
+    if module.startswith("torch"):
+        return "torch"
+    if module.startswith("tensorflow") or module.startswith("keras"):
+        return "tensorflow"
+    raise TypeError(f"hvd_qsgd.QSGD: cannot compress a {type(tensor).__module__}.{type(tensor).__name__}; "
+                    "it compresses PyTorch tensors (and TensorFlow tensors where supported)")
+
+
+class QSGD:
+    """QSGD gradient compression for Horovod (Alistarh et al., NeurIPS 2017).
+
+    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.QSGD(4))``.
+
+    bits:            bits per coordinate b (1..8); s = 2^(b-1) - 1 levels for b >= 2
+    bucket_size:     elements per bucket (default 512, or 128 for bits <= 2)
+    norm:            "max" (default) or "l2" bucket scale
+    coding:          "fixed" (b bits per coordinate) or "elias" (variable length, CPU)
+    min_numel:       tensors with fewer elements go through Horovod uncompressed (default 10,000)
+    seed:            base seed; each rank and exchange draws its own stream from it
+    error_feedback:  keep each tensor's quantization residual and add it before the next encoding
+    checksum:        add a checksum to every payload (verified by every receiver)
+    named_parameters: (name, parameter) pairs, as given to Horovod's optimizer: payloads are then
+                     matched by parameter name, so ranks may hand gradients over in any order
+    process_set:     Horovod process set of the reduction (default: all ranks)
+
+    ``stats`` is a dict of cumulative counters (see ``Stats``).
+    """
+
+    def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
+                 error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
+                 process_set=None):
+        self.settings = Settings.make(bits, bucket_size, norm, coding, min_numel, seed, error_feedback,
+                                      checksum, reduction)
+        self._named_parameters = None if named_parameters is None else list(named_parameters)
+        self._process_set = process_set
+        self._creation_index = next_creation_index()
+        self._adapters = {}
+        self._lock = threading.Lock()
+
+    def __repr__(self):
+        s = self.settings
+        return (f"hvd_qsgd.QSGD(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
+                f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback})")
+
+    def _adapter(self, framework):
+        with self._lock:
+            adapter = self._adapters.get(framework)
+            if adapter is None:
+                if framework == "torch":
+                    from hvd_qsgd.torch import QSGD as TorchQSGD
+                    adapter = TorchQSGD(settings=self.settings, named_parameters=self._named_parameters,
+                                        process_set=self._process_set,
+                                        creation_index=self._creation_index)
+                else:
+                    raise NotImplementedError("hvd_qsgd.QSGD: TensorFlow tensors are not supported yet")
+                self._adapters[framework] = adapter
+            return adapter
+
+    def compress(self, tensor):
+        return self._adapter(_framework(tensor)).compress(tensor)
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        return ctx.compressor.decompress(tensor, ctx)
+
+    def bind(self, named_parameters):
+        """Match payloads by these parameter names (see ``named_parameters``); returns self."""
+        self._named_parameters = list(named_parameters)
+        for adapter in self._adapters.values():
+            adapter.bind(self._named_parameters)
+        return self
+
+    @property
+    def stats(self):
+        with self._lock:
+            adapters = list(self._adapters.values())
+        if not adapters:
+            return Stats().as_dict()
+        return Stats.merge(a.stats for a in adapters)
+
+    def state_dict(self):
+        """Error-feedback residuals and statistics of each framework adapter."""
+        with self._lock:
+            return {fw: a.state_dict() for fw, a in self._adapters.items()}
+
+    def load_state_dict(self, state):
+        for fw, sub in state.items():
+            self._adapter(fw).load_state_dict(sub)

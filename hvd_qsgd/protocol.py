@@ -1,0 +1,183 @@
+"""How ranks agree on a compressed exchange, and how they find out when they do not.
+
+Horovod's ``Compressor`` interface hands ``compress(tensor)`` nothing but the tensor: no name, no
+reduction op, no process set. Horovod then allreduces whatever ``compress`` returns, under the
+name the caller chose, and passes the result to ``decompress``. QSGD payloads cannot be summed, so
+they travel by a separate allgather, and the tensor handed to Horovod's allreduce becomes a small
+**control vector** (float64, ``control_length(world_size)`` entries). Horovod reduces it under the
+caller's name, so its result tells every rank, identically, what the other ranks did with that name:
+
+    entry               rank r contributes            the reduced value, op scale c
+    ONE                 1                             c * m                (m ranks took part)
+    RANK                r (its rank in the set)       c * sum r
+    FAULT               1 if r failed to encode       c * (#failed)
+    tag t, tag^2        t, t^2 for each tag           c * sum t, c * sum t^2
+    MEMBERS[j]          2^(g mod 24) in chunk g // 24 c * (bitmask of global ranks g)
+
+Tags are small integers (< 4096) that must agree on every rank: the set size, the compressor's
+creation index, its settings, and the exchange key (which allgather carries this tensor's payload).
+With integers below 2^12 every sum is exact in float64, and the single rounding of a scale keeps the
+relative error under 2^-50, so the checks below are exact decisions:
+
+* the op is a sum with a positive scale: ``c = ONE / n`` where n is the set size, and
+  ``RANK = c * n (n - 1) / 2`` (Min, Max, Product and Adasum fail this for n > 1);
+* every member of the compressor's process set, and no other rank, took part: ``MEMBERS / c`` is the
+  set's bitmask, chunk by chunk;
+* nobody failed: ``FAULT == 0``;
+* every tag agreed: ``mean(t^2) - mean(t)^2 == 0`` (a disagreement by at least 1 makes this at
+  least (n - 1) / n^2, far above the rounding error).
+
+The verdict is computed from the same reduced vector on every rank, so either every rank proceeds to
+wait for the payload allgather (which all ranks are then known to have started under the same name)
+or every rank raises ``MismatchError``. Nothing waits on an exchange another rank never began.
+
+The gradient scale ``alpha`` applied to the decoded sum is ``c``: ``1/n`` for Average (also with
+Horovod's ``gradient_predivide_factor``, which splits 1/n into a pre- and post-scale), 1 for Sum, and
+``prescale * postscale`` (times 1/n for Average) for ``hvd.allreduce``'s explicit factors.
+"""
+import hashlib
+import math
+
+import numpy as np
+
+TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)
+MEMBER_BITS = 24          # global ranks per MEMBERS entry; sums stay exact integers below 2^24
+ONE, RANK, FAULT = 0, 1, 2
+TAG_NAMES = ("process set size", "compressor creation order", "compressor settings",
+             "exchange key (low bits)", "exchange key (high bits)")
+TAGS = 3                  # first tag entry
+MEMBERS = TAGS + 2 * len(TAG_NAMES)
+_REL_TOL = 1e-9
+
+
+class MismatchError(RuntimeError):
+    """Ranks disagreed about a compressed exchange (settings, tensor order, process set, op), or a
+    rank could not take part; raised on every rank of the exchange."""
+
+
+def small_hash(text, modulus=TAG_RANGE):
+    """A stable hash of ``text`` in [0, modulus)."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % modulus
+
+
+def control_length(world_size):
+    """Entries of the control vector for a job of ``world_size`` ranks (the same on every rank)."""
+    return MEMBERS + -(-int(world_size) // MEMBER_BITS)
+
+
+def member_mask(global_ranks, world_size):
+    """The MEMBERS entries of a set of global ranks (as integers)."""
+    chunks = [0] * -(-int(world_size) // MEMBER_BITS)
+    for g in global_ranks:
+        chunks[g // MEMBER_BITS] |= 1 << (g % MEMBER_BITS)
+    return chunks
+
+
+def exchange_tags(set_size, creation_index, settings_tag, key):
+    """The tags of one exchange; ``key`` is a non-negative integer identifying the allgather."""
+    return (int(set_size) % TAG_RANGE, int(creation_index) % TAG_RANGE, int(settings_tag) % TAG_RANGE,
+            int(key) % TAG_RANGE, (int(key) // TAG_RANGE) % TAG_RANGE)
+
+
+def control_vector(world_size, global_rank, set_rank, tags, failed=False):
+    """This rank's contribution (a float64 NumPy array). A rank outside the set passes
+    ``set_rank=None``: it contributes no membership bit, which every rank then sees."""
+    v = np.zeros(control_length(world_size), dtype=np.float64)
+    v[ONE] = 1.0
+    v[RANK] = float(set_rank or 0)
+    v[FAULT] = 1.0 if failed else 0.0
+    for i, t in enumerate(tags):
+        v[TAGS + 2 * i] = t
+        v[TAGS + 2 * i + 1] = t * t
+    if set_rank is not None:
+        v[MEMBERS + global_rank // MEMBER_BITS] = float(1 << (global_rank % MEMBER_BITS))
+    return v
+
+
+def check_control(reduced, world_size, set_ranks, where, fault_message=None):
+    """Check the reduced control vector; return the gradient scale ``alpha`` or raise MismatchError.
+
+    ``set_ranks``: the global ranks of the compressor's process set; ``fault_message``: this rank's
+    own encoding error, if it had one. Only the reduced vector decides, so the verdict is the same
+    on every rank.
+    """
+    r = np.asarray(reduced, dtype=np.float64).reshape(-1)
+    n = len(set_ranks)
+    if r.size != control_length(world_size):
+        raise MismatchError(
+            f"{where}: the control tensor came back with {r.size} entries instead of "
+            f"{control_length(world_size)}: QSGD compression works with allreduce (Sum or Average), "
+            "not with reducescatter or other collectives")
+    if not np.all(np.isfinite(r)) or r[ONE] <= 0:
+        raise MismatchError(f"{where}: the reduction op is not a sum or an average of positive scale "
+                            f"(control returned {r[ONE]!r}); QSGD supports op=Average and op=Sum")
+    c = r[ONE] / n
+    if r[FAULT] / c > 0.5:
+        failed = int(round(r[FAULT] / c))
+        raise MismatchError(fault_message or f"{where}: {failed} rank(s) could not encode this tensor "
+                                             "(their error says why)")
+    expect = member_mask(set_ranks, world_size)
+    got = [round(x / c) for x in r[MEMBERS:]]
+    if got != expect or any(abs(x / c - g) > 1e-3 for x, g in zip(r[MEMBERS:], got)):
+        raise MismatchError(
+            f"{where}: the ranks that reduced this tensor are not the compressor's process set "
+            f"(global ranks {list(set_ranks)}); pass process_set= to the compressor matching the "
+            "optimizer's or allreduce's process_set, and use the compressor on every rank of that set")
+    if abs(r[RANK] / c - n * (n - 1) / 2) > _REL_TOL * max(1.0, n * n):
+        raise MismatchError(f"{where}: the reduction op is not a sum or an average (rank sum "
+                            f"{r[RANK] / c!r}, expected {n * (n - 1) / 2}); QSGD supports op=Average "
+                            "and op=Sum")
+    for i, name in enumerate(TAG_NAMES):
+        mean, mean_sq = r[TAGS + 2 * i] / r[ONE], r[TAGS + 2 * i + 1] / r[ONE]
+        if mean_sq - mean * mean > 0.25 / n:
+            raise MismatchError(_tag_message(where, name))
+    return _snap_scale(c, n)
+
+
+def _tag_message(where, name):
+    hint = {
+        "process set size": "the compressor's process set differs between ranks",
+        "compressor creation order": "ranks created their compressors in different orders or used "
+                                     "different compressor objects for this tensor",
+        "compressor settings": "ranks use different compressor settings (bits, bucket_size, norm, "
+                               "coding, min_numel or reduction)",
+    }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
+                "parameters without gradients on some ranks); pass named_parameters= to the "
+                "compressor so payloads are matched by name")
+    return f"{where}: ranks disagree on the {name}: {hint}"
+
+
+def _snap_scale(c, n):
+    """The exact scale of Average (1/n) and Sum (1) when c is within rounding of them."""
+    if abs(c * n - 1.0) <= _REL_TOL:
+        return 1.0 / n
+    if abs(c - 1.0) <= _REL_TOL:
+        return 1.0
+    return float(c)
+
+
+def payload_seed(seed, set_rank, key):
+    """The 64-bit seed of the payload this rank encodes for exchange ``key`` (a string): distinct
+    per rank and exchange, so ranks quantize independently and steps never reuse randomness."""
+    text = f"{int(seed)}|{int(set_rank)}|{key}"
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def check_gathered(headers, expect, where):
+    """Check the headers of every rank's payload (``codec.Header``, in rank order) against each other
+    and against this rank's own (``expect``); raise MismatchError naming the field and the ranks."""
+    for field in ("bits", "bucket_size", "norm", "coding", "numel", "dtype", "fingerprint"):
+        values = [getattr(h, field) for h in headers]
+        if any(v != getattr(expect, field) for v in values):
+            by_rank = ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
+            raise MismatchError(f"{where}: the ranks' payloads disagree on {field} ({by_rank}); "
+                                "every rank must use the same compressor settings for the same tensor")
+
+
+def ratio(elements, bytes_sent):
+    """fp32 bytes over bytes sent (0.0 before anything was sent)."""
+    return 4.0 * elements / bytes_sent if bytes_sent else 0.0
+
+
+def is_close(a, b):
+    return math.isclose(a, b, rel_tol=_REL_TOL)

@@ -1,0 +1,278 @@
+"""QSGD as a Horovod PyTorch ``Compressor``, reduced by an allgather of payloads.
+
+For a gradient g_r of d elements on each of the n ranks of the process set:
+
+    compress(g_r):   p_r = encode(g_r [+ e_r])            (QSGD payload, own random stream)
+                     start allgather(p_r) under an exchange name every rank derives alike
+                     return the control vector (hvd_qsgd.protocol) for Horovod's allreduce
+    decompress:      alpha = check(reduced control)        (1/n for Average, 1 for Sum)
+                     [p_0, ..., p_{n-1}] = wait(allgather)
+                     return alpha * (decode(p_0) + ... + decode(p_{n-1}))
+
+Every rank decodes the same bytes in the same order with the same kernel, so every rank ends with a
+bit-identical gradient. E[decode(p_r)] = g_r, so the result is an unbiased estimate of the average.
+With error feedback, e_r <- (g_r + e_r) - decode(p_r) after each encoding (Karimireddy et al.,
+2019): what quantization dropped is sent in later steps.
+
+Exchange names: with ``named_parameters`` the gradient of parameter ``name`` travels as
+``hvd_qsgd.<k>.p.<name>`` (k: the compressor's creation index), whatever order ranks hand gradients
+over in. Tensors that are not a known parameter's gradient are numbered in the order they reach the
+compressor, ``hvd_qsgd.<k>.s<seq>``; the control vector proves that every rank gave the same tensor
+the same number before anyone waits on it. Error-feedback residuals are keyed by parameter name, or
+without names by position within a step (the tensors compressed between two moments with no
+exchange pending), which presumes a static order of gradients.
+
+Payload seeds: ``protocol.payload_seed(seed, set_rank, f"{exchange_name}#{i}")`` where i counts the
+previous exchanges of that name on this rank (always 0 for numbered exchanges).
+"""
+import threading
+from types import SimpleNamespace
+
+import torch
+import horovod.torch as hvd
+from horovod.torch.compression import Compressor
+
+from hvd_qsgd import codec, cuda, protocol
+from hvd_qsgd.compressor import Settings, Stats, next_creation_index
+
+_SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class _Exchange:
+    """The context of one compressed tensor between compress and decompress."""
+
+    __slots__ = ("compressor", "where", "name", "shape", "dtype", "device", "handle", "expect",
+                 "own_len", "fault", "set_ranks", "world", "on_device")
+
+
+def _set_ranks(process_set):
+    if process_set.process_set_id == 0:
+        return list(range(hvd.size()))
+    if process_set.ranks is None:
+        raise ValueError("hvd_qsgd.torch.QSGD: the process set was not registered with Horovod")
+    return list(process_set.ranks)
+
+
+class QSGD(Compressor):
+    """QSGD compression for ``horovod.torch`` (see ``hvd_qsgd.QSGD`` for the parameters)."""
+
+    def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
+                 error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
+                 process_set=None, *, settings=None, creation_index=None):
+        self.settings = settings or Settings.make(bits, bucket_size, norm, coding, min_numel, seed,
+                                                  error_feedback, checksum, reduction)
+        self._creation_index = next_creation_index() if creation_index is None else creation_index
+        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._settings_tag = self.settings.tag()
+        self._lock = threading.Lock()
+        self._stats = Stats()
+        self._seq = 0              # numbered exchanges started
+        self._occurrences = {}     # exchanges started per parameter name
+        self._in_flight = set()    # parameter names with an exchange pending
+        self._pending = 0          # exchanges between compress and decompress
+        self._position = 0         # position within the current step (residual key without names)
+        self._residuals = {}
+        self._params = None
+        self._grad_names = {}
+        if named_parameters is not None:
+            self.bind(named_parameters)
+
+    def __repr__(self):
+        return f"hvd_qsgd.torch.QSGD({self.settings})"
+
+    def bind(self, named_parameters):
+        """Match payloads by parameter name (the pairs given to Horovod's optimizer)."""
+        params = list(named_parameters)
+        if any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in params):
+            raise ValueError("named_parameters must be (name, parameter) pairs, as from "
+                             "model.named_parameters()")
+        names = [n for n, _ in params]
+        if len(set(names)) != len(names):
+            raise ValueError("named_parameters: parameter names must be unique")
+        with self._lock:
+            self._params = params
+            self._grad_names = {}
+        return self
+
+    # -- routing ----------------------------------------------------------------------------
+
+    def _param_name(self, tensor):
+        """The name of the parameter whose .grad is ``tensor``, or None."""
+        if self._params is None:
+            return None
+        hit = self._grad_names.get(id(tensor))
+        if hit is not None and hit[1].grad is tensor:
+            return hit[0]
+        self._grad_names = {id(p.grad): (n, p) for n, p in self._params if p.grad is not None}
+        hit = self._grad_names.get(id(tensor))
+        return hit[0] if hit is not None and hit[1].grad is tensor else None
+
+    def _route(self, tensor):
+        """(exchange name, seed key, protocol key, residual key) of a tensor; under the lock."""
+        prefix = f"hvd_qsgd.{self._creation_index}"
+        name = self._param_name(tensor)
+        if self._pending == 0:
+            self._position = 0
+        position = self._position
+        self._position += 1
+        self._pending += 1
+        if name is not None and name not in self._in_flight:
+            self._in_flight.add(name)
+            occurrence = self._occurrences.get(name, 0)
+            self._occurrences[name] = occurrence + 1
+            exchange = f"{prefix}.p.{name}"
+            key = 2 * protocol.small_hash(name, protocol.TAG_RANGE ** 2 // 2) + 1
+            return exchange, f"{exchange}#{occurrence}", key, name, name
+        seq = self._seq
+        self._seq += 1
+        exchange = f"{prefix}.s{seq}"
+        return exchange, f"{exchange}#0", (2 * seq) % protocol.TAG_RANGE ** 2, position, None
+
+    # -- Compressor interface -----------------------------------------------------------------
+
+    def compress(self, tensor):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
+        s = self.settings
+        if (tensor.layout != torch.strided or tensor.dtype not in _SOURCE_DTYPES
+                or tensor.numel() < s.min_numel):
+            self._stats.add(raw_elements=tensor.numel(), raw_tensors=1)
+            return tensor, None
+        ps = self._process_set
+        set_ranks = _set_ranks(ps)
+        world, grank = hvd.size(), hvd.rank()
+        set_rank = set_ranks.index(grank) if grank in set_ranks else None
+        with self._lock:
+            exchange, seed_key, key, residual_key, param = self._route(tensor)
+        ctx = _Exchange()
+        ctx.compressor, ctx.name, ctx.shape, ctx.dtype, ctx.device = self, param, tensor.shape, tensor.dtype, tensor.device
+        ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
+                     f"hvd_qsgd: compressed tensor {exchange.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
+        ctx.set_ranks, ctx.world, ctx.handle, ctx.fault = set_ranks, world, None, None
+        fingerprint = codec.tensor_fingerprint(param or "", tensor.shape, tensor.dtype)
+        ctx.expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
+                                     numel=tensor.numel(), dtype=_SOURCE_DTYPES[tensor.dtype],
+                                     fingerprint=fingerprint)
+        ctx.on_device = tensor.is_cuda and s.coding == "fixed" and cuda.available()
+        try:
+            if set_rank is None:
+                raise protocol.MismatchError(
+                    f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
+                    f"{set_ranks}; pass the optimizer's process_set= to the compressor")
+            seed = protocol.payload_seed(s.seed, set_rank, seed_key)
+            if ctx.on_device:
+                payload = self._encode_cuda(tensor, residual_key, seed, fingerprint, ctx.where)
+                if not hvd.nccl_built():
+                    payload = payload.cpu()
+            else:
+                payload = torch.from_numpy(self._encode(tensor, residual_key, seed, fingerprint, ctx.where))
+            ctx.own_len = payload.numel()
+            ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=ps)
+        except Exception as e:  # reported through the control vector, raised on every rank
+            ctx.fault = e
+        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, self._settings_tag, key)
+        control = protocol.control_vector(world, grank, set_rank, tags, failed=ctx.fault is not None)
+        return torch.from_numpy(control), ctx
+
+    def _with_residual(self, x32, residual_key, where):
+        residual = self._residuals.get(residual_key) if self.settings.error_feedback else None
+        if residual is None:
+            return x32
+        if residual.shape != x32.shape:
+            raise protocol.MismatchError(
+                f"{where}: its error-feedback residual (position {residual_key!r}) has "
+                f"{residual.numel()} elements, the tensor {x32.numel()}: the tensors handed to the "
+                "compressor changed order between steps; pass named_parameters= to the compressor")
+        return x32 + residual.to(x32.device)
+
+    def _encode(self, tensor, residual_key, seed, fingerprint, where):
+        """Encode ``tensor`` (+ its residual) on the host with the CPU kernels; update the residual."""
+        s = self.settings
+        x = tensor.detach().reshape(-1)
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x32 = self._with_residual(x.float().contiguous(), residual_key, where)
+        payload = codec.encode(x32.numpy(), s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint,
+                               s.checksum, name=where, source_dtype=_SOURCE_DTYPES[tensor.dtype])
+        if s.error_feedback:
+            self._residuals[residual_key] = x32 - torch.from_numpy(codec.decode(payload, where))
+        return payload
+
+    def _encode_cuda(self, tensor, residual_key, seed, fingerprint, where):
+        """Encode a CUDA tensor (+ its residual) with the CUDA kernels on the current stream."""
+        s = self.settings
+        x32 = self._with_residual(tensor.detach().reshape(-1).float().contiguous(), residual_key, where)
+        payload = cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
+                              source_dtype=_SOURCE_DTYPES[tensor.dtype])
+        if s.error_feedback:
+            self._residuals[residual_key] = x32 - cuda.decode_sum([payload], where=where)
+        return payload
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        try:
+            alpha = protocol.check_control(tensor.detach().cpu().numpy(), ctx.world, ctx.set_ranks, ctx.where,
+                                           fault_message=None if ctx.fault is None else
+                                           f"{ctx.where}: {ctx.fault}")
+        except protocol.MismatchError as e:
+            raise e from ctx.fault
+        finally:
+            self._finish(ctx)
+        gathered = hvd.synchronize(ctx.handle)
+        out = (self._decode_cuda if ctx.on_device else self._decode)(gathered, alpha, ctx)
+        self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
+                        bytes_received=gathered.numel() - ctx.own_len)
+        out = out.view(ctx.shape)
+        if out.dtype != ctx.dtype or out.device != ctx.device:
+            out = out.to(device=ctx.device, dtype=ctx.dtype)
+        return out
+
+    def _decode(self, gathered, alpha, ctx):
+        """Split the gathered bytes by their headers, check them, decode and sum on the host."""
+        payloads = codec.split_payloads(gathered.numpy(), count=len(ctx.set_ranks),
+                                        where=f"{ctx.where}: gathered payloads")
+        protocol.check_gathered([codec.read_header(p, ctx.where) for p in payloads], ctx.expect, ctx.where)
+        out = torch.empty(ctx.expect.numel, dtype=torch.float32)
+        codec.decode_sum(payloads, alpha, out=out.numpy(), where=ctx.where)
+        return out
+
+    def _decode_cuda(self, gathered, alpha, ctx):
+        """The same on the device (fixed coding: every payload has the length of this rank's)."""
+        gathered = gathered.to(ctx.device, non_blocking=True)
+        n = len(ctx.set_ranks)
+        if gathered.numel() != n * ctx.own_len:
+            raise protocol.MismatchError(f"{ctx.where}: gathered {gathered.numel()} bytes from {n} ranks, "
+                                         f"expected {n} payloads of {ctx.own_len} bytes")
+        payloads = list(gathered.split(ctx.own_len))
+        protocol.check_gathered(cuda.read_headers(payloads, ctx.where), ctx.expect, ctx.where)
+        return cuda.decode_sum(payloads, alpha, where=ctx.where)
+
+    def _finish(self, ctx):
+        with self._lock:
+            self._pending = max(0, self._pending - 1)
+            if ctx.name is not None:
+                self._in_flight.discard(ctx.name)
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def stats(self):
+        return self._stats.as_dict()
+
+    def state_dict(self):
+        """Error-feedback residuals (by parameter name or step position) and statistics."""
+        with self._lock:
+            return {"residuals": {k: v.clone() for k, v in self._residuals.items()},
+                    "stats": self._stats.as_dict(), "settings": self.settings.as_dict()}
+
+    def load_state_dict(self, state):
+        mine = self.settings.as_dict()
+        theirs = state.get("settings", mine)
+        changed = [k for k in ("bits", "bucket_size", "norm", "coding") if theirs.get(k) != mine[k]]
+        if changed:
+            raise ValueError(f"hvd_qsgd.torch.QSGD.load_state_dict: the checkpoint was made with different "
+                             f"settings ({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+        with self._lock:
+            self._residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
+        self._stats.load(state.get("stats", {}))
