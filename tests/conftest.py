@@ -1,6 +1,7 @@
 """Shared test helpers: launching real multi-rank jobs with a bounded time."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -19,11 +20,13 @@ def mp_env():
     return env
 
 
-def launch(np_, controller, argv, timeout=180):
+def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
     """Run `argv` (a python script and its arguments) on np_ local ranks.
 
     controller: "gloo" or "mpi" (horovodrun), or "mpirun" (plain Open MPI, for mpi4py workers).
-    Raises on a nonzero exit or on timeout; returns the combined output.
+    On timeout the whole process group (launcher and ranks) is killed and the test fails. Returns the
+    combined output; fails the test on a nonzero exit, or with ``expect_failure`` on a zero exit.
+    ``env``: extra environment variables.
     """
     if controller == "mpirun":
         cmd = [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
@@ -32,11 +35,18 @@ def launch(np_, controller, argv, timeout=180):
         if controller == "mpi":
             cmd += ["--mpi-args=--oversubscribe --bind-to none"]
     cmd += [sys.executable] + list(argv)
+    full_env = mp_env()
+    full_env.update(env or {})
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True, timeout=timeout, start_new_session=True)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(e.stdout or '')[-3000:]}")
-    if proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{proc.stdout[-5000:]}")
-    return proc.stdout
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-3000:]}")
+    if expect_failure and proc.returncode == 0:
+        pytest.fail(f"{' '.join(cmd)} succeeded but was expected to fail:\n{out[-5000:]}")
+    if not expect_failure and proc.returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-5000:]}")
+    return out
