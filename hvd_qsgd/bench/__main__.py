@@ -13,6 +13,8 @@ import sys
 SUBCOMMANDS = {
     "kernels": ("hvd_qsgd.bench.kernels",
                 "codec encode/decode throughput vs memcpy and NumPy / PyTorch baselines"),
+    "torch": ("hvd_qsgd.bench.torch",
+              "per-step time and bytes of Horovod PyTorch training: none, fp16, QSGD(b), at -np N"),
 }
 
 
