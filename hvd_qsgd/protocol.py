@@ -13,14 +13,16 @@ caller's name, so its result tells every rank, identically, what the other ranks
     FAULT               1 if r failed to encode       c * (#failed)
     tag t, tag^2        t, t^2 for each tag           c * sum t, c * sum t^2
     MEMBERS[j]          2^(g mod 24) in chunk g // 24 c * (bitmask of global ranks g)
+    COMPLEMENT[j]       2^24 - 1 - MEMBERS[j]         c * (m (2^24 - 1) - bitmask)
 
 Tags are small integers (< 4096) that must agree on every rank: the set size, the compressor's
 creation index, its settings, and the exchange key (which allgather carries this tensor's payload).
 With integers below 2^12 every sum is exact in float64, and the single rounding of a scale keeps the
 relative error under 2^-50, so the checks below are exact decisions:
 
-* the op is a sum with a positive scale: ``c = ONE / n`` where n is the set size, and
-  ``RANK = c * n (n - 1) / 2`` (Min, Max, Product and Adasum fail this for n > 1);
+* the op is a sum with a positive scale: ``MEMBERS + COMPLEMENT = ONE * (2^24 - 1)`` in every
+  chunk (Min, Max and Product of two or more ranks break it), and ``RANK = c * n (n - 1) / 2``
+  with ``c = ONE / n`` where n is the set size;
 * every member of the compressor's process set, and no other rank, took part: ``MEMBERS / c`` is the
   set's bitmask, chunk by chunk;
 * nobody failed: ``FAULT == 0``;
@@ -42,6 +44,7 @@ import numpy as np
 
 TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)
 MEMBER_BITS = 24          # global ranks per MEMBERS entry; sums stay exact integers below 2^24
+FULL = (1 << MEMBER_BITS) - 1
 ONE, RANK, FAULT = 0, 1, 2
 TAG_NAMES = ("process set size", "compressor creation order", "compressor settings",
              "exchange key (low bits)", "exchange key (high bits)")
@@ -60,14 +63,18 @@ def small_hash(text, modulus=TAG_RANGE):
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % modulus
 
 
+def _chunks(world_size):
+    return -(-int(world_size) // MEMBER_BITS)
+
+
 def control_length(world_size):
     """Entries of the control vector for a job of ``world_size`` ranks (the same on every rank)."""
-    return MEMBERS + -(-int(world_size) // MEMBER_BITS)
+    return MEMBERS + 2 * _chunks(world_size)
 
 
 def member_mask(global_ranks, world_size):
     """The MEMBERS entries of a set of global ranks (as integers)."""
-    chunks = [0] * -(-int(world_size) // MEMBER_BITS)
+    chunks = [0] * _chunks(world_size)
     for g in global_ranks:
         chunks[g // MEMBER_BITS] |= 1 << (g % MEMBER_BITS)
     return chunks
@@ -89,8 +96,11 @@ def control_vector(world_size, global_rank, set_rank, tags, failed=False):
     for i, t in enumerate(tags):
         v[TAGS + 2 * i] = t
         v[TAGS + 2 * i + 1] = t * t
+    k = _chunks(world_size)
+    v[MEMBERS + k:] = float(FULL)
     if set_rank is not None:
         v[MEMBERS + global_rank // MEMBER_BITS] = float(1 << (global_rank % MEMBER_BITS))
+        v[MEMBERS + k + global_rank // MEMBER_BITS] -= float(1 << (global_rank % MEMBER_BITS))
     return v
 
 
@@ -116,22 +126,40 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None):
         failed = int(round(r[FAULT] / c))
         raise MismatchError(fault_message or f"{where}: {failed} rank(s) could not encode this tensor "
                                              "(their error says why)")
+    k = _chunks(world_size)
+    members, complement = r[MEMBERS:MEMBERS + k], r[MEMBERS + k:]
+    if not _mask_matches((members + complement) / r[ONE], [FULL] * k):
+        raise MismatchError(_op_message(where))
     expect = member_mask(set_ranks, world_size)
-    got = [round(x / c) for x in r[MEMBERS:]]
-    if got != expect or any(abs(x / c - g) > 1e-3 for x, g in zip(r[MEMBERS:], got)):
-        raise MismatchError(
-            f"{where}: the ranks that reduced this tensor are not the compressor's process set "
-            f"(global ranks {list(set_ranks)}); pass process_set= to the compressor matching the "
-            "optimizer's or allreduce's process_set, and use the compressor on every rank of that set")
-    if abs(r[RANK] / c - n * (n - 1) / 2) > _REL_TOL * max(1.0, n * n):
-        raise MismatchError(f"{where}: the reduction op is not a sum or an average (rank sum "
-                            f"{r[RANK] / c!r}, expected {n * (n - 1) / 2}); QSGD supports op=Average "
-                            "and op=Sum")
+    if not _mask_matches(members / c, expect) or abs(r[RANK] / c - n * (n - 1) / 2) > _REL_TOL * n * n:
+        raise MismatchError(_membership_message(r, world_size, set_ranks, where))
     for i, name in enumerate(TAG_NAMES):
         mean, mean_sq = r[TAGS + 2 * i] / r[ONE], r[TAGS + 2 * i + 1] / r[ONE]
         if mean_sq - mean * mean > 0.25 / n:
             raise MismatchError(_tag_message(where, name))
     return _snap_scale(c, n)
+
+
+def _mask_matches(values, mask):
+    return all(abs(v - m) <= 1e-3 for v, m in zip(values, mask))
+
+
+def _membership_message(r, world_size, set_ranks, where):
+    """Explain a failed membership or op check: find the participants a sum would imply."""
+    per_rank = r[MEMBERS:MEMBERS + _chunks(world_size)] / r[ONE]  # mask(M) / |M| for a sum over ranks M
+    for m in range(1, world_size + 1):
+        chunks = [int(round(v * m)) for v in per_rank]
+        ranks = [j * MEMBER_BITS + b for j, x in enumerate(chunks) for b in range(MEMBER_BITS) if x >> b & 1]
+        if len(ranks) == m and _mask_matches(per_rank * m, chunks) and ranks != list(set_ranks):
+            return (f"{where}: the tensor was reduced over global ranks {ranks}, but the compressor's "
+                    f"process set is {list(set_ranks)}: pass the optimizer's (or allreduce's) process_set= "
+                    "to the compressor, and use the compressor on every rank of that set")
+    return _op_message(where)
+
+
+def _op_message(where):
+    return (f"{where}: the reduction op is not a sum or an average; QSGD payloads are averaged "
+            "(op=Average) or summed (op=Sum), other ops (Min, Max, Product, Adasum) are not supported")
 
 
 def _tag_message(where, name):

@@ -1,0 +1,311 @@
+"""Worker for tests/test_torch_compressor.py: one scenario per run, under horovodrun.
+
+Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message>`` (one line)
+when the scenario is expected to fail and the compressor raised; the test reads those lines.
+
+The reference for a compressed tensor is computed independently on every rank: each rank's local
+gradient is gathered, re-encoded with the documented payload seed
+(``protocol.payload_seed(seed, rank, exchange_name + "#0")``) and fingerprint, and decoded with
+``codec.decode_sum(payloads, scale)``; the synchronized gradient must equal it exactly.
+"""
+import argparse
+import copy
+import itertools
+import sys
+
+import torch
+import torch.nn as nn
+import horovod.torch as hvd
+
+from horovod.torch.compression import Compressor
+
+import hvd_qsgd
+import hvd_qsgd.torch
+from hvd_qsgd import codec, protocol
+
+SEED = 7
+
+
+class Net(nn.Module):
+    """Parameters big enough to be compressed (>= 10,000 elements) and small ones that are not."""
+
+    def __init__(self, dtype=torch.float32, skip_layer=False):
+        super().__init__()
+        self.fc1 = nn.Linear(64, 200).to(dtype)     # 12,800 + 200
+        self.fc2 = nn.Linear(200, 100).to(dtype)    # 20,000 + 100
+        self.extra = nn.Linear(100, 100).to(dtype)  # 10,000 + 100 (skipped on some ranks)
+        self.fc3 = nn.Linear(100, 10).to(dtype)     # 1,000 + 10
+        self.skip_layer = skip_layer
+
+    def forward(self, x):
+        h = torch.relu(self.fc1(x))
+        h = torch.relu(self.fc2(h))
+        if not self.skip_layer:
+            h = torch.relu(self.extra(h))
+        return self.fc3(h)
+
+
+def batch(rank, step=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(16, 64, generator=g).to(dtype), torch.randint(0, 10, (16,), generator=g)
+
+
+def local_grads(model, rank, passes=1, dtype=torch.float32):
+    """The gradients this rank computes on its own (no Horovod hooks), summed over ``passes``."""
+    m = copy.deepcopy(model)
+    m.zero_grad()
+    for i in range(passes):
+        x, y = batch(rank, i, dtype)
+        nn.functional.cross_entropy(m(x).float(), y).backward()
+    return {n: p.grad.detach().clone() for n, p in m.named_parameters()}
+
+
+_names = itertools.count()
+
+
+def gather(t):
+    """Every rank's copy of t, in rank order (bf16 travels as float32, which holds it exactly).
+    Named: Horovod numbers unnamed ops per process, which diverges once some ranks ran more ops."""
+    out = hvd.allgather(t.detach().float().unsqueeze(0), name=f"test.gather.{next(_names)}")
+    return [x.to(t.dtype) for x in out.unbind(0)]
+
+
+def reference(grads_by_rank, exchange, name, shape, dtype, bits, bucket, scale, fingerprint_name=""):
+    payloads = [codec.encode(g.float().numpy().reshape(-1), bits, bucket, "max",
+                             protocol.payload_seed(SEED, r, exchange + "#0"), "fixed",
+                             codec.tensor_fingerprint(fingerprint_name, shape, dtype), True,
+                             source_dtype=str(dtype).replace("torch.", ""))
+                for r, g in enumerate(grads_by_rank)]
+    return torch.from_numpy(codec.decode_sum(payloads, scale)).view(shape).to(dtype)
+
+
+def gather_in(ps, t):
+    return list(hvd.allgather(t.detach().unsqueeze(0), process_set=ps, name="test.gather_in").unbind(0))
+
+
+def check_identical(t, what):
+    copies = gather(t)
+    for r, c in enumerate(copies):
+        assert torch.equal(c, copies[0]), f"{what}: rank {r} differs from rank 0"
+
+
+def record_order(compressor):
+    """Wrap ``compressor.compress`` to log, in call order, which tensors reached it."""
+    log = []
+    inner = compressor.compress
+
+    def compress(tensor):
+        log.append(tensor)
+        return inner(tensor)
+    compressor.compress = compress
+    return log
+
+
+def optimizer_step(model, compressor, passes=1, **kwargs):
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=compressor,
+                                   backward_passes_per_step=passes, **kwargs)
+    opt.zero_grad()
+    for i in range(passes):
+        x, y = batch(hvd.rank(), i, next(model.parameters()).dtype)
+        nn.functional.cross_entropy(model(x).float(), y).backward()
+    opt.synchronize()
+    return opt
+
+
+def check_optimizer(model, compressor, named, bits, bucket, passes=1, scale=None, **kwargs):
+    """After one synchronized step every gradient equals its reference, on every rank."""
+    n, rank = hvd.size(), hvd.rank()
+    mine = local_grads(model, rank, passes)
+    all_grads = {k: gather(v) for k, v in mine.items()}
+    log = record_order(compressor)
+    optimizer_step(model, compressor, passes, **kwargs)
+    numbered = [t for t in log if t.numel() >= 10000]
+    params = dict(model.named_parameters())
+    scale = 1.0 / n if scale is None else scale
+    for name, p in params.items():
+        if p.numel() >= 10000:
+            if named:
+                exchange, fp_name = f"hvd_qsgd.{compressor._creation_index}.p.{name}", name
+            else:
+                seq = [i for i, t in enumerate(numbered) if t is p.grad or t.data_ptr() == p.grad.data_ptr()]
+                assert len(seq) == 1, (name, seq)
+                exchange, fp_name = f"hvd_qsgd.{compressor._creation_index}.s{seq[0]}", ""
+            ref = reference(all_grads[name], exchange, name, p.shape, p.dtype, bits, bucket, scale, fp_name)
+            assert torch.equal(p.grad, ref), f"{name}: max diff {(p.grad - ref).abs().max()}"
+        else:
+            ref = torch.stack(all_grads[name]).sum(0) * scale
+            assert torch.allclose(p.grad, ref, rtol=1e-5, atol=1e-7), f"{name} (uncompressed)"
+        check_identical(p.grad, name)
+    return compressor
+
+
+def scenario(s):
+    n, rank = hvd.size(), hvd.rank()
+    torch.manual_seed(0)
+    if s == "optimizer-named":
+        model = Net()
+        c = hvd_qsgd.QSGD(4, seed=SEED, named_parameters=model.named_parameters())
+        check_optimizer(model, c, True, 4, 512)
+        st = c.stats
+        assert st["tensors"] == 3 and st["elements"] == 12800 + 20000 + 10000, st
+        sent = sum(codec.payload_nbytes(k, 4, 512) for k in (12800, 20000, 10000))
+        assert st["bytes_sent"] == sent and st["bytes_received"] == (n - 1) * sent, st
+        assert abs(st["ratio"] - 4 * st["elements"] / sent) < 1e-12
+    elif s == "optimizer-plain":
+        check_optimizer(Net(), hvd_qsgd.QSGD(8, seed=SEED), False, 8, 512)
+    elif s == "optimizer-torch-class":
+        model = Net()
+        c = hvd_qsgd.torch.QSGD(2, seed=SEED)
+        assert isinstance(c, Compressor)
+        check_optimizer(model, c, False, 2, 128)
+    elif s == "predivide":
+        check_optimizer(Net(), hvd_qsgd.QSGD(4, seed=SEED), False, 4, 512, gradient_predivide_factor=2.0)
+    elif s == "sum":
+        check_optimizer(Net(), hvd_qsgd.QSGD(4, seed=SEED), False, 4, 512, scale=1.0, op=hvd.Sum)
+    elif s == "passes":
+        model = Net()
+        check_optimizer(model, hvd_qsgd.QSGD(4, seed=SEED, named_parameters=model.named_parameters()),
+                        True, 4, 512, passes=2)
+    elif s == "groups":
+        check_optimizer(Net(), hvd_qsgd.QSGD(4, seed=SEED), False, 4, 512, groups=2)
+    elif s == "dynamic-named":
+        # rank 1 skips a layer: its gradient is submitted late, in synchronize(); names match anyway
+        model = Net(skip_layer=(rank == 1))
+        c = hvd_qsgd.QSGD(4, seed=SEED, named_parameters=model.named_parameters())
+        optimizer_step(model, c)
+        for name, p in model.named_parameters():
+            check_identical(p.grad, name)
+    elif s == "allreduce":
+        t = torch.randn(3, 10000, generator=torch.Generator().manual_seed(rank))
+        c = hvd_qsgd.QSGD(4, seed=SEED)
+        for i, (op, scale) in enumerate(((hvd.Average, 1.0 / n), (hvd.Sum, 1.0))):
+            out = hvd.allreduce(t, compression=c, op=op, name=f"t{i}")
+            ref = reference(gather(t), f"hvd_qsgd.{c._creation_index}.s{i}", "t", t.shape, t.dtype, 4, 512, scale)
+            assert torch.equal(out, ref), f"allreduce op={op}"
+            check_identical(out, "allreduce")
+        outs = hvd.grouped_allreduce([t, t[0, :50], 2 * t], compression=c)
+        for j, (x, seq) in enumerate(((t, 2), (2 * t, 3))):
+            ref = reference(gather(x), f"hvd_qsgd.{c._creation_index}.s{seq}", "", x.shape, x.dtype, 4, 512, 1.0 / n)
+            assert torch.equal(outs[2 * j], ref), "grouped_allreduce"
+        assert torch.allclose(outs[1], hvd.allreduce(t[0, :50])), "small tensor in a group"
+    elif s == "dtypes":
+        c = hvd_qsgd.QSGD(4, seed=SEED)
+        for i, dtype in enumerate((torch.float16, torch.bfloat16, torch.float32)):
+            t = torch.randn(20000, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            out = hvd.allreduce(t, compression=c)
+            assert out.dtype == dtype and out.shape == t.shape
+            ref = reference(gather(t), f"hvd_qsgd.{c._creation_index}.s{i}", "", t.shape, dtype, 4, 512, 1.0 / n)
+            assert torch.equal(out, ref), dtype
+        ints = torch.arange(20000, dtype=torch.int64) * (rank + 1)
+        assert torch.equal(hvd.allreduce(ints, compression=c, op=hvd.Sum), ints // (rank + 1) * (n * (n + 1) // 2))
+        d = torch.randn(20000, dtype=torch.float64)
+        assert torch.equal(hvd.allreduce(d, compression=c, op=hvd.Sum), hvd.allreduce(d, op=hvd.Sum))
+        assert c.stats["tensors"] == 3 and c.stats["raw_tensors"] == 2
+    elif s == "sparse-as-dense":
+        emb = nn.Embedding(1000, 20, sparse=True)
+        c = hvd_qsgd.QSGD(4, seed=SEED)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(), compression=c,
+                                       sparse_as_dense=True)
+        idx = torch.arange(10) + 10 * rank
+        mine = torch.zeros(1000, 20)
+        mine[idx] = 1.0
+        emb(idx).sum().backward()
+        opt.synchronize()
+        ref = reference(gather(mine), f"hvd_qsgd.{c._creation_index}.s0", "", mine.shape, mine.dtype, 4, 512, 1.0 / n)
+        assert torch.equal(emb.weight.grad.to_dense(), ref)
+    elif s == "error-feedback":
+        model = Net()
+        c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True, named_parameters=model.named_parameters())
+        mine = local_grads(model, rank)
+        optimizer_step(model, c)
+        state = c.state_dict()
+        residuals = state["torch"]["residuals"]
+        assert set(residuals) == {"fc1.weight", "fc2.weight", "extra.weight"}, set(residuals)
+        for name, e in residuals.items():
+            g = mine[name].reshape(-1)
+            payload = codec.encode(g.numpy(), 2, 128, "max",
+                                   protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{name}#0"),
+                                   "fixed", codec.tensor_fingerprint(name, mine[name].shape, torch.float32))
+            assert torch.equal(e, g - torch.from_numpy(codec.decode(payload))), name
+        # the next encoding adds the residual: the second step encodes g + e
+        c2 = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True, named_parameters=model.named_parameters())
+        c2.load_state_dict(state)
+        restored = c2.state_dict()["torch"]
+        assert all(torch.equal(restored["residuals"][k], v) for k, v in residuals.items())
+        assert restored["stats"] == state["torch"]["stats"] and c2.stats == c.stats
+    elif s == "process-set":
+        ps = hvd.ProcessSet([1, n - 1])
+        hvd.add_process_set(ps)  # needs HOROVOD_DYNAMIC_PROCESS_SETS=1
+        t = torch.randn(20000, generator=torch.Generator().manual_seed(rank))
+        c = hvd_qsgd.QSGD(4, seed=SEED, process_set=ps)
+        if ps.included():
+            out = hvd.allreduce(t, compression=c, process_set=ps, name="t")
+            mine = [x for r, x in enumerate(gather_in(ps, t))]
+            ref = reference(mine, f"hvd_qsgd.{c._creation_index}.s0", "", t.shape, t.dtype, 4, 512, 0.5)
+            assert torch.equal(out, ref)
+        hvd.allreduce(torch.zeros(1), name="done")
+    elif s.startswith("mismatch-"):
+        try:
+            mismatch(s[len("mismatch-"):], n, rank)
+        except Exception as e:  # the expected outcome: print it, exit nonzero
+            print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:400]}", flush=True)
+            return  # exit normally: Horovod must shut down cleanly after the error
+        print("NOT RAISED", flush=True)
+        sys.exit(1)
+    else:
+        raise SystemExit(f"unknown scenario {s}")
+    print(f"OK {s}", flush=True)
+
+
+def mismatch(kind, n, rank):
+    t = torch.randn(20000)
+    if kind == "bits":
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(8 if rank == 1 else 4))
+    elif kind == "bucket":
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, bucket_size=256 if rank == 1 else 512))
+    elif kind == "bits-same-settings-tag":  # different coding, also a settings difference
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, coding="elias" if rank == 1 else "fixed"))
+    elif kind == "order":
+        # rank 1 skips a layer; without names its gradient arrives in a different position
+        model = Net(skip_layer=(rank == 1))
+        optimizer_step(model, hvd_qsgd.QSGD(4))
+    elif kind == "shapes":
+        hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
+    elif kind == "no-compression":
+        optimizer_step(Net(), hvd_qsgd.QSGD(4) if rank == 0 else hvd.Compression.none)
+    elif kind == "creation-order":
+        a, b = hvd_qsgd.QSGD(4), hvd_qsgd.QSGD(4)
+        hvd.allreduce(t, compression=a if rank == 0 else b)
+    elif kind == "process-set":
+        # the optimizer's allreduce runs on ranks {0, 1}; the compressor was left on all ranks
+        ps = hvd.ProcessSet([0, 1])
+        hvd.add_process_set(ps)  # needs HOROVOD_DYNAMIC_PROCESS_SETS=1
+        try:
+            if ps.included():
+                hvd.allreduce(t, compression=hvd_qsgd.QSGD(4), process_set=ps, name="t")
+            else:
+                raise RuntimeError("outside the process set")
+        finally:  # ranks 2 and 3 wait until 0 and 1 have seen the error
+            hvd.allreduce(torch.zeros(1), name="done")
+    elif kind == "op-min":
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4), op=hvd.Min)
+    elif kind == "reducescatter":
+        hvd.reducescatter(t, compression=hvd_qsgd.QSGD(4))
+    else:
+        raise SystemExit(f"unknown mismatch {kind}")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", nargs="+")
+    args = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    for s in args.scenario:
+        scenario(s)
+
+
+if __name__ == "__main__":
+    main()
