@@ -354,7 +354,16 @@ def _x(v):
     return f"{v:.3f}x" if v < 0.1 else f"{v:.2f}x"
 
 
-TABLE_HEADER = ("| ranks | mode | step ms (median, max over ranks) | time vs none | sent MB/rank/step | "
+def _ms(row):
+    """'median [q1-q3]' of the per-step times (max over ranks), in ms."""
+    t = [1e3 * v for v in row["step_s_max_over_ranks"]]
+    if len(t) < 2:
+        return f"{1e3 * row['step_s_median']:.1f}"
+    q1, _, q3 = statistics.quantiles(t, n=4, method="inclusive")
+    return f"{1e3 * row['step_s_median']:.1f} [{q1:.0f}-{q3:.0f}]"
+
+
+TABLE_HEADER = ("| ranks | mode | step ms: median [quartiles] | time vs none | sent MB/rank/step | "
                 "sent vs none | recv MB/rank/step | recv vs none |")
 
 
@@ -365,12 +374,12 @@ def table_lines(runs):
         none = rows["none"]
         tag = f"{run['np']}" + (" (oversubscribed)" if run["oversubscribed"] else "")
         for r in run["rows"]:
-            ms = 1e3 * r["step_s_median"]
+            ms = _ms(r)
             tr = _x(r["step_s_median"] / none["step_s_median"])
             if r["mode"] == "compute":
-                lines.append(f"| {tag} | compute only (no exchange) | {ms:.1f} | {tr} | - | - | - | - |")
+                lines.append(f"| {tag} | compute only (no exchange) | {ms} | {tr} | - | - | - | - |")
                 continue
-            lines.append(f"| {tag} | {mode_label(r['mode'])} | {ms:.1f} | {tr} | {_mb(r['sent_bytes_per_step'])} | "
+            lines.append(f"| {tag} | {mode_label(r['mode'])} | {ms} | {tr} | {_mb(r['sent_bytes_per_step'])} | "
                          f"{_x(r['sent_bytes_per_step'] / none['sent_bytes_per_step'])} | "
                          f"{_mb(r['recv_bytes_per_step'])} | "
                          f"{_x(r['recv_bytes_per_step'] / none['recv_bytes_per_step'])} |")
@@ -383,7 +392,7 @@ def notes(runs, info, args):
            f"(fp32: {_mb(4 * first['numel'])} MB); batch {args.batch} per rank (synthetic); SGD with momentum; "
            f"{args.warmup} warm-up + {args.steps} timed steps per mode, modes interleaved step by step",
            "step ms: each rank times zero_grad+forward+backward+step after a barrier; a step's time is the max "
-           "over ranks; median over the timed steps",
+           "over ranks; median [first-third quartile] over the timed steps; time vs none: ratio of medians",
            "sent: bytes this rank hands to the collectives per step: none 4*numel, fp16 2*numel, QSGD its "
            "payloads (stats bytes_sent) + 4*raw_elements (tensors under min_numel, fp32); control vectors "
            "(8*control_length(n) B per quantized tensor) excluded",
