@@ -20,6 +20,7 @@ import numpy as np
 
 from hvd_qsgd import _native, codec
 from hvd_qsgd.bench import baselines as bl
+from hvd_qsgd.bench.args import bit_widths, positive_int
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _CHECK_TRIALS = 200  # encodes per implementation in the unbiasedness check
@@ -43,24 +44,7 @@ def parse_sizes(text):
     return [parse_size(s) for s in text.split(",") if s.strip()]
 
 
-def parse_bits(text):
-    try:
-        bits = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        bits = []
-    if not bits or any(not 2 <= b <= 8 for b in bits):
-        raise argparse.ArgumentTypeError(f"bits must be integers in 2..8: {text!r}")
-    return bits
-
-
-def positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
-    return v
+parse_bits = bit_widths(2)
 
 
 def fmt_size(n):

@@ -63,65 +63,40 @@ import subprocess
 import sys
 import time
 
+from hvd_qsgd.bench.args import bit_widths, nonnegative_int, positive_int
+
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
 CLASSES = 10
 
 
 # ---- arguments ---------------------------------------------------------------------------------
-def _positive_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        v = 0
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer: {text!r}")
-    return v
-
-
-def _nonnegative_int(text):
-    try:
-        v = int(text)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"must be a non-negative integer: {text!r}")
-    return v
-
-
 def _hidden(text):
-    v = _positive_int(text)
+    v = positive_int(text)
     if v < 2 or v % 2:
         raise argparse.ArgumentTypeError(f"--hidden must be an even integer >= 2: {text!r}")
     return v
 
 
-def _bits(text):
-    try:
-        bits = [int(b) for b in text.split(",") if b.strip()]
-    except ValueError:
-        bits = []
-    if not bits or any(not 1 <= b <= 8 for b in bits):
-        raise argparse.ArgumentTypeError(f"bits must be integers in 1..8, comma-separated: {text!r}")
-    return bits
+_bits = bit_widths(1)
 
 
 def add_arguments(p):
-    p.add_argument("--np", type=_positive_int, nargs="+", default=[2, 4, 8], metavar="N",
+    p.add_argument("--np", type=positive_int, nargs="+", default=[2, 4, 8], metavar="N",
                    help="rank counts, one horovodrun job each (default: 2 4 8)")
     p.add_argument("--bits", type=_bits, default="2,4,8",
                    help="QSGD bit widths, comma-separated (default %(default)s)")
     p.add_argument("--hidden", type=_hidden, default=2048,
                    help="MLP hidden width H: layers H/2 -> H -> H/2 -> 10 (default %(default)s: "
                         "4,207,626 parameters)")
-    p.add_argument("--batch", type=_positive_int, default=32, help="samples per rank per step (default %(default)s)")
-    p.add_argument("--steps", type=_positive_int, default=20, help="timed steps per mode (default %(default)s)")
-    p.add_argument("--warmup", type=_nonnegative_int, default=3,
+    p.add_argument("--batch", type=positive_int, default=32, help="samples per rank per step (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=20, help="timed steps per mode (default %(default)s)")
+    p.add_argument("--warmup", type=nonnegative_int, default=3,
                    help="untimed steps per mode first (default %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights, the data and QSGD")
     p.add_argument("--out", default=DEFAULT_OUT,
                    help="folder of results.json, table.md and plot.png (default %(default)s)")
-    p.add_argument("--timeout", type=_positive_int, default=1200,
+    p.add_argument("--timeout", type=positive_int, default=1200,
                    help="seconds allowed to each horovodrun job (default %(default)s)")
     # worker mode (what horovodrun starts on every rank)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
