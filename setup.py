@@ -25,7 +25,7 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(ROOT, "kernels")
-CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc"]
+CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc", "kernels/qsgd_control.cc"]
 CUDA_SOURCES = ["kernels/qsgd_cuda.cu"]
 HEADERS = ["kernels/qsgd.h", "kernels/qsgd_math.h", "kernels/qsgd_cpu_internal.h"]
 

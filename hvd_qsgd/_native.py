@@ -16,13 +16,14 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 1  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 2  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
 E_ARG, E_CAPACITY, E_TRUNCATED, E_MAGIC, E_VERSION, E_HEADER = -1, -2, -3, -4, -5, -6
 E_LENGTH, E_CHECKSUM, E_SCALE, E_STREAM, E_PADDING, E_MISMATCH = -7, -8, -9, -10, -11, -12
 E_NOMEM, E_CUDA = -13, -14
+E_CTRL_LENGTH, E_CTRL_OP, E_CTRL_FAULT, E_CTRL_MEMBERS, E_CTRL_TAG = -20, -21, -22, -23, -24
 
 
 class Config(ctypes.Structure):
@@ -107,6 +108,15 @@ def load():
         lib.qsgd_decode_sum_cpu.restype = _I32
         lib.qsgd_decode_sum_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
                                             ctypes.c_float, _P, _U64, _I32]
+        lib.qsgd_step_seed.restype = _U64
+        lib.qsgd_step_seed.argtypes = [_U64, _U64]
+        lib.qsgd_control_length.restype = ctypes.c_int64
+        lib.qsgd_control_length.argtypes = [_I32]
+        lib.qsgd_control_vector.restype = _I32
+        lib.qsgd_control_vector.argtypes = [_I32, _I32, _I32, _P, _I32, _P, ctypes.c_int64]
+        lib.qsgd_check_control.restype = _I32
+        lib.qsgd_check_control.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, ctypes.POINTER(ctypes.c_double),
+                                           ctypes.POINTER(_I32)]
         lib.qsgd_set_num_threads.restype = None
         lib.qsgd_set_num_threads.argtypes = [_I32]
         lib.qsgd_get_num_threads.restype = _I32

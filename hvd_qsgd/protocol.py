@@ -37,20 +37,20 @@ The gradient scale ``alpha`` applied to the decoded sum is ``c``: ``1/n`` for Av
 Horovod's ``gradient_predivide_factor``, which splits 1/n into a pre- and post-scale), 1 for Sum, and
 ``prescale * postscale`` (times 1/n for Average) for ``hvd.allreduce``'s explicit factors.
 """
+import ctypes
 import hashlib
-import math
 
 import numpy as np
 
-TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)
-MEMBER_BITS = 24          # global ranks per MEMBERS entry; sums stay exact integers below 2^24
-FULL = (1 << MEMBER_BITS) - 1
+from hvd_qsgd import _native
+
+TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)     (QSGD_CONTROL_TAG_RANGE)
+MEMBER_BITS = 24          # global ranks per MEMBERS entry            (QSGD_CONTROL_MEMBER_BITS)
 ONE, RANK, FAULT = 0, 1, 2
 TAG_NAMES = ("process set size", "compressor creation order", "compressor settings",
              "exchange key (low bits)", "exchange key (high bits)")
 TAGS = 3                  # first tag entry
 MEMBERS = TAGS + 2 * len(TAG_NAMES)
-_REL_TOL = 1e-9
 
 
 class MismatchError(RuntimeError):
@@ -69,7 +69,7 @@ def _chunks(world_size):
 
 def control_length(world_size):
     """Entries of the control vector for a job of ``world_size`` ranks (the same on every rank)."""
-    return MEMBERS + 2 * _chunks(world_size)
+    return int(_native.load().qsgd_control_length(int(world_size)))
 
 
 def member_mask(global_ranks, world_size):
@@ -89,18 +89,14 @@ def exchange_tags(set_size, creation_index, settings_tag, key):
 def control_vector(world_size, global_rank, set_rank, tags, failed=False):
     """This rank's contribution (a float64 NumPy array). A rank outside the set passes
     ``set_rank=None``: it contributes no membership bit, which every rank then sees."""
-    v = np.zeros(control_length(world_size), dtype=np.float64)
-    v[ONE] = 1.0
-    v[RANK] = float(set_rank or 0)
-    v[FAULT] = 1.0 if failed else 0.0
-    for i, t in enumerate(tags):
-        v[TAGS + 2 * i] = t
-        v[TAGS + 2 * i + 1] = t * t
-    k = _chunks(world_size)
-    v[MEMBERS + k:] = float(FULL)
-    if set_rank is not None:
-        v[MEMBERS + global_rank // MEMBER_BITS] = float(1 << (global_rank % MEMBER_BITS))
-        v[MEMBERS + k + global_rank // MEMBER_BITS] -= float(1 << (global_rank % MEMBER_BITS))
+    v = np.empty(control_length(world_size), dtype=np.float64)
+    t = np.ascontiguousarray(tags, dtype=np.int32)
+    st = _native.load().qsgd_control_vector(int(world_size), int(global_rank),
+                                            -1 if set_rank is None else int(set_rank), t.ctypes.data,
+                                            int(bool(failed)), v.ctypes.data, v.size)
+    if st != _native.OK:
+        raise ValueError(f"control_vector: {_native.status_string(st)} (world {world_size}, rank "
+                         f"{global_rank}, tags {tuple(tags)})")
     return v
 
 
@@ -111,33 +107,27 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None):
     own encoding error, if it had one. Only the reduced vector decides, so the verdict is the same
     on every rank.
     """
-    r = np.asarray(reduced, dtype=np.float64).reshape(-1)
-    n = len(set_ranks)
-    if r.size != control_length(world_size):
-        raise MismatchError(
-            f"{where}: the control tensor came back with {r.size} entries instead of "
-            f"{control_length(world_size)}: QSGD compression works with allreduce (Sum or Average), "
-            "not with reducescatter or other collectives")
-    if not np.all(np.isfinite(r)) or r[ONE] <= 0:
-        raise MismatchError(f"{where}: the reduction op is not a sum or an average of positive scale "
-                            f"(control returned {r[ONE]!r}); QSGD supports op=Average and op=Sum")
-    c = r[ONE] / n
-    if r[FAULT] / c > 0.5:
-        failed = int(round(r[FAULT] / c))
-        raise MismatchError(fault_message or f"{where}: {failed} rank(s) could not encode this tensor "
+    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
+    ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
+    alpha, detail = ctypes.c_double(0.0), ctypes.c_int32(0)
+    st = _native.load().qsgd_check_control(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
+                                           ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
+    if st == _native.OK:
+        return alpha.value
+    if st == _native.E_CTRL_LENGTH:
+        raise MismatchError(f"{where}: the control tensor came back with {r.size} entries instead of "
+                            f"{control_length(world_size)}: QSGD compression works with allreduce (Sum or "
+                            "Average), not with reducescatter or other collectives")
+    if st == _native.E_CTRL_FAULT:
+        raise MismatchError(fault_message or f"{where}: {detail.value} rank(s) could not encode this tensor "
                                              "(their error says why)")
-    k = _chunks(world_size)
-    members, complement = r[MEMBERS:MEMBERS + k], r[MEMBERS + k:]
-    if not _mask_matches((members + complement) / r[ONE], [FULL] * k):
+    if st == _native.E_CTRL_OP:
         raise MismatchError(_op_message(where))
-    expect = member_mask(set_ranks, world_size)
-    if not _mask_matches(members / c, expect) or abs(r[RANK] / c - n * (n - 1) / 2) > _REL_TOL * n * n:
+    if st == _native.E_CTRL_MEMBERS:
         raise MismatchError(_membership_message(r, world_size, set_ranks, where))
-    for i, name in enumerate(TAG_NAMES):
-        mean, mean_sq = r[TAGS + 2 * i] / r[ONE], r[TAGS + 2 * i + 1] / r[ONE]
-        if mean_sq - mean * mean > 0.25 / n:
-            raise MismatchError(_tag_message(where, name))
-    return _snap_scale(c, n)
+    if st == _native.E_CTRL_TAG:
+        raise MismatchError(_tag_message(where, TAG_NAMES[detail.value]))
+    raise MismatchError(f"{where}: {_native.status_string(st)}")
 
 
 def _mask_matches(values, mask):
@@ -175,20 +165,18 @@ def _tag_message(where, name):
     return f"{where}: ranks disagree on the {name}: {hint}"
 
 
-def _snap_scale(c, n):
-    """The exact scale of Average (1/n) and Sum (1) when c is within rounding of them."""
-    if abs(c * n - 1.0) <= _REL_TOL:
-        return 1.0 / n
-    if abs(c - 1.0) <= _REL_TOL:
-        return 1.0
-    return float(c)
-
-
-def payload_seed(seed, set_rank, key):
-    """The 64-bit seed of the payload this rank encodes for exchange ``key`` (a string): distinct
-    per rank and exchange, so ranks quantize independently and steps never reuse randomness."""
-    text = f"{int(seed)}|{int(set_rank)}|{key}"
+def exchange_seed(seed, set_rank, exchange):
+    """The 64-bit base seed of this rank's payloads for one exchange name."""
+    text = f"{int(seed)}|{int(set_rank)}|{exchange}"
     return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def payload_seed(seed, set_rank, exchange, occurrence=0):
+    """The seed of the payload this rank encodes for the ``occurrence``-th use of ``exchange``:
+    ``qsgd_step_seed(exchange_seed(seed, rank, exchange), occurrence)`` (a SplitMix64 step, the same
+    function the TensorFlow op applies in-graph), so ranks quantize independently and steps never
+    reuse randomness."""
+    return int(_native.load().qsgd_step_seed(exchange_seed(seed, set_rank, exchange), int(occurrence)))
 
 
 def check_gathered(headers, expect, where):
@@ -206,6 +194,3 @@ def ratio(elements, bytes_sent):
     """fp32 bytes over bytes sent (0.0 before anything was sent)."""
     return 4.0 * elements / bytes_sent if bytes_sent else 0.0
 
-
-def is_close(a, b):
-    return math.isclose(a, b, rel_tol=_REL_TOL)

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 1
+#define QSGD_ABI_VERSION 2
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -50,7 +50,13 @@ typedef enum qsgd_status {
   QSGD_E_PADDING = -11,       /* nonzero padding bits */
   QSGD_E_MISMATCH = -12,      /* payloads given to one decode_sum disagree (numel, fingerprint, ...) */
   QSGD_E_NOMEM = -13,         /* allocation failed */
-  QSGD_E_CUDA = -14           /* a CUDA runtime call failed */
+  QSGD_E_CUDA = -14,          /* a CUDA runtime call failed */
+  /* control vector verdicts (qsgd_check_control) */
+  QSGD_E_CTRL_LENGTH = -20,   /* the reduced control vector has the wrong length (not an allreduce) */
+  QSGD_E_CTRL_OP = -21,       /* the reduction op is not a sum or an average of positive scale */
+  QSGD_E_CTRL_FAULT = -22,    /* some rank(s) could not encode (detail: how many) */
+  QSGD_E_CTRL_MEMBERS = -23,  /* the reducing ranks are not the compressor's process set */
+  QSGD_E_CTRL_TAG = -24       /* ranks disagree on a tag (detail: which) */
 } qsgd_status;
 
 /* Encoder settings. */
@@ -115,6 +121,23 @@ int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens
 /* Threads the CPU codec uses (OpenMP); n <= 0 restores the default. */
 void qsgd_set_num_threads(int32_t n);
 int32_t qsgd_get_num_threads(void);
+
+/* ---- control vector of a compressed exchange (hvd_qsgd/protocol.py states the math) -------- */
+#define QSGD_CONTROL_TAGS 5          /* set size, creation index, settings, key low, key high */
+#define QSGD_CONTROL_TAG_RANGE 4096  /* tags are integers in [0, 4096) */
+#define QSGD_CONTROL_MEMBER_BITS 24  /* global ranks per membership entry */
+/* The seed of the occurrence-th payload of an exchange whose base seed is `base` (SplitMix64). */
+uint64_t qsgd_step_seed(uint64_t base, uint64_t occurrence);
+/* Entries of the control vector of a job of `world` ranks: 13 + 2 * ceil(world / 24). */
+int64_t qsgd_control_length(int32_t world);
+/* This rank's contribution; set_rank < 0: this rank is not in the compressor's process set. */
+int32_t qsgd_control_vector(int32_t world, int32_t global_rank, int32_t set_rank, const int32_t* tags,
+                            int32_t failed, double* out, int64_t len);
+/* Check a reduced control vector against the compressor's process set (global ranks, ascending):
+ * QSGD_OK and the gradient scale *alpha (1/n for Average, 1 for Sum), or a QSGD_E_CTRL_* verdict
+ * with *detail (the failed-rank count or the tag index). The verdict depends on r only. */
+int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
+                           int32_t n, double* alpha, int32_t* detail);
 
 /* ---- CUDA codec (libhvd_qsgd_cuda; device pointers, stream-ordered, fixed coding) --------- */
 /* QSGD_ABI_VERSION of the CUDA library. */

@@ -429,6 +429,11 @@ extern "C" const char* qsgd_status_string(int32_t st) {
     case QSGD_E_MISMATCH: return "payloads disagree on the tensor (numel, fingerprint, bits, bucket size, coding, norm or dtype)";
     case QSGD_E_NOMEM: return "out of memory";
     case QSGD_E_CUDA: return "CUDA runtime error";
+    case QSGD_E_CTRL_LENGTH: return "the control tensor came back with the wrong length: QSGD compression works with allreduce (Sum or Average), not with reducescatter or other collectives";
+    case QSGD_E_CTRL_OP: return "the reduction op is not a sum or an average; QSGD payloads are averaged (op=Average) or summed (op=Sum), other ops (Min, Max, Product, Adasum) are not supported";
+    case QSGD_E_CTRL_FAULT: return "some rank(s) could not encode this tensor (their error says why)";
+    case QSGD_E_CTRL_MEMBERS: return "the ranks that reduced this tensor are not the compressor's process set: pass the optimizer's (or allreduce's) process_set to the compressor, and use the compressor on every rank of that set";
+    case QSGD_E_CTRL_TAG: return "ranks disagree on the exchange: different compressor settings, compressor objects, process sets, or tensor order";
     default: return "unknown status";
   }
 }

@@ -118,7 +118,8 @@ def test_reducescatter_shaped_results_are_refused():
 
 
 def test_payload_seeds_differ_per_rank_and_exchange():
-    seeds = {protocol.payload_seed(0, r, f"hvd_qsgd.0.s{k}#0") for r, k in itertools.product(range(16), range(64))}
-    assert len(seeds) == 16 * 64
+    seeds = {protocol.payload_seed(0, r, f"hvd_qsgd.0.s{k}", i)
+             for r, k, i in itertools.product(range(16), range(64), range(4))}
+    assert len(seeds) == 16 * 64 * 4
     assert protocol.payload_seed(1, 0, "x") != protocol.payload_seed(0, 0, "x")
     assert all(0 <= s < 2**64 for s in seeds)

@@ -22,7 +22,7 @@ the same number before anyone waits on it. Error-feedback residuals are keyed by
 without names by position within a step (the tensors compressed between two moments with no
 exchange pending), which presumes a static order of gradients.
 
-Payload seeds: ``protocol.payload_seed(seed, set_rank, f"{exchange_name}#{i}")`` where i counts the
+Payload seeds: ``protocol.payload_seed(seed, set_rank, exchange_name, i)`` where i counts the
 previous exchanges of that name on this rank (always 0 for numbered exchanges).
 """
 import threading
@@ -108,7 +108,7 @@ class QSGD(Compressor):
         return hit[0] if hit is not None and hit[1].grad is tensor else None
 
     def _route(self, tensor):
-        """(exchange name, seed key, protocol key, residual key) of a tensor; under the lock."""
+        """(exchange name, occurrence, protocol key, residual key, parameter name); under the lock."""
         prefix = f"hvd_qsgd.{self._creation_index}"
         name = self._param_name(tensor)
         if self._pending == 0:
@@ -122,11 +122,11 @@ class QSGD(Compressor):
             self._occurrences[name] = occurrence + 1
             exchange = f"{prefix}.p.{name}"
             key = 2 * protocol.small_hash(name, protocol.TAG_RANGE ** 2 // 2) + 1
-            return exchange, f"{exchange}#{occurrence}", key, name, name
+            return exchange, occurrence, key, name, name
         seq = self._seq
         self._seq += 1
         exchange = f"{prefix}.s{seq}"
-        return exchange, f"{exchange}#0", (2 * seq) % protocol.TAG_RANGE ** 2, position, None
+        return exchange, 0, (2 * seq) % protocol.TAG_RANGE ** 2, position, None
 
     # -- Compressor interface -----------------------------------------------------------------
 
@@ -143,7 +143,7 @@ class QSGD(Compressor):
         world, grank = hvd.size(), hvd.rank()
         set_rank = set_ranks.index(grank) if grank in set_ranks else None
         with self._lock:
-            exchange, seed_key, key, residual_key, param = self._route(tensor)
+            exchange, occurrence, key, residual_key, param = self._route(tensor)
         ctx = _Exchange()
         ctx.compressor, ctx.name, ctx.shape, ctx.dtype, ctx.device = self, param, tensor.shape, tensor.dtype, tensor.device
         ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
@@ -159,7 +159,7 @@ class QSGD(Compressor):
                 raise protocol.MismatchError(
                     f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
                     f"{set_ranks}; pass the optimizer's process_set= to the compressor")
-            seed = protocol.payload_seed(s.seed, set_rank, seed_key)
+            seed = protocol.payload_seed(s.seed, set_rank, exchange, occurrence)
             if ctx.on_device:
                 payload = self._encode_cuda(tensor, residual_key, seed, fingerprint, ctx.where)
                 if not hvd.nccl_built():

@@ -5,7 +5,7 @@ when the scenario is expected to fail and the compressor raised; the test reads 
 
 The reference for a compressed tensor is computed independently on every rank: each rank's local
 gradient is gathered, re-encoded with the documented payload seed
-(``protocol.payload_seed(seed, rank, exchange_name + "#0")``) and fingerprint, and decoded with
+(``protocol.payload_seed(seed, rank, exchange_name, 0)``) and fingerprint, and decoded with
 ``codec.decode_sum(payloads, scale)``; the synchronized gradient must equal it exactly.
 """
 import argparse
@@ -72,7 +72,7 @@ def gather(t):
 
 def reference(grads_by_rank, exchange, name, shape, dtype, bits, bucket, scale, fingerprint_name=""):
     payloads = [codec.encode(g.float().numpy().reshape(-1), bits, bucket, "max",
-                             protocol.payload_seed(SEED, r, exchange + "#0"), "fixed",
+                             protocol.payload_seed(SEED, r, exchange, 0), "fixed",
                              codec.tensor_fingerprint(fingerprint_name, shape, dtype), True,
                              source_dtype=str(dtype).replace("torch.", ""))
                 for r, g in enumerate(grads_by_rank)]
@@ -226,7 +226,7 @@ def scenario(s):
         for name, e in residuals.items():
             g = mine[name].reshape(-1)
             payload = codec.encode(g.numpy(), 2, 128, "max",
-                                   protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{name}#0"),
+                                   protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{name}", 0),
                                    "fixed", codec.tensor_fingerprint(name, mine[name].shape, torch.float32))
             assert torch.equal(e, g - torch.from_numpy(codec.decode(payload))), name
         # the next encoding adds the residual: the second step encodes g + e
