@@ -5,6 +5,9 @@ The codec's native libraries are built from ``kernels/`` by calling the compiler
 * ``hvd_qsgd/_lib_cpu*.so``  -- always: the C++ implementation, OpenMP, vectorised (g++ / $CXX);
 * ``hvd_qsgd/_lib_cuda*.so`` -- whenever ``nvcc`` is found (or $HVD_QSGD_NVCC names one); set
   ``HVD_QSGD_WITHOUT_CUDA=1`` to skip it, ``HVD_QSGD_WITH_CUDA=1`` to make its absence an error.
+* ``hvd_qsgd/tensorflow/_qsgd_ops*.so`` -- whenever TensorFlow is importable at build time: the
+  TensorFlow ops (``hvd_qsgd/tensorflow/qsgd_ops.cc``) compiled with the same kernel sources against
+  the installed TensorFlow's headers and ABI; ``HVD_QSGD_WITHOUT_TENSORFLOW=1`` skips it.
 
 They are plain shared libraries with a C ABI (``kernels/qsgd.h``), loaded with ctypes; they are
 declared as extensions only so that setuptools puts them in the right place for both ``pip install .``
@@ -27,6 +30,14 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(ROOT, "kernels")
 CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc", "kernels/qsgd_control.cc"]
 CUDA_SOURCES = ["kernels/qsgd_cuda.cu"]
+TF_SOURCES = ["hvd_qsgd/tensorflow/qsgd_ops.cc"]
+CPU_FLAGS = [
+    "-O3", "-std=c++17", "-fopenmp", "-fPIC", "-shared",
+    # no FMA contraction: the CPU and CUDA libraries must round identically
+    "-ffp-contract=off", "-fno-math-errno",
+    # lets the vectoriser if-convert the float selects (values are unchanged: only the
+    # floating-point exception flags are assumed unobserved)
+    "-fno-trapping-math"]
 HEADERS = ["kernels/qsgd.h", "kernels/qsgd_math.h", "kernels/qsgd_cpu_internal.h"]
 
 
@@ -84,15 +95,13 @@ class BuildNative(build_ext):
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if ext.name.endswith("_lib_cpu"):
-            march = os.environ.get("HVD_QSGD_MARCH", "native")
-            cmd = _find_cxx() + [
-                "-O3", "-std=c++17", f"-march={march}", "-fopenmp", "-fPIC", "-shared",
-                # no FMA contraction: the CPU and CUDA libraries must round identically
-                "-ffp-contract=off", "-fno-math-errno", "-Wall", "-Wextra",
-                # lets the vectoriser if-convert the float selects (values are unchanged: only the
-                # floating-point exception flags are assumed unobserved)
-                "-fno-trapping-math",
-                "-Ikernels", *CPU_SOURCES, "-o", out]
+            cmd = _find_cxx() + CPU_FLAGS + [_march(), "-Wall", "-Wextra", "-Ikernels", *CPU_SOURCES, "-o", out]
+            _run(cmd)
+        elif ext.name.endswith("_qsgd_ops"):
+            compile_flags, link_flags = _tensorflow_flags()
+            # TensorFlow's flags set -std=c++17 and its C++ ABI; they come after ours
+            cmd = _find_cxx() + CPU_FLAGS + [_march(), "-Wno-deprecated-declarations", "-Ikernels",
+                                             *compile_flags, *TF_SOURCES, *CPU_SOURCES, *link_flags, "-o", out]
             _run(cmd)
         elif ext.name.endswith("_lib_cuda"):
             nvcc = _find_nvcc()
@@ -108,8 +117,30 @@ class BuildNative(build_ext):
             raise BuildError(f"unknown native target {ext.name}")
 
 
+def _march():
+    return "-march=" + os.environ.get("HVD_QSGD_MARCH", "native")
+
+
+def _tensorflow_flags():
+    """TensorFlow's compile and link flags, or None when TensorFlow is not importable."""
+    if os.environ.get("HVD_QSGD_WITHOUT_TENSORFLOW") == "1":
+        return None
+    code = ("import json, tensorflow as tf; "
+            "print(json.dumps([tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))")
+    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    if proc.returncode != 0:
+        return None
+    import json
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def _extensions():
     exts = [Extension("hvd_qsgd._lib_cpu", sources=CPU_SOURCES, depends=HEADERS)]
+    if _tensorflow_flags():
+        exts.append(Extension("hvd_qsgd.tensorflow._qsgd_ops", sources=TF_SOURCES + CPU_SOURCES, depends=HEADERS))
+    else:
+        print("hvd_qsgd: TensorFlow not importable; building without the TensorFlow ops", file=sys.stderr)
     if _find_nvcc():
         exts.append(Extension("hvd_qsgd._lib_cuda", sources=CUDA_SOURCES, depends=HEADERS))
     else:

@@ -114,7 +114,7 @@ def _framework(tensor):
     module = type(tensor).__module__ or ""
     if module.startswith("torch"):
         return "torch"
-    if module.startswith("tensorflow") or module.startswith("keras"):
+    if module.startswith(("tensorflow", "keras", "tf_keras")):
         return "tensorflow"
     raise TypeError(f"hvd_qsgd.QSGD: cannot compress a {type(tensor).__module__}.{type(tensor).__name__}; "
                     "it compresses PyTorch tensors (and TensorFlow tensors where supported)")
@@ -166,17 +166,23 @@ class QSGD:
                                         process_set=self._process_set,
                                         creation_index=self._creation_index)
                 else:
-                    raise NotImplementedError("hvd_qsgd.QSGD: TensorFlow tensors are not supported yet")
+                    from hvd_qsgd.tensorflow import QSGD as TensorFlowQSGD
+                    if self._named_parameters is not None:
+                        raise ValueError("hvd_qsgd.QSGD: named_parameters are PyTorch parameters; TensorFlow "
+                                         "gradients are matched in the order they are traced")
+                    adapter = TensorFlowQSGD(settings=self.settings, process_set=self._process_set,
+                                             creation_index=self._creation_index)
                 self._adapters[framework] = adapter
             return adapter
 
     def compress(self, tensor):
-        return self._adapter(_framework(tensor)).compress(tensor)
+        adapter = self._adapter(_framework(tensor))
+        return adapter.compress(tensor)
 
     def decompress(self, tensor, ctx):
         if ctx is None:
             return tensor
-        return ctx.compressor.decompress(tensor, ctx)
+        return self._adapter(_framework(tensor)).decompress(tensor, ctx)
 
     def bind(self, named_parameters):
         """Match payloads by these parameter names (see ``named_parameters``); returns self."""
@@ -191,6 +197,8 @@ class QSGD:
             adapters = list(self._adapters.values())
         if not adapters:
             return Stats().as_dict()
+        if len(adapters) == 1:  # TensorFlow graph mode returns counter tensors: pass them through
+            return adapters[0].stats
         return Stats.merge(a.stats for a in adapters)
 
     def state_dict(self):

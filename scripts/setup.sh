@@ -65,7 +65,7 @@ if ! "$VPY" -c "import horovod, sys; sys.exit(horovod.__version__ != '${HOROVOD_
 fi
 
 # 5. This project, editable (builds the native codec library from kernels/).
-if ! "$VPY" -c "import hvd_qsgd._native as n; n.load()" 2>/dev/null || [ -n "$(find kernels setup.py -newer .venv/.hvd_qsgd_built 2>/dev/null | head -1)" ] || [ ! -e .venv/.hvd_qsgd_built ]; then
+if ! "$VPY" -c "import hvd_qsgd._native as n; n.load()" 2>/dev/null || [ -n "$(find kernels setup.py hvd_qsgd/tensorflow/qsgd_ops.cc -newer .venv/.hvd_qsgd_built 2>/dev/null | head -1)" ] || [ ! -e .venv/.hvd_qsgd_built ]; then
     log "building and installing hvd_qsgd (editable)"
     "${PIP[@]}" --no-build-isolation --no-deps -e .
     touch .venv/.hvd_qsgd_built

@@ -149,7 +149,7 @@ class QSGD(Compressor):
         ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
                      f"hvd_qsgd: compressed tensor {exchange.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
         ctx.set_ranks, ctx.world, ctx.handle, ctx.fault = set_ranks, world, None, None
-        fingerprint = codec.tensor_fingerprint(param or "", tensor.shape, tensor.dtype)
+        fingerprint = codec.tensor_fingerprint(param or "", tensor.shape, _SOURCE_DTYPES[tensor.dtype])
         ctx.expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
                                      numel=tensor.numel(), dtype=_SOURCE_DTYPES[tensor.dtype],
                                      fingerprint=fingerprint)

@@ -73,7 +73,7 @@ def gather(t):
 def reference(grads_by_rank, exchange, name, shape, dtype, bits, bucket, scale, fingerprint_name=""):
     payloads = [codec.encode(g.float().numpy().reshape(-1), bits, bucket, "max",
                              protocol.payload_seed(SEED, r, exchange, 0), "fixed",
-                             codec.tensor_fingerprint(fingerprint_name, shape, dtype), True,
+                             codec.tensor_fingerprint(fingerprint_name, shape, str(dtype).replace("torch.", "")), True,
                              source_dtype=str(dtype).replace("torch.", ""))
                 for r, g in enumerate(grads_by_rank)]
     return torch.from_numpy(codec.decode_sum(payloads, scale)).view(shape).to(dtype)
@@ -227,7 +227,7 @@ def scenario(s):
             g = mine[name].reshape(-1)
             payload = codec.encode(g.numpy(), 2, 128, "max",
                                    protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{name}", 0),
-                                   "fixed", codec.tensor_fingerprint(name, mine[name].shape, torch.float32))
+                                   "fixed", codec.tensor_fingerprint(name, mine[name].shape, "float32"))
             assert torch.equal(e, g - torch.from_numpy(codec.decode(payload))), name
         # the next encoding adds the residual: the second step encodes g + e
         c2 = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True, named_parameters=model.named_parameters())

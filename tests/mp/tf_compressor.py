@@ -1,0 +1,243 @@
+"""Worker for tests/test_tf_compressor.py: TensorFlow scenarios under horovodrun.
+
+Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message>`` for the
+mismatch scenarios. References are computed independently: every rank's local gradient is gathered,
+re-encoded with ``hvd_qsgd.codec`` from the documented seed
+(``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", occurrence)``) and decoded with
+``codec.decode_sum(payloads, 1/n)``; the synchronized gradient must equal it exactly.
+"""
+import argparse
+import os
+import sys
+
+import numpy as np
+
+if "keras" in sys.argv:
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"
+import tensorflow as tf  # noqa: E402
+import horovod.tensorflow as hvd  # noqa: E402
+
+import hvd_qsgd  # noqa: E402
+from hvd_qsgd import codec, protocol  # noqa: E402
+
+SEED = 11
+SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 10), (10,)]  # 12800, 20000 and 1000 elements
+
+
+def make_vars():
+    rng = np.random.default_rng(0)
+    return [tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.1) for s in SHAPES]
+
+
+def batch(rank, step=0):
+    rng = np.random.default_rng(1000 * step + rank)
+    return rng.standard_normal((16, 64)).astype(np.float32), rng.integers(0, 10, 16)
+
+
+def loss_fn(vs, x, y):
+    h = tf.nn.relu(x @ vs[0] + vs[1])
+    h = tf.nn.relu(h @ vs[2] + vs[3])
+    logits = h @ vs[4] + vs[5]
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+def local_grads(vs, rank, step=0):
+    x, y = batch(rank, step)
+    with tf.GradientTape() as tape:
+        loss = loss_fn(vs, x, y)
+    return [g.numpy() for g in tape.gradient(loss, vs)]
+
+
+def gather_np(a):
+    return [x for x in hvd.allgather(tf.constant(a[None])).numpy()]
+
+
+def reference(per_rank, exchange, occurrence, bits=4, bucket=512, dtype="float32"):
+    n = len(per_rank)
+    shape = per_rank[0].shape
+    payloads = [codec.encode(g.astype(np.float32).reshape(-1), bits, bucket, "max",
+                             protocol.payload_seed(SEED, r, exchange, occurrence), "fixed",
+                             codec.tensor_fingerprint("", shape, dtype), True, source_dtype=dtype)
+                for r, g in enumerate(per_rank)]
+    return codec.decode_sum(payloads, 1.0 / n).reshape(shape)
+
+
+def check_identical(a, what):
+    copies = gather_np(np.asarray(a, dtype=np.float32))
+    for r, c in enumerate(copies):
+        assert np.array_equal(c, copies[0]), f"{what}: rank {r} differs from rank 0"
+
+
+def scenario_tape():
+    """DistributedGradientTape in a tf.function, two steps: each equals the reference exactly."""
+    n, rank = hvd.size(), hvd.rank()
+    vs = make_vars()
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+
+    @tf.function
+    def reduced_grads(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        tape = hvd.DistributedGradientTape(tape, compression=c)
+        return tape.gradient(loss, vs)
+
+    for step in range(2):
+        mine = local_grads(vs, rank, step)
+        grads = [g.numpy() for g in reduced_grads(*batch(rank, step))]
+        names = [name for name, _ in c._adapters["tensorflow"].traced_exchanges[-2:]]  # the last trace
+        k = 0
+        for i, g in enumerate(grads):
+            if g.size >= 10000:
+                ref = reference(gather_np(mine[i]), names[k], step)
+                k += 1
+                assert np.array_equal(g, ref), f"var {i} step {step}: max diff {np.abs(g - ref).max()}"
+            else:
+                assert np.allclose(g, np.mean(gather_np(mine[i]), axis=0), rtol=1e-5, atol=1e-7), i
+            check_identical(g, f"var {i}")
+    x, y = batch(rank)
+    gd = reduced_grads.get_concrete_function(tf.constant(x), tf.constant(y)).graph.as_graph_def()
+    types = {n.op for n in gd.node} | {n.op for f in gd.library.function for n in f.node_def}
+    for op in ("QsgdEncode", "QsgdCheckControl", "QsgdDecodeSum", "HorovodAllgather", "HorovodAllreduce"):
+        assert op in types, (op, sorted(types))
+    st = c.stats
+    assert st["tensors"] == 4 and st["elements"] == 2 * 32800, st
+    assert st["bytes_sent"] == 2 * sum(codec.payload_nbytes(k, 4, 512) for k in (12800, 20000)), st
+    assert st["bytes_received"] == (n - 1) * st["bytes_sent"], st
+    print("graph ops:", " ".join(sorted(t for t in types if t.startswith(("Qsgd", "Horovod")))), flush=True)
+
+
+def scenario_allreduce():
+    n, rank = hvd.size(), hvd.rank()
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    t = np.random.default_rng(rank).standard_normal((3, 10000)).astype(np.float32)
+    out = hvd.allreduce(tf.constant(t), compression=c, name="eager_t")   # eager: exchange s0
+    assert np.array_equal(out.numpy(), reference(gather_np(t), f"hvd_qsgd_{c._creation_index}_s0", 0))
+    out = hvd.allreduce(tf.constant(t), compression=c, op=hvd.Sum, name="eager_sum")   # s1, alpha 1
+    per = gather_np(t)
+    payloads = [codec.encode(g.reshape(-1), 4, 512, "max",
+                             protocol.payload_seed(SEED, r, f"hvd_qsgd_{c._creation_index}_s1", 0), "fixed",
+                             codec.tensor_fingerprint("", t.shape, "float32"))
+                for r, g in enumerate(per)]
+    assert np.array_equal(out.numpy(), codec.decode_sum(payloads, 1.0).reshape(t.shape))
+    for i, dt in enumerate((tf.float16, tf.bfloat16)):
+        x = tf.cast(tf.constant(t), dt)
+        o = hvd.allreduce(x, compression=c, name=f"eager_{i}")
+        assert o.dtype == dt and o.shape == x.shape
+        ref = reference(gather_np(tf.cast(x, tf.float32).numpy()), f"hvd_qsgd_{c._creation_index}_s{2 + i}", 0,
+                        dtype=dt.name)
+        assert np.array_equal(tf.cast(o, tf.float32).numpy(), tf.cast(tf.cast(ref, dt), tf.float32).numpy()), dt
+    outs = hvd.grouped_allreduce([tf.constant(t), tf.constant(t[0, :50])], compression=c)
+    assert np.array_equal(outs[0].numpy(), reference(gather_np(t), f"hvd_qsgd_{c._creation_index}_s4", 0))
+    assert np.allclose(outs[1].numpy(), np.mean(per, axis=0)[0, :50], rtol=1e-5)
+
+
+def scenario_keras():
+    """tf_keras model.fit with horovod.tensorflow.keras.DistributedOptimizer: one step of SGD(0.5)
+    moves every weight by exactly -0.5 * the reference average gradient."""
+    import tf_keras as keras
+    import horovod.tensorflow.keras as hvdk
+    n, rank = hvd.size(), hvd.rank()
+    model = keras.Sequential([keras.layers.Dense(200, activation="relu", input_shape=(64,)),
+                              keras.layers.Dense(100, activation="relu"), keras.layers.Dense(10)])
+    rng = np.random.default_rng(0)
+    model.set_weights([rng.standard_normal(w.shape).astype(np.float32) * 0.1 for w in model.get_weights()])
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    opt = hvdk.DistributedOptimizer(keras.optimizers.SGD(0.5), compression=c)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    before = [w.copy() for w in model.get_weights()]
+    x, y = batch(rank)
+    with tf.GradientTape() as tape:
+        loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y, model(x, training=True))
+    mine = [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False)
+    after = model.get_weights()
+    names = [name for name, _ in c._adapters["tensorflow"].traced_exchanges[-2:]]  # the last trace
+    k = 0
+    for i, (w0, w1) in enumerate(zip(before, after)):
+        per = gather_np(mine[i])
+        if w0.size >= 10000:
+            g = reference(per, names[k], 0)
+            k += 1
+            want = (tf.constant(w0) - 0.5 * tf.constant(g)).numpy()
+            assert np.array_equal(w1, want), f"weight {i}: max diff {np.abs(w1 - want).max()}"
+        else:
+            assert np.allclose(w1, w0 - 0.5 * np.mean(per, axis=0), rtol=1e-5, atol=1e-6), i
+        check_identical(w1, f"weight {i}")
+    assert c.stats["tensors"] == 2, c.stats
+
+
+def scenario_v1():
+    """tf.compat.v1 graph mode: hvd.DistributedOptimizer on a v1 optimizer, in a Session."""
+    tf.compat.v1.disable_eager_execution()
+    n, rank = hvd.size(), hvd.rank()
+    rng = np.random.default_rng(0)
+    w = tf.compat.v1.Variable(rng.standard_normal((64, 200)).astype(np.float32) * 0.1)
+    x, y = batch(rank)
+    loss = tf.reduce_sum(tf.matmul(x, w) ** 2) / 100.0
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.5), compression=c)
+    train = opt.minimize(loss)
+    local = tf.gradients(loss, [w])[0]
+    with tf.compat.v1.Session() as sess:
+        sess.run(tf.compat.v1.global_variables_initializer())
+        w0, g = sess.run([w, local])
+        sess.run(train)
+        w1 = sess.run(w)
+        per = sess.run(hvd.allgather(tf.constant(g[None])))
+        stats = sess.run(c.stats)
+    ref = reference(list(per), c._adapters["tensorflow"].traced_exchanges[-1][0], 0)
+    want = w0 - np.float32(0.5) * ref
+    assert np.array_equal(w1, want), f"max diff {np.abs(w1 - want).max()}"
+    assert stats["tensors"] == 1, stats
+    print(f"OK v1 rank {rank}", flush=True)
+
+
+def mismatch(kind):
+    rank = hvd.rank()
+    t = tf.constant(np.ones(20000, np.float32))
+    if kind == "bits":
+        c = hvd_qsgd.QSGD(8 if rank == 1 else 4)
+    elif kind == "order":
+        c = hvd_qsgd.QSGD(4)
+        a = tf.constant(np.ones(20000, np.float32))
+        b = tf.constant(np.ones(30000, np.float32))
+
+        @tf.function
+        def step():
+            # rank 1 traces its two tensors in the other order
+            first, second = (a, b) if rank == 0 else (b, a)
+            return hvd.grouped_allreduce([first, second], compression=c)
+        return step()
+    else:
+        raise SystemExit(f"unknown mismatch {kind}")
+
+    @tf.function
+    def step():
+        return hvd.allreduce(t, compression=c, name="t")
+    return step()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", nargs="+")
+    args = p.parse_args()
+    hvd.init()
+    for s in args.scenario:
+        if s.startswith("mismatch-"):
+            try:
+                mismatch(s[len("mismatch-"):])
+            except Exception as e:
+                text = " ".join(str(e).split())
+                text = text[text.find("hvd_qsgd:"):] if "hvd_qsgd:" in text else text  # skip TF's preamble
+                print(f"RAISED {type(e).__name__}: {text[:400]}", flush=True)
+                continue
+            print("NOT RAISED", flush=True)
+            sys.exit(1)
+        else:
+            {"tape": scenario_tape, "allreduce": scenario_allreduce, "keras": scenario_keras,
+             "v1": scenario_v1}[s]()
+        print(f"OK {s}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
