@@ -1,3 +1,17 @@
 """TensorFlow adapter: ``hvd_qsgd.tensorflow.QSGD``, a ``horovod.tensorflow.compression.Compressor``
 built on the TensorFlow ops in ``hvd_qsgd/tensorflow/qsgd_ops.cc``."""
 from hvd_qsgd.tensorflow.compressor import QSGD  # noqa: F401
+
+
+def tf_variables(variables):
+    """The ``tf.Variable`` behind each Keras 3 variable (others are returned as they are).
+
+    Horovod 0.28.1's ``DistributedGradientTape.gradient`` keys sources by ``Variable.ref()``, which
+    Keras 3 variables lack; ``tape.gradient(loss, tf_variables(model.trainable_variables))`` gives
+    it the TensorFlow variables the Keras 3 model reads, and the gradients apply to the Keras 3
+    variables unchanged (same order)."""
+    out = []
+    for v in variables:
+        inner = getattr(v, "value", None) if not hasattr(v, "ref") else None
+        out.append(inner if inner is not None and hasattr(inner, "ref") else v)
+    return out

@@ -1,0 +1,111 @@
+"""hvd_qsgd.QSGD in Horovod's TensorFlow API, under real horovodrun jobs (tests/mp/tf_compressor.py),
+and the TensorFlow ops against the PyTorch binding and the NumPy codec.
+
+Exactness: after a step, every rank's averaged gradient (GradientTape in a tf.function; eager and
+grouped allreduce; a tf_keras model.fit step; a tf.compat.v1 DistributedOptimizer) equals the
+single-process decode_sum of every rank's payload, re-encoded independently from the documented
+seeds, and is bit-identical across ranks. Mismatches fail the step on every rank.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from hvd_qsgd import codec
+from tests.conftest import ROOT, launch, mp_env
+
+WORKER = "tests/mp/tf_compressor.py"
+
+
+def ok_count(out, scenario):
+    return len(re.findall(rf"<stdout>:OK {re.escape(scenario)}(?![\w-])", out))
+
+
+@pytest.mark.parametrize("np_,controller", [(2, "gloo"), (4, "gloo"), (2, "mpi")])
+def test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank(np_, controller):
+    scenarios = ["tape", "allreduce", "keras"]
+    out = launch(np_, controller, [WORKER] + scenarios, timeout=300)
+    for s in scenarios:
+        assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
+    # the training step is a tf.function whose graph holds the codec's ops and Horovod's collectives
+    assert len(re.findall(r"graph ops: HorovodAllgather HorovodAllreduce QsgdCheckControl QsgdDecodeSum "
+                          r"QsgdEncode", out)) == np_
+
+
+def test_compat_v1_distributed_optimizer_in_a_session():
+    out = launch(2, "gloo", [WORKER, "v1"], timeout=200)
+    assert ok_count(out, "v1") == 2, out[-3000:]
+
+
+def test_keras3_model_with_distributed_gradient_tape():
+    """Keras 3 (not tf_keras) through DistributedGradientTape over hvd_qsgd.tensorflow.tf_variables."""
+    out = launch(2, "gloo", [WORKER, "keras3"], timeout=200)
+    assert ok_count(out, "keras3") == 2, out[-3000:]
+
+
+@pytest.mark.parametrize("kind,pattern", [
+    ("bits", r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor settings"),
+    ("order", r"InvalidArgumentError: hvd_qsgd: .*payloads disagree on numel \(rank 0: 20000, rank 1: 30000\)"),
+])
+def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
+    out = launch(2, "gloo", [WORKER, f"mismatch-{kind}"], timeout=120)
+    raised = re.findall(r"^\[(\d+)\]<stdout>:(RAISED .*)$", out, flags=re.M)
+    assert sorted(int(r) for r, _ in raised) == [0, 1], out[-3000:]
+    for _, msg in raised:
+        assert re.search(pattern, msg), msg
+
+
+IDENTITY = r'''
+import os, sys, json
+import numpy as np
+import tensorflow as tf
+import torch
+from hvd_qsgd import codec, protocol
+from hvd_qsgd.tensorflow import ops
+rng = np.random.default_rng(3)
+cases = []
+for n, bits, bucket, coding, dtype in [(20000, 4, 512, "fixed", "float32"), (12345, 2, 128, "fixed", "float32"),
+                                       (70001, 8, 512, "fixed", "float16"), (4096, 3, 100, "elias", "float32"),
+                                       (30000, 2, 2048, "elias", "bfloat16"), (1000, 1, 64, "fixed", "float32")]:
+    x32 = (rng.standard_normal(n) * 3).astype(np.float32)
+    tdtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    xt = torch.from_numpy(x32).to(tdtype)            # the same values in each framework
+    xtf = tf.cast(tf.constant(x32), dtype)
+    base = protocol.exchange_seed(5, 1, "e")
+    seed = protocol.payload_seed(5, 1, "e", 7)
+    fp = codec.tensor_fingerprint("w", (n,), dtype)
+    p_np = codec.encode(xt.float().numpy(), bits, bucket, "max", seed, coding, fp, True, source_dtype=dtype)
+    p_tf = ops.load().qsgd_encode(xtf, tf.constant(7, tf.int64), bits=bits, bucket_size=bucket,
+                                  coding=codec.CODINGS[coding], dtype_code=codec.DTYPE_NAMES.index(dtype),
+                                  seed=ops.as_int64_attr(base), fingerprint=ops.as_int64_attr(fp)).numpy()
+    sums = [codec.decode_sum([p_np, p_np], 0.5),
+            ops.load().qsgd_decode_sum(tf.constant(np.concatenate([p_tf, p_tf])), tf.constant(0.5), count=2,
+                                       numel=n, bits=bits, bucket_size=bucket, coding=codec.CODINGS[coding],
+                                       dtype_code=codec.DTYPE_NAMES.index(dtype),
+                                       fingerprint=ops.as_int64_attr(fp)).numpy()]
+    cases.append(dict(n=n, bits=bits, coding=coding, dtype=dtype, same_bytes=bool(np.array_equal(p_np, p_tf)),
+                      same_sum=bool(np.array_equal(sums[0], sums[1])), nbytes=int(p_tf.size)))
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_tensorflow_ops_and_the_torch_binding_produce_identical_payloads():
+    """Same input (converted to each framework's fp32/fp16/bf16), bits, bucket, coding and seed: the
+    TensorFlow op's payload equals the PyTorch path's (codec.encode of the torch tensor) byte for
+    byte, and QsgdDecodeSum equals codec.decode_sum exactly."""
+    proc = subprocess.run([sys.executable, "-c", IDENTITY], cwd=ROOT, env=mp_env(), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(cases) == 6
+    for c in cases:
+        assert c["same_bytes"] and c["same_sum"], c
+    assert cases[0]["nbytes"] == codec.payload_nbytes(20000, 4, 512)
+
+
+def test_the_tensorflow_op_library_was_built():
+    here = os.path.join(ROOT, "hvd_qsgd", "tensorflow")
+    assert any(f.startswith("_qsgd_ops") and f.endswith(".so") for f in os.listdir(here))
