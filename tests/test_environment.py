@@ -38,7 +38,8 @@ def test_missing_compiler_gives_a_clear_error(tmp_path):
 
 
 def test_wheel_carries_the_native_libraries(tmp_path):
-    """`pip install .` (a wheel) ships the CPU library, and the CUDA one wherever nvcc is."""
+    """`pip install .` (a wheel) ships the CPU library, the TensorFlow ops (TensorFlow is installed
+    here), and the CUDA library wherever nvcc is."""
     proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                            "-w", str(tmp_path), ROOT], text=True, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, timeout=600)
@@ -46,6 +47,7 @@ def test_wheel_carries_the_native_libraries(tmp_path):
     (wheel,) = [f for f in os.listdir(tmp_path) if f.endswith(".whl")]
     names = zipfile.ZipFile(tmp_path / wheel).namelist()
     assert any(re.match(r"hvd_qsgd/_lib_cpu.*\.so$", n) for n in names), names
+    assert any(re.match(r"hvd_qsgd/tensorflow/_qsgd_ops.*\.so$", n) for n in names), names
     if shutil.which("nvcc"):
         assert any(re.match(r"hvd_qsgd/_lib_cuda.*\.so$", n) for n in names), names
 
