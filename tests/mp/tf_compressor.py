@@ -202,6 +202,38 @@ def scenario_keras3():
     assert c.stats["tensors"] == 3, c.stats
 
 
+def scenario_error_feedback():
+    """With error_feedback, after one step each compressed tensor's residual variable holds
+    g - decode(encode(g)) for this rank's own gradient g and payload; the statistics and residuals
+    round-trip through state_dict."""
+    rank = hvd.rank()
+    vs = make_vars()
+    c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
+
+    @tf.function
+    def reduced_grads(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+
+    mine = local_grads(vs, rank)
+    reduced_grads(*batch(rank))
+    adapter = c._adapters["tensorflow"]
+    names = [name for name, _ in adapter.traced_exchanges[-2:]]
+    residuals = list(adapter._residuals.values())
+    assert len(residuals) == 2, adapter._residuals.keys()
+    for g, name, e in zip([m for m in mine if m.size >= 10000], names, residuals):
+        p = codec.encode(g.reshape(-1), 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed",
+                         codec.tensor_fingerprint("", g.shape, "float32"))
+        assert np.array_equal(e.numpy(), g.reshape(-1) - codec.decode(p)), name
+    state = adapter.state_dict()
+    for e in residuals:
+        e.assign(tf.zeros_like(e))
+    adapter.load_state_dict(state)
+    assert all(np.array_equal(e.numpy(), state["residuals"][k]) for k, e in adapter._residuals.items())
+    assert state["stats"]["tensors"] == 2 and c.stats["tensors"] == 2
+
+
 def scenario_v1():
     """tf.compat.v1 graph mode: hvd.DistributedOptimizer on a v1 optimizer, in a Session."""
     tf.compat.v1.disable_eager_execution()
@@ -270,7 +302,7 @@ def main():
             sys.exit(1)
         else:
             {"tape": scenario_tape, "allreduce": scenario_allreduce, "keras": scenario_keras,
-             "keras3": scenario_keras3, "v1": scenario_v1}[s]()
+             "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback}[s]()
         print(f"OK {s}", flush=True)
 
 
