@@ -27,6 +27,16 @@ def next_creation_index():
         return next(_creation_counter)
 
 
+def set_ranks(process_set, world_size):
+    """The global ranks of a Horovod process set, ascending (the global set: all ``world_size``)."""
+    if process_set.process_set_id == 0:
+        return list(range(world_size))
+    if process_set.ranks is None:
+        raise ValueError("hvd_qsgd: the compressor's process set was not registered with Horovod "
+                         "(hvd.init(process_sets=...) or hvd.add_process_set)")
+    return sorted(process_set.ranks)
+
+
 def default_bucket_size(bits):
     return 128 if bits <= 2 else 512
 

@@ -32,7 +32,7 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_qsgd import codec, protocol
-from hvd_qsgd.compressor import Settings, Stats, next_creation_index
+from hvd_qsgd.compressor import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
 from hvd_qsgd.tensorflow import ops as qops
 
 _SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
@@ -53,14 +53,6 @@ class _Exchange:
 
     __slots__ = ("compressor", "name", "where", "tensor", "payload", "x32", "residual", "shape", "dtype",
                  "numel", "set_ranks", "fingerprint")
-
-
-def _set_ranks(process_set):
-    if process_set.process_set_id == 0:
-        return list(range(hvd.size()))
-    if process_set.ranks is None:
-        raise ValueError("hvd_qsgd.tensorflow.QSGD: the process set was not registered with Horovod")
-    return list(process_set.ranks)
 
 
 class QSGD(Compressor):
@@ -148,7 +140,7 @@ class QSGD(Compressor):
                 return tf.identity(tensor), None
         seq, state_key = self._next_exchange()
         ps = self._process_set
-        set_ranks = _set_ranks(ps)
+        set_ranks = process_set_ranks(ps, hvd.size())
         world, grank = hvd.size(), hvd.rank()
         if grank not in set_ranks:
             raise ValueError(f"hvd_qsgd: this rank (global rank {grank}) is not in the compressor's process "

@@ -33,7 +33,7 @@ import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import codec, cuda, protocol
-from hvd_qsgd.compressor import Settings, Stats, next_creation_index
+from hvd_qsgd.compressor import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
 
 _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -43,14 +43,6 @@ class _Exchange:
 
     __slots__ = ("compressor", "where", "name", "shape", "dtype", "device", "handle", "expect",
                  "own_len", "fault", "set_ranks", "world", "on_device")
-
-
-def _set_ranks(process_set):
-    if process_set.process_set_id == 0:
-        return list(range(hvd.size()))
-    if process_set.ranks is None:
-        raise ValueError("hvd_qsgd.torch.QSGD: the process set was not registered with Horovod")
-    return list(process_set.ranks)
 
 
 class QSGD(Compressor):
@@ -139,7 +131,7 @@ class QSGD(Compressor):
             self._stats.add(raw_elements=tensor.numel(), raw_tensors=1)
             return tensor, None
         ps = self._process_set
-        set_ranks = _set_ranks(ps)
+        set_ranks = process_set_ranks(ps, hvd.size())
         world, grank = hvd.size(), hvd.rank()
         set_rank = set_ranks.index(grank) if grank in set_ranks else None
         with self._lock:
