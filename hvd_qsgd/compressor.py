@@ -37,6 +37,16 @@ def set_ranks(process_set, world_size):
     return sorted(process_set.ranks)
 
 
+def init_adapter(adapter, settings, settings_args, creation_index, process_set, global_process_set):
+    """The state every framework adapter starts with: its settings (given, or made from the
+    constructor's arguments), creation index, process set, settings tag and lock."""
+    adapter.settings = settings or Settings.make(*settings_args)
+    adapter._creation_index = next_creation_index() if creation_index is None else creation_index
+    adapter._process_set = process_set if process_set is not None else global_process_set
+    adapter._settings_tag = adapter.settings.tag()
+    adapter._lock = threading.Lock()
+
+
 def default_bucket_size(bits):
     return 128 if bits <= 2 else 512
 

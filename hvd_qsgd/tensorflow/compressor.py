@@ -23,7 +23,6 @@ traced exchange an int64 occurrence counter (the payload seed is
 counters. In eager execution (no ``tf.function``) every call is a new exchange with occurrence 0;
 error feedback needs a ``tf.function`` step (its residual must persist per traced tensor).
 """
-import threading
 import weakref
 
 import tensorflow as tf
@@ -32,7 +31,7 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_qsgd import codec, protocol
-from hvd_qsgd.compressor import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
 from hvd_qsgd.tensorflow import ops as qops
 
 _SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
@@ -63,12 +62,8 @@ class QSGD(Compressor):
     def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
                  error_feedback=False, checksum=True, reduction="allgather", process_set=None, *,
                  settings=None, creation_index=None):
-        self.settings = settings or Settings.make(bits, bucket_size, norm, coding, min_numel, seed,
-                                                  error_feedback, checksum, reduction)
-        self._creation_index = next_creation_index() if creation_index is None else creation_index
-        self._process_set = process_set if process_set is not None else hvd.global_process_set
-        self._settings_tag = self.settings.tag()
-        self._lock = threading.Lock()
+        init_adapter(self, settings, (bits, bucket_size, norm, coding, min_numel, seed, error_feedback, checksum,
+                                      reduction), creation_index, process_set, hvd.global_process_set)
         self._seq = 0
         self._positions = weakref.WeakKeyDictionary()   # traced function graph -> exchanges so far
         self.traced_exchanges = []                      # (exchange name, function) of every trace

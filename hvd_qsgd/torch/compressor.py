@@ -25,7 +25,6 @@ exchange pending), which presumes a static order of gradients.
 Payload seeds: ``protocol.payload_seed(seed, set_rank, exchange_name, i)`` where i counts the
 previous exchanges of that name on this rank (always 0 for numbered exchanges).
 """
-import threading
 from types import SimpleNamespace
 
 import torch
@@ -33,7 +32,7 @@ import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import codec, cuda, protocol
-from hvd_qsgd.compressor import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
 
 _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -51,12 +50,8 @@ class QSGD(Compressor):
     def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
                  error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
                  process_set=None, *, settings=None, creation_index=None):
-        self.settings = settings or Settings.make(bits, bucket_size, norm, coding, min_numel, seed,
-                                                  error_feedback, checksum, reduction)
-        self._creation_index = next_creation_index() if creation_index is None else creation_index
-        self._process_set = process_set if process_set is not None else hvd.global_process_set
-        self._settings_tag = self.settings.tag()
-        self._lock = threading.Lock()
+        init_adapter(self, settings, (bits, bucket_size, norm, coding, min_numel, seed, error_feedback, checksum,
+                                      reduction), creation_index, process_set, hvd.global_process_set)
         self._stats = Stats()
         self._seq = 0              # numbered exchanges started
         self._occurrences = {}     # exchanges started per parameter name
