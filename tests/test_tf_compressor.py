@@ -31,8 +31,8 @@ def test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank(np_,
     for s in scenarios:
         assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
     # the training step is a tf.function whose graph holds the codec's ops and Horovod's collectives
-    assert len(re.findall(r"graph ops: HorovodAllgather HorovodAllreduce QsgdCheckControl QsgdDecodeSum "
-                          r"QsgdEncode", out)) == np_
+    # (each rank asserts it before printing OK tape; MPI may interleave the printed lines)
+    assert re.search(r"graph ops: HorovodAllgather HorovodAllreduce QsgdCheckControl QsgdDecodeSum QsgdEncode", out)
 
 
 def test_compat_v1_distributed_optimizer_in_a_session():
