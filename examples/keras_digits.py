@@ -40,14 +40,14 @@ per step are counted as in ``examples/tensorflow2_digits.py``: ``4 * numel`` for
 ``2 * numel`` for ``fp16``, and for ``qsgd`` the QSGD payload bytes plus **8** bytes per element of
 the uncompressed (float64) tensors. The QSGD control vectors are reported apart as
 ``control_bytes_per_step``.
+
+The flags, the data split and shards, and the end-of-run reporting (bytes per step, summary line,
+JSON results) are shared with the PyTorch and TensorFlow 2 examples in ``examples/digits_common.py``.
 """
 import os
 
 os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported: tf.keras is tf_keras (Keras 2)
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -56,65 +56,17 @@ import tf_keras as keras  # noqa: E402
 
 import horovod.tensorflow.keras as hvd  # noqa: E402
 
-import hvd_qsgd  # noqa: E402
-from hvd_qsgd import codec, protocol  # noqa: E402
+from hvd_qsgd import codec  # noqa: E402
 
-SPLIT_SEED = 0  # the train/test split is fixed, independent of --seed
-TEST_FRACTION = 0.25
+import digits_common as common  # noqa: E402  (examples/digits_common.py: flags, data, reporting)
+
 RAW_BYTES_QSGD = 8  # uncompressed gradients travel as float64 with hvd_qsgd's TensorFlow adapter
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compression", choices=("none", "fp16", "qsgd"), default="none")
-    p.add_argument("--bits", type=int, default=4, help="QSGD bits per element (default 4)")
-    p.add_argument("--bucket-size", type=int, default=None,
-                   help="QSGD bucket size (default: the compressor's, 512, or 128 for bits <= 2)")
-    p.add_argument("--min-numel", type=int, default=10000,
-                   help="QSGD leaves tensors with fewer elements uncompressed (default 10000)")
-    p.add_argument("--error-feedback", action="store_true", help="QSGD with error feedback")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=None, metavar="N",
-                   help="stop after N optimizer steps in total (for quick launch checks)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size (default 32)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--seed", type=int, default=42,
-                   help="model initialisation, shuffling and QSGD randomness (default 42)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="TensorFlow intra- and inter-op threads and codec threads per rank "
-                        "(default 1: ranks share few cores)")
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.epochs < 1:
-        p.error("--epochs must be at least 1")
-    if args.max_steps is not None and args.max_steps < 1:
-        p.error("--max-steps must be at least 1")
-    return args
-
-
-def load_data(rank, size):
-    """The fixed stratified split, features standardised on the training set; this rank's shard
-    (the same as examples/pytorch_digits.py)."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED)
-    scaler = StandardScaler().fit(x_tr)
-    x_tr = scaler.transform(x_tr).astype(np.float32)
-    x_te = scaler.transform(x_te).astype(np.float32)
-    per_rank = len(x_tr) // size
-    if per_rank == 0:
-        raise SystemExit(f"[digits] error: {size} ranks but only {len(x_tr)} training samples")
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    shard = (x_tr[lo:hi], y_tr[lo:hi].astype(np.int64))
-    test = (x_te, y_te.astype(np.int64))
-    return shard, test, len(x_tr)
+    return common.parse_args(argv, __doc__.split("\n\n")[0],
+                             "TensorFlow intra- and inter-op threads and codec threads per rank "
+                             "(default 1: ranks share few cores)")
 
 
 def make_model(seed, n_in=64, hidden=512, n_out=10):
@@ -133,22 +85,9 @@ def make_model(seed, n_in=64, hidden=512, n_out=10):
     return keras.Sequential(layers, name="mlp")
 
 
-def make_compression(args):
-    if args.compression == "none":
-        return hvd.Compression.none
-    if args.compression == "fp16":
-        return hvd.Compression.fp16
-    return hvd_qsgd.QSGD(args.bits, bucket_size=args.bucket_size, min_numel=args.min_numel,
-                         seed=args.seed, error_feedback=args.error_feedback)
-
-
 def weight_checksum(model):
     """A 63-bit digest of every weight's bytes, in model.weights order."""
-    h = hashlib.blake2b(digest_size=8)
-    for v in model.weights:
-        h.update(v.name.encode())
-        h.update(np.ascontiguousarray(v.numpy()).tobytes())
-    return int.from_bytes(h.digest(), "little") >> 1  # fits a signed int64 tensor
+    return common.checksum((v.name, v.numpy()) for v in model.weights)
 
 
 class StepLimit(keras.callbacks.Callback):
@@ -169,20 +108,6 @@ class StepLimit(keras.callbacks.Callback):
             self.model.stop_training = True
 
 
-def bytes_sent(args, numel, stats, steps):
-    """(bytes this rank sent per step, control-vector bytes per step) of the gradient exchange."""
-    if args.compression == "none":
-        return 4 * numel, 0
-    if args.compression == "fp16":
-        return 2 * numel, 0
-    total = stats["bytes_sent"] + RAW_BYTES_QSGD * stats["raw_elements"]
-    if total % steps or stats["tensors"] % steps:
-        raise SystemExit(f"[digits] error: the compressor's counters {stats} are not a multiple of "
-                         f"{steps} steps")
-    control = stats["tensors"] // steps * 8 * protocol.control_length(hvd.size())
-    return total // steps, control
-
-
 def main(argv=None):
     args = parse_args(argv)
     threads = max(1, args.threads)
@@ -192,27 +117,21 @@ def main(argv=None):
     rank, size = hvd.rank(), hvd.size()
     codec.set_num_threads(threads)
 
-    (x_tr, y_tr), (x_te, y_te), n_train = load_data(rank, size)
+    (x_tr, y_tr), (x_te, y_te), n_train = common.load_data(rank, size)
 
     # Each rank initialises (and shuffles) differently on purpose: the broadcast makes them agree.
     keras.utils.set_random_seed(args.seed * 1000 + rank)
     model = make_model(args.seed * 1000 + 10 * rank, hidden=args.hidden)
-    compression = make_compression(args)
+    compression = common.make_compression(args, hvd.Compression)
     opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=args.lr, momentum=args.momentum),
                                    compression=compression)
     model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                   metrics=["accuracy"])
 
-    steps_per_epoch = (len(x_tr) + args.batch_size - 1) // args.batch_size
-    total_steps = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
-    epochs = (total_steps + steps_per_epoch - 1) // steps_per_epoch
+    _, total_steps, epochs = common.schedule(args, len(x_tr))
 
     if rank == 0:
-        print(f"[digits] keras np={size} compression={args.compression}"
-              + (f" {compression!r}" if args.compression == "qsgd" else "") + f" train={n_train} "
-              f"(shard {len(x_tr)}/rank) test={len(x_te)} steps={total_steps}", flush=True)
+        common.announce(args, compression, "keras", size, n_train, len(x_tr), len(x_te), total_steps)
 
     limit = StepLimit(total_steps)
     callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), limit]
@@ -228,57 +147,23 @@ def main(argv=None):
     # Every rank must end with bit-identical weights.
     mine = tf.constant([weight_checksum(model)], dtype=tf.int64)
     sums = hvd.allgather(mine, name="param_checksum").numpy().tolist()
-    identical = len(set(sums)) == 1
 
-    numel = sum(int(v.shape.num_elements()) for v in model.trainable_weights)
-    stats = compression.stats if args.compression == "qsgd" else None
-    per_step, control_per_step = bytes_sent(args, numel, stats, step)
+    named_sizes = [(v.name.split(":")[0], int(v.shape.num_elements())) for v in model.trainable_weights]
+    stats = common.compressor_stats(args, compression)
+    per_step, control_per_step = common.bytes_sent(args, sum(n for _, n in named_sizes), stats, step,
+                                                   size, raw_bytes=RAW_BYTES_QSGD)
     result = None
     if rank == 0:
-        qsgd = args.compression == "qsgd"
-        none_bytes = 4 * numel
         # Evaluated from the predictions, so that the accuracy is an exact fraction of the test set.
         logits = model.predict(x_te, batch_size=len(x_te), verbose=0)
         test_accuracy = float(np.mean(np.argmax(logits, axis=1) == y_te))
         test_loss = float(keras.losses.SparseCategoricalCrossentropy(from_logits=True)(y_te, logits))
-        names = [v.name.split(":")[0] for v in model.trainable_weights]
-        result = dict(
-            framework="keras",
-            compression=args.compression,
-            compressor=repr(compression) if qsgd else None,
-            bits=compression.settings.bits if qsgd else None,
-            bucket_size=compression.settings.bucket_size if qsgd else None,
-            min_numel=compression.settings.min_numel if qsgd else None,
-            error_feedback=args.error_feedback if qsgd else None,
-            quantized=[n for n, v in zip(names, model.trainable_weights)
-                       if v.shape.num_elements() >= args.min_numel] if qsgd else [],
-            raw_bytes_per_element=RAW_BYTES_QSGD if qsgd else None,
-            np=size, epochs=epochs, batch_size=args.batch_size, lr=args.lr,
-            momentum=args.momentum, seed=args.seed, steps=step,
-            test_accuracy=test_accuracy,
-            test_loss=test_loss,
-            bytes_per_step=per_step,
-            bytes_per_step_none=none_bytes,
-            ratio_vs_none=per_step / none_bytes,
-            control_bytes_per_step=control_per_step,
-            train_time_s=train_time,
-            first_step_s=limit.first_step,
-            params_identical=identical,
-            param_checksums=[f"{s:016x}" for s in sums],
-            stats=stats,
-        )
-        print(f"[digits] {args.compression}: test accuracy {test_accuracy:.4f} (loss {test_loss:.4f}) after "
-              f"{step} steps, {per_step:,} bytes sent per step by rank 0 "
-              f"({result['ratio_vs_none']:.3f} of float32"
-              + (f"; uncompressed tensors as float64; + {control_per_step} control bytes" if qsgd else "")
-              + f"), training {train_time:.2f} s (first step {limit.first_step:.2f} s), "
-              f"weights bit-identical on all {size} ranks: {identical}", flush=True)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        if not identical:
-            raise SystemExit(f"[digits] error: weights differ across ranks: {result['param_checksums']}")
+        result = common.results(
+            args, compression, named_sizes, size=size, epochs=epochs, steps=step,
+            test_accuracy=test_accuracy, per_step=per_step, control_per_step=control_per_step,
+            train_time=train_time, checksums=sums, stats=stats, framework="keras",
+            raw_bytes_per_element=RAW_BYTES_QSGD, test_loss=test_loss, first_step=limit.first_step)
+        common.report(args, result, what="weights")
     hvd.shutdown()
     return result
 

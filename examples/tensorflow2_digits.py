@@ -37,12 +37,10 @@ bytes per element of the others (they travel as float64, see above), divided by 
 steps. It is not link traffic (see ``examples/pytorch_digits.py``). The QSGD control vectors (a few
 float64 per compressed tensor, reduced by Horovod's allreduce) are reported apart as
 ``control_bytes_per_step``.
+
+The flags, the data split and shards, and the end-of-run reporting (bytes per step, summary line,
+JSON results) are shared with the PyTorch and Keras examples in ``examples/digits_common.py``.
 """
-import argparse
-import hashlib
-import json
-import os
-import sys
 import time
 
 import numpy as np
@@ -50,67 +48,17 @@ import tensorflow as tf
 
 import horovod.tensorflow as hvd
 
-import hvd_qsgd
-from hvd_qsgd import codec, protocol
+from hvd_qsgd import codec
 
-SPLIT_SEED = 0  # the train/test split is fixed, independent of --seed
-TEST_FRACTION = 0.25
+import digits_common as common  # examples/digits_common.py: flags, data, reporting
+
 RAW_BYTES_QSGD = 8  # uncompressed gradients travel as float64 with hvd_qsgd's TensorFlow adapter
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--compression", choices=("none", "fp16", "qsgd"), default="none")
-    p.add_argument("--bits", type=int, default=4, help="QSGD bits per element (default 4)")
-    p.add_argument("--bucket-size", type=int, default=None,
-                   help="QSGD bucket size (default: the compressor's, 512, or 128 for bits <= 2)")
-    p.add_argument("--min-numel", type=int, default=10000,
-                   help="QSGD leaves tensors with fewer elements uncompressed (default 10000)")
-    p.add_argument("--error-feedback", action="store_true", help="QSGD with error feedback")
-    p.add_argument("--epochs", type=int, default=20)
-    p.add_argument("--max-steps", type=int, default=None, metavar="N",
-                   help="stop after N optimizer steps in total (for quick launch checks)")
-    p.add_argument("--batch-size", type=int, default=32, help="per-rank batch size (default 32)")
-    p.add_argument("--lr", type=float, default=0.05)
-    p.add_argument("--momentum", type=float, default=0.9)
-    p.add_argument("--hidden", type=int, default=512)
-    p.add_argument("--seed", type=int, default=42,
-                   help="model initialisation, shuffling and QSGD randomness (default 42)")
-    p.add_argument("--threads", type=int, default=1,
-                   help="TensorFlow intra- and inter-op threads and codec threads per rank "
-                        "(default 1: ranks share few cores)")
-    p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    args = p.parse_args(argv)
-    if args.epochs < 1:
-        p.error("--epochs must be at least 1")
-    if args.max_steps is not None and args.max_steps < 1:
-        p.error("--max-steps must be at least 1")
-    return args
-
-
-def load_data(rank, size):
-    """The fixed stratified split, features standardised on the training set; this rank's shard.
-
-    The same split and shards as examples/pytorch_digits.py: shards are equal in size (the training
-    set is cut to a multiple of ``size``), so every rank takes the same number of steps."""
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-    from sklearn.preprocessing import StandardScaler
-
-    x, y = load_digits(return_X_y=True)
-    x_tr, x_te, y_tr, y_te = train_test_split(
-        x, y, test_size=TEST_FRACTION, stratify=y, random_state=SPLIT_SEED)
-    scaler = StandardScaler().fit(x_tr)
-    x_tr = scaler.transform(x_tr).astype(np.float32)
-    x_te = scaler.transform(x_te).astype(np.float32)
-    per_rank = len(x_tr) // size
-    if per_rank == 0:
-        raise SystemExit(f"[digits] error: {size} ranks but only {len(x_tr)} training samples")
-    lo, hi = rank * per_rank, (rank + 1) * per_rank
-    shard = (x_tr[lo:hi], y_tr[lo:hi].astype(np.int64))
-    test = (x_te, y_te.astype(np.int64))
-    return shard, test, len(x_tr)
+    return common.parse_args(argv, __doc__.split("\n\n")[0],
+                             "TensorFlow intra- and inter-op threads and codec threads per rank "
+                             "(default 1: ranks share few cores)")
 
 
 class MLP(tf.Module):
@@ -136,22 +84,9 @@ class MLP(tf.Module):
         return tf.matmul(h, w3) + b3
 
 
-def make_compression(args):
-    if args.compression == "none":
-        return hvd.Compression.none
-    if args.compression == "fp16":
-        return hvd.Compression.fp16
-    return hvd_qsgd.QSGD(args.bits, bucket_size=args.bucket_size, min_numel=args.min_numel,
-                         seed=args.seed, error_feedback=args.error_feedback)
-
-
 def param_checksum(names, variables):
     """A 63-bit digest of every variable's bytes, in order."""
-    h = hashlib.blake2b(digest_size=8)
-    for name, v in zip(names, variables):
-        h.update(name.encode())
-        h.update(np.ascontiguousarray(v.numpy()).tobytes())
-    return int.from_bytes(h.digest(), "little") >> 1  # fits a signed int64 tensor
+    return common.checksum((name, v.numpy()) for name, v in zip(names, variables))
 
 
 def evaluate(model, data):
@@ -160,20 +95,6 @@ def evaluate(model, data):
     logits = model(tf.constant(x))
     loss = tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
     return float(np.mean(tf.argmax(logits, axis=1).numpy() == y)), float(loss)
-
-
-def bytes_sent(args, numel, stats, steps):
-    """(bytes this rank sent per step, control-vector bytes per step) of the gradient exchange."""
-    if args.compression == "none":
-        return 4 * numel, 0
-    if args.compression == "fp16":
-        return 2 * numel, 0
-    total = stats["bytes_sent"] + RAW_BYTES_QSGD * stats["raw_elements"]
-    if total % steps or stats["tensors"] % steps:
-        raise SystemExit(f"[digits] error: the compressor's counters {stats} are not a multiple of "
-                         f"{steps} steps")
-    control = stats["tensors"] // steps * 8 * protocol.control_length(hvd.size())
-    return total // steps, control
 
 
 def main(argv=None):
@@ -185,7 +106,7 @@ def main(argv=None):
     rank, size = hvd.rank(), hvd.size()
     codec.set_num_threads(threads)
 
-    (x_tr, y_tr), test, n_train = load_data(rank, size)
+    (x_tr, y_tr), test, n_train = common.load_data(rank, size)
 
     # Each rank initialises differently on purpose: the broadcast is what makes them agree.
     model = MLP(np.random.default_rng([args.seed, rank, 1]), hidden=args.hidden)
@@ -193,7 +114,7 @@ def main(argv=None):
     names = model.names()
     momenta = [tf.Variable(tf.zeros_like(v), trainable=False, name=f"{n}/momentum")
                for n, v in zip(names, params)]
-    compression = make_compression(args)
+    compression = common.make_compression(args, hvd.Compression)
     hvd.broadcast_variables(params + momenta, root_rank=0)
     lr = tf.constant(args.lr, tf.float32)
     momentum = tf.constant(args.momentum, tf.float32)
@@ -211,46 +132,28 @@ def main(argv=None):
             v.assign_sub(lr * m)
         return loss
 
-    steps_per_epoch = (len(x_tr) + args.batch_size - 1) // args.batch_size
-    total_steps = steps_per_epoch * args.epochs
-    if args.max_steps is not None:
-        total_steps = min(total_steps, args.max_steps)
+    _, total_steps, epochs = common.schedule(args, len(x_tr))
     rng = np.random.default_rng([args.seed, rank])  # this rank's shuffling of its own shard
 
     if rank == 0:
-        print(f"[digits] tensorflow np={size} compression={args.compression}"
-              + (f" {compression!r}" if args.compression == "qsgd" else "") + f" train={n_train} "
-              f"(shard {len(x_tr)}/rank) test={len(test[0])} steps={total_steps}", flush=True)
-
-    bar = None
-    if rank == 0 and not args.no_progress:
-        from tqdm import tqdm
-        desc = f"qsgd{compression.settings.bits}" if args.compression == "qsgd" else args.compression
-        bar = tqdm(total=total_steps, desc=desc, mininterval=0.5, file=sys.stdout,
-                   bar_format="{desc} {percentage:3.0f}%|{bar:16}| {n_fmt}/{total_fmt} "
-                              "[{elapsed}<{remaining}]{postfix}")
+        common.announce(args, compression, "tensorflow", size, n_train, len(x_tr), len(test[0]),
+                        total_steps)
+    bar = common.progress_bar(args, compression, total_steps) if rank == 0 else None
 
     hvd.allreduce(tf.zeros([1]), name="start")  # line the ranks up before timing
     t0 = time.perf_counter()
     first_step = None
     step = 0
-    epoch = 0
-    while step < total_steps:
-        order = rng.permutation(len(x_tr))
-        for b in range(steps_per_epoch):
-            if step == total_steps:
-                break
-            idx = order[b * args.batch_size:(b + 1) * args.batch_size]
-            loss = train_step(tf.constant(x_tr[idx]), tf.constant(y_tr[idx]))
-            step += 1
-            if first_step is None:
-                loss.numpy()  # wait for it: the first step traces the function
-                first_step = time.perf_counter() - t0
-            if bar is not None:
-                bar.update(1)
-                if b == steps_per_epoch - 1 or step == total_steps:
-                    bar.set_postfix_str(f"ep {epoch + 1} loss {float(loss):.3f}", refresh=False)
-        epoch += 1
+    for epoch, idx, end in common.minibatches(rng, len(x_tr), args.batch_size, total_steps):
+        loss = train_step(tf.constant(x_tr[idx]), tf.constant(y_tr[idx]))
+        step += 1
+        if first_step is None:
+            loss.numpy()  # wait for it: the first step traces the function
+            first_step = time.perf_counter() - t0
+        if bar is not None:
+            bar.update(1)
+            if end:
+                bar.set_postfix_str(f"ep {epoch + 1} loss {float(loss):.3f}", refresh=False)
     for v in params:
         v.numpy()  # the last step's updates are done
     train_time = time.perf_counter() - t0
@@ -260,53 +163,20 @@ def main(argv=None):
     # Every rank must end with bit-identical parameters.
     mine = tf.constant([param_checksum(names, params)], dtype=tf.int64)
     sums = hvd.allgather(mine, name="param_checksum").numpy().tolist()
-    identical = len(set(sums)) == 1
 
-    numel = sum(int(v.shape.num_elements()) for v in params)
-    stats = compression.stats if args.compression == "qsgd" else None
-    per_step, control_per_step = bytes_sent(args, numel, stats, step)
+    named_sizes = [(n, int(v.shape.num_elements())) for n, v in zip(names, params)]
+    stats = common.compressor_stats(args, compression)
+    per_step, control_per_step = common.bytes_sent(args, sum(n for _, n in named_sizes), stats, step,
+                                                   size, raw_bytes=RAW_BYTES_QSGD)
     result = None
     if rank == 0:
-        qsgd = args.compression == "qsgd"
-        none_bytes = 4 * numel
         test_accuracy, test_loss = evaluate(model, test)
-        result = dict(
-            framework="tensorflow",
-            compression=args.compression,
-            compressor=repr(compression) if qsgd else None,
-            bits=compression.settings.bits if qsgd else None,
-            bucket_size=compression.settings.bucket_size if qsgd else None,
-            min_numel=compression.settings.min_numel if qsgd else None,
-            error_feedback=args.error_feedback if qsgd else None,
-            quantized=[n for n, v in zip(names, params)
-                       if v.shape.num_elements() >= args.min_numel] if qsgd else [],
-            raw_bytes_per_element=RAW_BYTES_QSGD if qsgd else None,
-            np=size, epochs=epoch, batch_size=args.batch_size, lr=args.lr,
-            momentum=args.momentum, seed=args.seed, steps=step,
-            test_accuracy=test_accuracy,
-            test_loss=test_loss,
-            bytes_per_step=per_step,
-            bytes_per_step_none=none_bytes,
-            ratio_vs_none=per_step / none_bytes,
-            control_bytes_per_step=control_per_step,
-            train_time_s=train_time,
-            first_step_s=first_step,
-            params_identical=identical,
-            param_checksums=[f"{s:016x}" for s in sums],
-            stats=stats,
-        )
-        print(f"[digits] {args.compression}: test accuracy {test_accuracy:.4f} (loss {test_loss:.4f}) after "
-              f"{step} steps, {per_step:,} bytes sent per step by rank 0 "
-              f"({result['ratio_vs_none']:.3f} of float32"
-              + (f"; uncompressed tensors as float64; + {control_per_step} control bytes" if qsgd else "")
-              + f"), training {train_time:.2f} s (first step {first_step:.2f} s), "
-              f"parameters bit-identical on all {size} ranks: {identical}", flush=True)
-        if args.json:
-            os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-            with open(args.json, "w") as f:
-                json.dump(result, f, indent=2)
-        if not identical:
-            raise SystemExit(f"[digits] error: parameters differ across ranks: {result['param_checksums']}")
+        result = common.results(
+            args, compression, named_sizes, size=size, epochs=epochs, steps=step,
+            test_accuracy=test_accuracy, per_step=per_step, control_per_step=control_per_step,
+            train_time=train_time, checksums=sums, stats=stats, framework="tensorflow",
+            raw_bytes_per_element=RAW_BYTES_QSGD, test_loss=test_loss, first_step=first_step)
+        common.report(args, result)
     hvd.shutdown()
     return result
 
