@@ -12,7 +12,6 @@ import argparse
 import ctypes
 import json
 import os
-import platform
 import statistics
 import time
 
@@ -20,7 +19,8 @@ import numpy as np
 
 from hvd_qsgd import _native, codec
 from hvd_qsgd.bench import baselines as bl
-from hvd_qsgd.bench.args import bit_widths, positive_int
+from hvd_qsgd.bench import common
+from hvd_qsgd.bench.common import bit_widths, positive_int
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _CHECK_TRIALS = 200  # encodes per implementation in the unbiasedness check
@@ -88,15 +88,8 @@ def gbps(numel, seconds):
 
 
 def machine_info():
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    info = dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
-                codec_threads=codec.get_num_threads(), numpy=np.__version__, torch=None, torch_threads=None,
-                load_avg_1min=os.getloadavg()[0])
+    info = common.machine_info()
+    info.update(codec_threads=codec.get_num_threads(), numpy=np.__version__, torch=None, torch_threads=None)
     if bl.torch is not None:
         info.update(torch=bl.torch.__version__, torch_threads=bl.torch.get_num_threads())
     return info

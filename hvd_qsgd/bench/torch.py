@@ -56,14 +56,13 @@ the definitions and the machine), ``table.md`` (the table printed on stdout) and
 import argparse
 import json
 import os
-import platform
 import signal
 import statistics
 import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.args import bit_widths, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import bit_widths, machine_info, nonnegative_int, positive_int
 
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
@@ -308,17 +307,6 @@ def _launch(n, args, json_path):
         out = (out or "") + f"\n[timed out after {args.timeout}s; the job was killed]"
         status = 124
     return status, out, time.perf_counter() - t0
-
-
-def machine_info():
-    model = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
-                python=platform.python_version(), load_avg_1min=os.getloadavg()[0])
 
 
 def _mb(nbytes):

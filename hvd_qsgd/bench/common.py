@@ -1,5 +1,7 @@
-"""Argument types shared by the benchmark subcommands."""
+"""What the benchmark subcommands share: argument types and the description of the machine."""
 import argparse
+import os
+import platform
 
 
 def int_at_least(low):
@@ -30,3 +32,16 @@ def bit_widths(low=1):
             raise argparse.ArgumentTypeError(f"bits must be integers in {low}..8, comma-separated: {text!r}")
         return bits
     return parse
+
+
+def machine_info():
+    """CPU model, core counts, Python version and the 1-minute load average (a busy machine's
+    timings are noisy; every report records it)."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
+                python=platform.python_version(), load_avg_1min=os.getloadavg()[0])
