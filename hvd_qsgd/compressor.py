@@ -196,8 +196,7 @@ class QSGD:
             return adapter
 
     def compress(self, tensor):
-        adapter = self._adapter(_framework(tensor))
-        return adapter.compress(tensor)
+        return self._adapter(_framework(tensor)).compress(tensor)
 
     def decompress(self, tensor, ctx):
         if ctx is None:

@@ -29,9 +29,12 @@ relative error under 2^-50, so the checks below are exact decisions:
 * every tag agreed: ``mean(t^2) - mean(t)^2 == 0`` (a disagreement by at least 1 makes this at
   least (n - 1) / n^2, far above the rounding error).
 
-The verdict is computed from the same reduced vector on every rank, so either every rank proceeds to
-wait for the payload allgather (which all ranks are then known to have started under the same name)
-or every rank raises ``MismatchError``. Nothing waits on an exchange another rank never began.
+The vector and the checks are implemented once, in ``kernels/qsgd_control.cc``
+(``qsgd_control_vector``, ``qsgd_check_control``), for this module and the TensorFlow op alike;
+this module adds the error messages. The verdict is computed from the same reduced vector on every
+rank, so either every rank proceeds to wait for the payload allgather (which all ranks are then
+known to have started under the same name) or every rank raises ``MismatchError``. Nothing waits on
+an exchange another rank never began.
 
 The gradient scale ``alpha`` applied to the decoded sum is ``c``: ``1/n`` for Average (also with
 Horovod's ``gradient_predivide_factor``, which splits 1/n into a pre- and post-scale), 1 for Sum, and
@@ -46,7 +49,7 @@ from hvd_qsgd import _native
 
 TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)     (QSGD_CONTROL_TAG_RANGE)
 MEMBER_BITS = 24          # global ranks per MEMBERS entry            (QSGD_CONTROL_MEMBER_BITS)
-ONE, RANK, FAULT = 0, 1, 2
+ONE = 0                   # the entry every rank sets to 1
 TAG_NAMES = ("process set size", "compressor creation order", "compressor settings",
              "exchange key (low bits)", "exchange key (high bits)")
 TAGS = 3                  # first tag entry
@@ -58,9 +61,13 @@ class MismatchError(RuntimeError):
     rank could not take part; raised on every rank of the exchange."""
 
 
+def _hash64(text):
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
 def small_hash(text, modulus=TAG_RANGE):
     """A stable hash of ``text`` in [0, modulus)."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") % modulus
+    return _hash64(text) % modulus
 
 
 def _chunks(world_size):
@@ -70,14 +77,6 @@ def _chunks(world_size):
 def control_length(world_size):
     """Entries of the control vector for a job of ``world_size`` ranks (the same on every rank)."""
     return int(_native.load().qsgd_control_length(int(world_size)))
-
-
-def member_mask(global_ranks, world_size):
-    """The MEMBERS entries of a set of global ranks (as integers)."""
-    chunks = [0] * _chunks(world_size)
-    for g in global_ranks:
-        chunks[g // MEMBER_BITS] |= 1 << (g % MEMBER_BITS)
-    return chunks
 
 
 def exchange_tags(set_size, creation_index, settings_tag, key):
@@ -167,8 +166,7 @@ def _tag_message(where, name):
 
 def exchange_seed(seed, set_rank, exchange):
     """The 64-bit base seed of this rank's payloads for one exchange name."""
-    text = f"{int(seed)}|{int(set_rank)}|{exchange}"
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+    return _hash64(f"{int(seed)}|{int(set_rank)}|{exchange}")
 
 
 def payload_seed(seed, set_rank, exchange, occurrence=0):

@@ -40,17 +40,16 @@ _SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bf
 class _Raw:
     """The context of an uncompressed floating-point tensor sent as float64."""
 
-    __slots__ = ("dtype", "compressor")
+    __slots__ = ("dtype",)
 
     def __init__(self, dtype):
         self.dtype = dtype
-        self.compressor = None
 
 
 class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
-    __slots__ = ("compressor", "name", "where", "tensor", "payload", "x32", "residual", "shape", "dtype",
+    __slots__ = ("name", "where", "payload", "x32", "residual", "shape", "dtype",
                  "numel", "set_ranks", "fingerprint")
 
 
@@ -142,9 +141,9 @@ class QSGD(Compressor):
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")
         set_rank = set_ranks.index(grank)
         ctx = _Exchange()
-        ctx.compressor, ctx.name = self, f"hvd_qsgd_{self._creation_index}_s{seq}"
+        ctx.name = f"hvd_qsgd_{self._creation_index}_s{seq}"
         ctx.where = f"hvd_qsgd: compressed tensor s{seq} (shape {tuple(tensor.shape.as_list())})"
-        ctx.tensor, ctx.shape, ctx.dtype = tensor, tensor.shape, tensor.dtype
+        ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
         ctx.numel, ctx.set_ranks = tensor.shape.num_elements(), set_ranks
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), _SOURCE_DTYPES[tensor.dtype])
         eager = tf.executing_eagerly()

@@ -40,7 +40,7 @@ _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bflo
 class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
-    __slots__ = ("compressor", "where", "name", "shape", "dtype", "device", "handle", "expect",
+    __slots__ = ("where", "name", "shape", "dtype", "device", "handle", "expect",
                  "own_len", "fault", "set_ranks", "world", "on_device")
 
 
@@ -132,7 +132,7 @@ class QSGD(Compressor):
         with self._lock:
             exchange, occurrence, key, residual_key, param = self._route(tensor)
         ctx = _Exchange()
-        ctx.compressor, ctx.name, ctx.shape, ctx.dtype, ctx.device = self, param, tensor.shape, tensor.dtype, tensor.device
+        ctx.name, ctx.shape, ctx.dtype, ctx.device = param, tensor.shape, tensor.dtype, tensor.device
         ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
                      f"hvd_qsgd: compressed tensor {exchange.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
         ctx.set_ranks, ctx.world, ctx.handle, ctx.fault = set_ranks, world, None, None
