@@ -16,6 +16,8 @@ and ``pip install -e .``.
 Environment: ``CXX`` (default g++), ``HVD_QSGD_MARCH`` (default ``native``; ``-march=`` of the CPU
 library), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``).
 """
+import functools
+import json
 import os
 import shlex
 import shutil
@@ -121,8 +123,10 @@ def _march():
     return "-march=" + os.environ.get("HVD_QSGD_MARCH", "native")
 
 
+@functools.lru_cache(maxsize=None)
 def _tensorflow_flags():
-    """TensorFlow's compile and link flags, or None when TensorFlow is not importable."""
+    """TensorFlow's compile and link flags, or None when TensorFlow is not importable (asked once:
+    importing TensorFlow takes seconds)."""
     if os.environ.get("HVD_QSGD_WITHOUT_TENSORFLOW") == "1":
         return None
     code = ("import json, tensorflow as tf; "
@@ -131,7 +135,6 @@ def _tensorflow_flags():
                           text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
     if proc.returncode != 0:
         return None
-    import json
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -38,6 +38,7 @@ from hvd_qsgd import _native
 CODINGS = {"fixed": 0, "elias": 1}
 NORMS = {"max": 0, "l2": 1}
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
+DTYPES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 MAX_BUCKET = 0x7FFFFFFF
 MAX_SEED = 2**64 - 1
 HEADER_BYTES = _native.HEADER_BYTES
@@ -105,7 +106,7 @@ def make_config(bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fin
     """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
     cfg = _native.Config(
         bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
-        norm=_check_choice("norm", norm, NORMS), dtype=DTYPE_NAMES.index(dtype),
+        norm=_check_choice("norm", norm, NORMS), dtype=_check_choice("dtype", dtype, DTYPES),
         bucket_size=_check_bucket(bucket_size), flags=FLAG_CHECKSUM if checksum else 0,
         seed=_check_u64("seed", seed), fingerprint=_check_u64("fingerprint", fingerprint))
     if coding == "elias" and cfg.bits < 2:
@@ -174,7 +175,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", finge
     cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum)
     flat, cfg.dtype = _as_float32(x, name)
     if source_dtype is not None:
-        cfg.dtype = _check_choice("source_dtype", source_dtype, {n: i for i, n in enumerate(DTYPE_NAMES)})
+        cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
     n = flat.size
     cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
     out = np.empty(cap, dtype=np.uint8)

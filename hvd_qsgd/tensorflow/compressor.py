@@ -169,7 +169,7 @@ class QSGD(Compressor):
         ctx.x32 = x
         ctx.payload = qops.load().qsgd_encode(
             x, occurrence, bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm],
-            coding=codec.CODINGS[s.coding], dtype_code=codec.DTYPE_NAMES.index(_SOURCE_DTYPES[tensor.dtype]),
+            coding=codec.CODINGS[s.coding], dtype_code=codec.DTYPES[_SOURCE_DTYPES[tensor.dtype]],
             checksum=s.checksum, seed=qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name)),
             fingerprint=qops.as_int64_attr(ctx.fingerprint), where=ctx.where)
         tags = protocol.exchange_tags(len(set_ranks), self._creation_index, self._settings_tag, 2 * seq)
@@ -191,7 +191,7 @@ class QSGD(Compressor):
         gathered = hvd.allgather(payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set)
         decode_attrs = dict(numel=ctx.numel, bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm],
                             coding=codec.CODINGS[s.coding],
-                            dtype_code=codec.DTYPE_NAMES.index(_SOURCE_DTYPES[ctx.dtype]),
+                            dtype_code=codec.DTYPES[_SOURCE_DTYPES[ctx.dtype]],
                             fingerprint=qops.as_int64_attr(ctx.fingerprint), where=ctx.where)
         out = ops.qsgd_decode_sum(gathered, alpha, count=len(ctx.set_ranks), **decode_attrs)
         sent = tf.size(ctx.payload, out_type=tf.int64)
