@@ -30,9 +30,9 @@ def test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank(np_,
     out = launch(np_, controller, [WORKER] + scenarios, timeout=300)
     for s in scenarios:
         assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
-    # the training step is a tf.function whose graph holds the codec's ops and Horovod's collectives
-    # (each rank asserts it before printing OK tape; MPI may interleave the printed lines)
-    assert re.search(r"graph ops: HorovodAllgather HorovodAllreduce QsgdCheckControl QsgdDecodeSum QsgdEncode", out)
+    # that the training step is a tf.function whose graph holds the codec's ops and Horovod's
+    # collectives is asserted by every rank before it prints "OK tape" (scenario_tape); the printed
+    # op list is not matched here, because MPI may split a rank's line with another rank's output
 
 
 def test_compat_v1_distributed_optimizer_in_a_session():
@@ -48,7 +48,10 @@ def test_keras3_model_with_distributed_gradient_tape():
 
 @pytest.mark.parametrize("kind,pattern", [
     ("bits", r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor settings"),
-    ("order", r"InvalidArgumentError: hvd_qsgd: .*payloads disagree on numel \(rank 0: 20000, rank 1: 30000\)"),
+    # the swap mismatches both exchanges; TensorFlow decodes them concurrently, so either one
+    # reports first: rank 0 traced (20000, 30000), rank 1 (30000, 20000)
+    ("order", r"InvalidArgumentError: hvd_qsgd: .*payloads disagree on numel "
+              r"\(rank 0: (20000, rank 1: 30000|30000, rank 1: 20000)\)"),
 ])
 def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
     out = launch(2, "gloo", [WORKER, f"mismatch-{kind}"], timeout=120)
