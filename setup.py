@@ -30,7 +30,8 @@ from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(ROOT, "kernels")
-CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc", "kernels/qsgd_control.cc"]
+CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc", "kernels/qsgd_control.cc",
+               "kernels/qsgd_chunks.cc"]
 CUDA_SOURCES = ["kernels/qsgd_cuda.cu"]
 TF_SOURCES = ["hvd_qsgd/tensorflow/qsgd_ops.cc"]
 CPU_FLAGS = [

@@ -16,7 +16,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 2  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 3  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -117,6 +117,22 @@ def load():
         lib.qsgd_check_control.restype = _I32
         lib.qsgd_check_control.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, ctypes.POINTER(ctypes.c_double),
                                            ctypes.POINTER(_I32)]
+        lib.qsgd_chunk_range.restype = _I32
+        lib.qsgd_chunk_range.argtypes = [_U64, ctypes.c_uint32, _I32, _I32, ctypes.POINTER(_U64),
+                                         ctypes.POINTER(_U64)]
+        lib.qsgd_chunk_seed.restype = _U64
+        lib.qsgd_chunk_seed.argtypes = [_U64, _I32, _I32]
+        lib.qsgd_chunks_max_nbytes.restype = _U64
+        lib.qsgd_chunks_max_nbytes.argtypes = [_U64, _I32, ctypes.c_uint32, _I32, _I32]
+        lib.qsgd_encode_chunks_cpu.restype = _I32
+        lib.qsgd_encode_chunks_cpu.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, _P]
+        lib.qsgd_reduce_chunk_cpu.restype = _I32
+        lib.qsgd_reduce_chunk_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
+                                              ctypes.POINTER(Config), _I32, _P, _U64, _P, _U64,
+                                              ctypes.POINTER(_U64)]
+        lib.qsgd_decode_chunks_cpu.restype = _I32
+        lib.qsgd_decode_chunks_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32, ctypes.c_float,
+                                               _P, _U64, ctypes.c_uint32]
         lib.qsgd_set_num_threads.restype = None
         lib.qsgd_set_num_threads.argtypes = [_I32]
         lib.qsgd_get_num_threads.restype = _I32

@@ -24,7 +24,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 2
+#define QSGD_ABI_VERSION 3
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -138,6 +138,34 @@ int32_t qsgd_control_vector(int32_t world, int32_t global_rank, int32_t set_rank
  * with *detail (the failed-rank count or the tag index). The verdict depends on r only. */
 int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
                            int32_t n, double* alpha, int32_t* detail);
+
+/* ---- chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm) - */
+/* Chunk j of n of a tensor of numel elements in buckets of bucket_size: elements [*begin, *end),
+ * made of the whole buckets floor(j*nb/n) .. floor((j+1)*nb/n) - 1 where nb = ceil(numel/bucket_size)
+ * (a chunk is empty when nb < n). */
+int32_t qsgd_chunk_range(uint64_t numel, uint32_t bucket_size, int32_t n, int32_t j, uint64_t* begin,
+                         uint64_t* end);
+/* The seed of chunk j's payload in `phase` (0: a rank's share of its own tensor, 1: the reduced
+ * chunk a rank re-quantizes) from that rank's step seed (qsgd_step_seed). */
+uint64_t qsgd_chunk_seed(uint64_t step_seed, int32_t j, int32_t phase);
+/* An upper bound of the n chunk payloads' total length (exact for the fixed coding); 0 on invalid
+ * arguments. */
+uint64_t qsgd_chunks_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_size, int32_t coding,
+                                int32_t n);
+/* Encode the n chunks of x back to back into out[0:cap): chunk j with cfg's settings and the seed
+ * qsgd_chunk_seed(cfg->seed, j, 0); lens[j] receives its payload length. */
+int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
+                               uint8_t* out, uint64_t cap, uint64_t* lens);
+/* Reduce chunk j: sum the count payloads of chunk j (qsgd_decode_sum_cpu, alpha 1) into scratch
+ * (scratch_n >= their numel floats) and re-encode the sum with cfg's settings and the seed
+ * qsgd_chunk_seed(cfg->seed, j, 1) into out[0:cap); *out_len receives the payload length. */
+int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
+                              const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
+                              uint8_t* out, uint64_t cap, uint64_t* out_len);
+/* out[chunk j] = alpha * decode(payload j) for the n reduced chunks of a numel-element tensor; a
+ * payload whose numel is not its chunk's is QSGD_E_MISMATCH. out is unspecified on failure. */
+int32_t qsgd_decode_chunks_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t n, float alpha,
+                               float* out, uint64_t numel, uint32_t bucket_size);
 
 /* ---- CUDA codec (libhvd_qsgd_cuda; device pointers, stream-ordered, fixed coding) --------- */
 /* QSGD_ABI_VERSION of the CUDA library. */

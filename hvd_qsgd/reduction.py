@@ -1,0 +1,155 @@
+"""The scatter_allgather reduction of QSGD payloads: the algorithm, on NumPy buffers.
+
+An allgather of b-bit payloads makes every rank receive (n-1) * P bytes, which grows with n. This
+reduction keeps a rank's traffic near 2 (n-1)/n * P, flat in n, like a ring allreduce:
+
+For a tensor of d elements on n ranks, split into n chunks of whole buckets
+(``chunk_ranges``: chunk j holds buckets floor(j nb / n) .. floor((j+1) nb / n) - 1, nb = ceil(d / B)),
+with rank r's step seed sigma_r (``protocol.payload_seed``):
+
+    phase 1 (alltoall)   rank r encodes chunk j of its g_r with seed chunk_seed(sigma_r, j, 0) and
+                         sends that payload p_rj to rank j;
+    reduce               rank j decodes and sums what it received, S_j = sum_r decode(p_rj) (fp32,
+                         in rank order), and re-quantizes it with fresh randomness:
+                         q_j = encode(S_j, seed chunk_seed(sigma_j, j, 1));
+    phase 2 (allgather)  every rank receives q_0 .. q_{n-1} and writes chunk j of the result as
+                         alpha * decode(q_j)  (alpha = 1/n for Average, 1 for Sum).
+
+Unbiased: E[decode(q_j) | S_j] = S_j and E[S_j] = sum_r g_r[chunk j], so E[result] = alpha sum_r g_r.
+Every rank decodes the same q_j with the same kernel, so every rank ends bit-identical. The reduced
+chunk is quantized twice, so its variance is that of one quantization of each rank's chunk plus one
+of their sum (QSGD's Lemma 3.1 bound applies to each).
+
+A rank that cannot reduce its chunk (a payload failed its checks) sends an empty phase-2 payload;
+every rank sees the empty slot and raises, so nobody waits on a collective another rank skipped.
+
+The chunk steps are the kernels' ``qsgd_encode_chunks_cpu``, ``qsgd_reduce_chunk_cpu`` and
+``qsgd_decode_chunks_cpu`` (kernels/qsgd_chunks.cc), which the TensorFlow ops call too. ``simulate``
+runs both phases for all ranks in one process: the reference the multi-rank tests compare with.
+"""
+import ctypes
+
+import numpy as np
+
+from hvd_qsgd import _native, codec
+from hvd_qsgd.codec import PayloadError
+
+
+def chunk_ranges(numel, bucket_size, n):
+    """[(begin, end)] of the n chunks of a numel-element tensor (whole buckets; some may be empty)."""
+    lib = _native.load()
+    b, e = ctypes.c_uint64(), ctypes.c_uint64()
+    out = []
+    for j in range(n):
+        st = lib.qsgd_chunk_range(int(numel), int(bucket_size), int(n), j, ctypes.byref(b), ctypes.byref(e))
+        if st != _native.OK:
+            raise ValueError(f"chunk_ranges({numel}, {bucket_size}, {n}): {_native.status_string(st)}")
+        out.append((b.value, e.value))
+    return out
+
+
+def chunk_seed(step_seed, j, phase):
+    """The seed of chunk j's payload in phase 0 (a rank's share) or 1 (the reduced chunk)."""
+    return int(_native.load().qsgd_chunk_seed(int(step_seed), int(j), int(phase)))
+
+
+def _config(settings, step_seed, fingerprint, source_dtype):
+    cfg = codec.make_config(settings.bits, settings.bucket_size, settings.norm, 0, settings.coding, fingerprint,
+                            settings.checksum, dtype=source_dtype)
+    cfg.seed = int(step_seed) & (2 ** 64 - 1)
+    return cfg
+
+
+def _raise(st, where, payloads=()):
+    for i, p in enumerate(payloads):  # name the payload that fails, when one does
+        if p.size and _native.load().qsgd_validate_cpu(p.ctypes.data, p.size) != _native.OK:
+            codec.validate(p, f"{where}: payload {i}")
+    codec.raise_status(st, where)
+
+
+def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="float32", where="encode_chunks"):
+    """Phase 1 on one rank: the payloads of the n chunks of float32 ``x32`` back to back, and their
+    lengths (the alltoall's splits)."""
+    x = np.ascontiguousarray(x32, dtype=np.float32).reshape(-1)
+    lib = _native.load()
+    cfg = _config(settings, step_seed, fingerprint, source_dtype)
+    cap = lib.qsgd_chunks_max_nbytes(x.size, cfg.bits, cfg.bucket_size, cfg.coding, int(n))
+    out = np.empty(cap, dtype=np.uint8)
+    lens = np.zeros(n, dtype=np.uint64)
+    st = lib.qsgd_encode_chunks_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), int(n), out.ctypes.data, cap,
+                                    lens.ctypes.data)
+    if st != _native.OK:
+        raise RuntimeError(f"{where}: encode failed: {_native.status_string(st)}")
+    total = int(lens.sum())
+    return (out if total == cap else out[:total].copy()), [int(v) for v in lens]
+
+
+def _pointers(payloads):
+    ps = [codec._as_bytes(p, "payload") for p in payloads]
+    return ps, (ctypes.c_void_p * len(ps))(*[p.ctypes.data for p in ps]), \
+        (ctypes.c_uint64 * len(ps))(*[p.size for p in ps])
+
+
+def reduce_chunk(payloads, j, settings, step_seed, fingerprint=0, source_dtype="float32", where="reduce_chunk"):
+    """The reduce step on rank j: re-quantize the sum of the ranks' chunk-j payloads (in rank order)."""
+    ps, ptrs, lens = _pointers(payloads)
+    numel = codec.read_header(ps[0], f"{where}: payload 0").numel
+    lib = _native.load()
+    cfg = _config(settings, step_seed, fingerprint, source_dtype)
+    scratch = np.empty(numel, dtype=np.float32)
+    cap = codec.max_payload_nbytes(numel, cfg.bits, cfg.bucket_size, settings.coding)
+    out = np.empty(cap, dtype=np.uint8)
+    out_len = ctypes.c_uint64(0)
+    st = lib.qsgd_reduce_chunk_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data, numel,
+                                   out.ctypes.data, cap, ctypes.byref(out_len))
+    if st != _native.OK:
+        _raise(st, where, ps)
+    return out if out_len.value == cap else out[:out_len.value].copy()
+
+
+def decode_chunks(payloads, alpha, numel, bucket_size, out=None, where="decode_chunks"):
+    """Phase 2's result: chunk j of ``out`` = alpha * decode(payload j), for the n reduced chunks."""
+    if out is None:
+        out = np.empty(numel, dtype=np.float32)
+    if out.dtype != np.float32 or out.size != numel or not out.flags.c_contiguous:
+        raise ValueError(f"{where}: out must be a C-contiguous float32 array of {numel} elements")
+    empty = [j for j, p in enumerate(payloads) if len(p) == 0]
+    if empty:
+        raise PayloadError(f"{where}: rank(s) {empty} sent no reduced chunk: they could not reduce their "
+                           "chunk (see the error on those ranks)", _native.E_TRUNCATED)
+    ps, ptrs, lens = _pointers(payloads)
+    st = _native.load().qsgd_decode_chunks_cpu(ptrs, lens, len(ps), float(alpha), out.ctypes.data, int(numel),
+                                               int(bucket_size))
+    if st != _native.OK:
+        if st == _native.E_MISMATCH:
+            ranges = chunk_ranges(numel, bucket_size, len(ps))
+            got = [codec.read_header(p, f"{where}: chunk {j}").numel for j, p in enumerate(ps)]
+            raise PayloadError(f"{where}: reduced chunks have {got} elements, expected "
+                               f"{[e - b for b, e in ranges]} (bucket size {bucket_size})", st)
+        _raise(st, where, ps)
+    return out
+
+
+def split_by(buffer, lens):
+    """Views of ``buffer`` cut at the given lengths (received splits, in rank order)."""
+    buf = codec._as_bytes(buffer, "buffer")
+    if sum(lens) != buf.size:
+        raise PayloadError(f"received {buf.size} bytes, but the splits {list(lens)} add up to {sum(lens)}",
+                           _native.E_LENGTH)
+    offs = np.cumsum([0] + list(lens))
+    return [buf[offs[i]: offs[i + 1]] for i in range(len(lens))]
+
+
+def simulate(xs, settings, step_seeds, alpha, fingerprint=0, source_dtype="float32"):
+    """Both phases for all n = len(xs) ranks in one process, with rank r's step seed step_seeds[r].
+
+    Returns (result, phase-1 payloads [r][j], reduced chunks [j])."""
+    n = len(xs)
+    sent = []
+    for r, x in enumerate(xs):
+        buf, lens = encode_chunks(x, settings, step_seeds[r], n, fingerprint, source_dtype)
+        sent.append(split_by(buf, lens))
+    reduced = [reduce_chunk([sent[r][j] for r in range(n)], j, settings, step_seeds[j], fingerprint, source_dtype)
+               for j in range(n)]
+    numel = np.asarray(xs[0]).size
+    return decode_chunks(reduced, alpha, numel, settings.bucket_size), sent, reduced

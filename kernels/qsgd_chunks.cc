@@ -1,0 +1,95 @@
+// The chunk steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm):
+// one implementation for the NumPy/PyTorch binding (ctypes) and the TensorFlow ops. Each step is a
+// composition of the codec's encode and decode_sum over bucket-aligned chunks.
+#include <vector>
+
+#include "qsgd.h"
+
+namespace {
+
+uint64_t buckets(uint64_t numel, uint32_t bucket_size) { return (numel + bucket_size - 1) / bucket_size; }
+
+}  // namespace
+
+extern "C" {
+
+int32_t qsgd_chunk_range(uint64_t numel, uint32_t bucket_size, int32_t n, int32_t j, uint64_t* begin,
+                         uint64_t* end) {
+  if (bucket_size == 0 || bucket_size > QSGD_MAX_BUCKET || n < 1 || j < 0 || j >= n || !begin || !end)
+    return QSGD_E_ARG;
+  const unsigned __int128 nb = buckets(numel, bucket_size);
+  const uint64_t b0 = uint64_t(nb * unsigned(j) / unsigned(n));
+  const uint64_t b1 = uint64_t(nb * unsigned(j + 1) / unsigned(n));
+  const uint64_t e0 = b0 * bucket_size, e1 = b1 * bucket_size;
+  *begin = e0 < numel ? e0 : numel;
+  *end = e1 < numel ? e1 : numel;
+  return QSGD_OK;
+}
+
+uint64_t qsgd_chunk_seed(uint64_t step_seed, int32_t j, int32_t phase) {
+  return qsgd_step_seed(step_seed, 2 * uint64_t(uint32_t(j)) + (phase ? 1u : 0u));
+}
+
+uint64_t qsgd_chunks_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_size, int32_t coding, int32_t n) {
+  uint64_t total = 0, b, e;
+  for (int32_t j = 0; j < n; ++j) {
+    if (qsgd_chunk_range(numel, bucket_size, n, j, &b, &e) != QSGD_OK) return 0;
+    const uint64_t one = coding == QSGD_CODING_ELIAS ? qsgd_elias_max_nbytes(e - b, bits, bucket_size)
+                                                     : qsgd_fixed_nbytes(e - b, bits, bucket_size);
+    if (one == 0) return 0;
+    total += one;
+  }
+  return total;
+}
+
+int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
+                               uint8_t* out, uint64_t cap, uint64_t* lens) {
+  if (!cfg || !out || !lens || n < 1 || (numel && !x)) return QSGD_E_ARG;
+  uint64_t off = 0, b, e;
+  for (int32_t j = 0; j < n; ++j) {
+    int32_t st = qsgd_chunk_range(numel, cfg->bucket_size, n, j, &b, &e);
+    if (st != QSGD_OK) return st;
+    qsgd_config c = *cfg;
+    c.seed = qsgd_chunk_seed(cfg->seed, j, 0);
+    uint64_t len = 0;
+    st = qsgd_encode_cpu(x + b, e - b, &c, out + off, cap - off, &len);
+    if (st != QSGD_OK) return st;
+    lens[j] = len;
+    off += len;
+  }
+  return QSGD_OK;
+}
+
+int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
+                              const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
+                              uint8_t* out, uint64_t cap, uint64_t* out_len) {
+  if (!payloads || !lens || count < 1 || !cfg || j < 0 || !out || !out_len) return QSGD_E_ARG;
+  qsgd_header h;
+  int32_t st = qsgd_parse_header(payloads[0], lens[0], &h);
+  if (st != QSGD_OK) return st;
+  if (h.numel > scratch_n || (h.numel && !scratch)) return QSGD_E_CAPACITY;
+  st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, h.numel, 0);
+  if (st != QSGD_OK) return st;
+  qsgd_config c = *cfg;
+  c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
+  return qsgd_encode_cpu(scratch, h.numel, &c, out, cap, out_len);
+}
+
+int32_t qsgd_decode_chunks_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t n, float alpha,
+                               float* out, uint64_t numel, uint32_t bucket_size) {
+  if (!payloads || !lens || n < 1 || (numel && !out)) return QSGD_E_ARG;
+  uint64_t b, e;
+  for (int32_t j = 0; j < n; ++j) {
+    int32_t st = qsgd_chunk_range(numel, bucket_size, n, j, &b, &e);
+    if (st != QSGD_OK) return st;
+    qsgd_header h;
+    st = qsgd_parse_header(payloads[j], lens[j], &h);
+    if (st != QSGD_OK) return st;
+    if (h.numel != e - b || h.bucket_size != bucket_size) return QSGD_E_MISMATCH;
+    st = qsgd_decode_sum_cpu(payloads + j, lens + j, 1, alpha, out + b, e - b, 0);
+    if (st != QSGD_OK) return st;
+  }
+  return QSGD_OK;
+}
+
+}  // extern "C"
