@@ -13,9 +13,9 @@ import itertools
 import threading
 from dataclasses import asdict, dataclass
 
-from hvd_qsgd import codec, protocol
+from hvd_qsgd import codec, cost_model, protocol
 
-REDUCTIONS = ("allgather",)
+REDUCTIONS = ("allgather", "scatter_allgather", "auto")
 _creation_counter = itertools.count()
 _creation_lock = threading.Lock()
 
@@ -80,9 +80,20 @@ class Settings:
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction)
 
-    def tag(self):
+    def tag(self, reduction=None):
+        """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
+        reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
+        differently are told apart too."""
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
-                                   f"{self.min_numel}|{self.reduction}")
+                                   f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}")
+
+    def exchange_reduction(self, n, numel):
+        """The reduction of one exchange of a numel-element tensor among n ranks: the setting, or for
+        "auto" the faster by ``cost_model.choose`` (the same on every rank: it depends on n, numel and
+        the settings only)."""
+        if self.reduction == "auto":
+            return cost_model.choose(n, numel, self.bits, self.bucket_size)
+        return self.reduction
 
     def as_dict(self):
         return asdict(self)
@@ -153,6 +164,10 @@ class QSGD:
     seed:            base seed; each rank and exchange draws its own stream from it
     error_feedback:  keep each tensor's quantization residual and add it before the next encoding
     checksum:        add a checksum to every payload (verified by every receiver)
+    reduction:       "allgather" (every rank receives every payload: (n-1) P bytes), "scatter_allgather"
+                     (alltoall of chunks, reduce, allgather of the re-quantized chunks: 2 (n-1)/n P
+                     bytes, flat in n; see ``hvd_qsgd.reduction``) or "auto" (per tensor, the faster
+                     by the latency/bandwidth model of ``hvd_qsgd.cost_model``)
     named_parameters: (name, parameter) pairs, as given to Horovod's optimizer: payloads are then
                      matched by parameter name, so ranks may hand gradients over in any order
     process_set:     Horovod process set of the reduction (default: all ranks)
@@ -174,7 +189,8 @@ class QSGD:
     def __repr__(self):
         s = self.settings
         return (f"hvd_qsgd.QSGD(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
-                f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback})")
+                f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
+                f"reduction={s.reduction!r})")
 
     def _adapter(self, framework):
         with self._lock:

@@ -33,6 +33,21 @@ def test_features_sparse_dynamic_error_feedback_process_sets():
         assert ok_lines(out, s) == 4, f"{s}:\n{out[-3000:]}"
 
 
+SCATTER = ["scatter-allreduce", "scatter-optimizer", "scatter-elias", "auto", "scatter-error-feedback",
+           "scatter-dynamic-named"]
+
+
+@pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
+def test_scatter_allgather_equals_the_two_phase_simulation_on_every_rank(np_, controller):
+    """reduction="scatter_allgather" (and "auto"): every rank's result equals reduction.simulate of all
+    ranks' tensors with the documented seeds, bit-identically; uneven and empty chunks, Average and Sum,
+    fp16, Elias payloads of different lengths per rank through both reductions, error feedback, and
+    ranks that start the second phases in different orders."""
+    out = launch(np_, controller, [WORKER] + SCATTER, timeout=240)
+    for s in SCATTER:
+        assert ok_lines(out, s) == np_, f"{s}:\n{out[-3000:]}"
+
+
 MISMATCHES = {
     # scenario: (ranks that must raise, pattern of the error)
     "bits": (2, r"MismatchError: .*disagree on the compressor settings"),
@@ -42,6 +57,7 @@ MISMATCHES = {
     "shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "no-compression": (2, r"HorovodInternalError: Mismatched data types"),
     "creation-order": (2, r"MismatchError: .*compressor creation order"),
+    "reduction": (2, r"MismatchError: .*disagree on the compressor settings"),
     "op-min": (2, r"MismatchError: .*not a sum or an average"),
     "reducescatter": (2, r"MismatchError: .*not with reducescatter"),
 }

@@ -1,4 +1,5 @@
-"""QSGD as a Horovod PyTorch ``Compressor``, reduced by an allgather of payloads.
+"""QSGD as a Horovod PyTorch ``Compressor``, reduced by an allgather of payloads or by
+scatter_allgather (``hvd_qsgd.reduction``).
 
 For a gradient g_r of d elements on each of the n ranks of the process set:
 
@@ -24,14 +25,34 @@ exchange pending), which presumes a static order of gradients.
 
 Payload seeds: ``protocol.payload_seed(seed, set_rank, exchange_name, i)`` where i counts the
 previous exchanges of that name on this rank (always 0 for numbered exchanges).
+
+scatter_allgather (``reduction="scatter_allgather"``, or "auto" choosing it for a tensor):
+
+    compress(g_r):   the n chunk payloads of g_r [+ e_r] (``reduction.encode_chunks``, step seed as
+                     above); start alltoall(payloads, splits) under ``<exchange>.scatter``
+    advance:         once the alltoall is done: check every rank's header of this rank's chunk,
+                     q = ``reduction.reduce_chunk`` (decode-sum, re-quantize), start allgather of the
+                     frame [8-byte little-endian length of q][q] under ``<exchange>.gather``
+                     (length 0 and no payload when this rank could not reduce its chunk)
+    decompress:      alpha = check(reduced control); wait for the allgather; split the frames;
+                     return alpha * decode of the reduced chunks (``reduction.decode_chunks``)
+
+Every ``compress`` and ``decompress`` first advances every exchange whose alltoall has completed,
+and waiting is a poll loop that keeps advancing the others, so second phases start as soon as their
+first phases finish, in whatever order, and no rank waits on a phase another rank has not started.
+Error feedback keeps e_r <- (g_r + e_r) - decode(this rank's chunk payloads). The chunk steps run on
+the host (a CUDA tensor is copied there and back).
 """
+import time
 from types import SimpleNamespace
 
 import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import codec, cuda, protocol
+import numpy as np
+
+from hvd_qsgd import codec, cuda, protocol, reduction
 from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
 
 _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -41,7 +62,8 @@ class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
     __slots__ = ("where", "name", "shape", "dtype", "device", "handle", "expect",
-                 "own_len", "fault", "set_ranks", "world", "on_device")
+                 "own_len", "fault", "set_ranks", "world", "on_device", "reduction", "exchange",
+                 "set_rank", "step_seed", "splits", "gather_handle", "reduce_error", "sent", "received")
 
 
 class QSGD(Compressor):
@@ -59,6 +81,7 @@ class QSGD(Compressor):
         self._pending = 0          # exchanges between compress and decompress
         self._position = 0         # position within the current step (residual key without names)
         self._residuals = {}
+        self._scattering = []      # scatter_allgather exchanges whose alltoall is not yet handled
         self._params = None
         self._grad_names = {}
         if named_parameters is not None:
@@ -140,26 +163,126 @@ class QSGD(Compressor):
         ctx.expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
                                      numel=tensor.numel(), dtype=_SOURCE_DTYPES[tensor.dtype],
                                      fingerprint=fingerprint)
-        ctx.on_device = tensor.is_cuda and s.coding == "fixed" and cuda.available()
+        ctx.reduction = s.exchange_reduction(len(set_ranks), tensor.numel())
+        ctx.on_device = (tensor.is_cuda and s.coding == "fixed" and ctx.reduction == "allgather"
+                         and cuda.available())
+        ctx.exchange, ctx.set_rank, ctx.gather_handle, ctx.reduce_error = exchange, set_rank, None, None
+        ctx.sent = ctx.received = 0
         try:
             if set_rank is None:
                 raise protocol.MismatchError(
                     f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
                     f"{set_ranks}; pass the optimizer's process_set= to the compressor")
             seed = protocol.payload_seed(s.seed, set_rank, exchange, occurrence)
-            if ctx.on_device:
-                payload = self._encode_cuda(tensor, residual_key, seed, fingerprint, ctx.where)
-                if not hvd.nccl_built():
-                    payload = payload.cpu()
+            ctx.step_seed = seed
+            if ctx.reduction == "scatter_allgather":
+                self._start_scatter(tensor, residual_key, ctx)
             else:
-                payload = torch.from_numpy(self._encode(tensor, residual_key, seed, fingerprint, ctx.where))
-            ctx.own_len = payload.numel()
-            ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=ps)
+                if ctx.on_device:
+                    payload = self._encode_cuda(tensor, residual_key, seed, fingerprint, ctx.where)
+                    if not hvd.nccl_built():
+                        payload = payload.cpu()
+                else:
+                    payload = torch.from_numpy(self._encode(tensor, residual_key, seed, fingerprint, ctx.where))
+                ctx.own_len = payload.numel()
+                ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=ps)
         except Exception as e:  # reported through the control vector, raised on every rank
             ctx.fault = e
-        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, self._settings_tag, key)
+        self._advance()
+        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction), key)
         control = protocol.control_vector(world, grank, set_rank, tags, failed=ctx.fault is not None)
         return torch.from_numpy(control), ctx
+
+    # -- scatter_allgather ----------------------------------------------------------------------
+
+    def _start_scatter(self, tensor, residual_key, ctx):
+        """Phase 1: encode the n chunks of the tensor (+ residual) and start their alltoall."""
+        s, n = self.settings, len(ctx.set_ranks)
+        x = tensor.detach().reshape(-1)
+        if x.device.type != "cpu":
+            x = x.cpu()
+        x32 = self._with_residual(x.float().contiguous(), residual_key, ctx.where)
+        buf, lens = reduction.encode_chunks(x32.numpy(), s, ctx.step_seed, n, ctx.expect.fingerprint,
+                                            ctx.expect.dtype, where=ctx.where)
+        if s.error_feedback:
+            own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size,
+                                          where=ctx.where)
+            self._residuals[residual_key] = x32 - torch.from_numpy(own)
+        ctx.splits, ctx.own_len = lens, int(sum(lens))
+        ctx.sent = ctx.own_len - lens[ctx.set_rank]
+        ctx.handle = hvd.alltoall_async(torch.from_numpy(buf), splits=torch.tensor(lens, dtype=torch.int32),
+                                        name=f"{ctx.exchange}.scatter", process_set=self._process_set)
+        with self._lock:
+            self._scattering.append(ctx)
+
+    def _advance(self, block_on=None):
+        """Start the second phase of every exchange whose alltoall has completed (and of ``block_on``,
+        waiting for it)."""
+        with self._lock:
+            ready = [c for c in self._scattering if c is block_on or hvd.poll(c.handle)]
+            self._scattering = [c for c in self._scattering if c not in ready]
+        for c in ready:
+            self._reduce(c)
+
+    def _reduce(self, ctx):
+        """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
+        allgather of the reduced chunks. A failure sends an empty frame (every rank then raises)."""
+        s, n, j = self.settings, len(ctx.set_ranks), ctx.set_rank
+        received, rsplits = hvd.synchronize(ctx.handle)
+        rsplits = [int(v) for v in rsplits]
+        ctx.received = int(sum(rsplits)) - rsplits[j]
+        try:
+            payloads = reduction.split_by(received.numpy(), rsplits)
+            begin, end = reduction.chunk_ranges(ctx.expect.numel, s.bucket_size, n)[j]
+            expect = SimpleNamespace(**{**vars(ctx.expect), "numel": end - begin})
+            where = f"{ctx.where}: chunk {j}"
+            protocol.check_gathered([codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)],
+                                    expect, where)
+            q = reduction.reduce_chunk(payloads, j, s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
+                                       where=where)
+        except Exception as e:  # raised on this rank in decompress; the others see the empty frame
+            ctx.reduce_error, q = e, np.zeros(0, dtype=np.uint8)
+        frame = np.empty(8 + q.size, dtype=np.uint8)
+        frame[:8] = np.frombuffer(int(q.size).to_bytes(8, "little"), dtype=np.uint8)
+        frame[8:] = q
+        ctx.sent += frame.size
+        ctx.gather_handle = hvd.allgather_async(torch.from_numpy(frame), name=f"{ctx.exchange}.gather",
+                                                process_set=self._process_set)
+
+    def _wait(self, handle):
+        """Wait for ``handle``, advancing the other exchanges meanwhile (see the module docstring)."""
+        delay = 2e-5
+        while True:
+            with self._lock:
+                others = bool(self._scattering)
+            if not others:
+                return hvd.synchronize(handle)
+            self._advance()
+            if hvd.poll(handle):
+                return hvd.synchronize(handle)
+            time.sleep(delay)
+            delay = min(2 * delay, 1e-3)
+
+    def _finish_scatter(self, ctx, alpha):
+        """Phase 2's result on this rank."""
+        if ctx.gather_handle is None:
+            self._advance(block_on=ctx)  # its alltoall: all ranks started it (the control check passed)
+        gathered = self._wait(ctx.gather_handle).numpy()
+        n, j = len(ctx.set_ranks), ctx.set_rank
+        chunks, off = [], 0
+        for r in range(n):
+            if off + 8 > gathered.size:
+                raise protocol.MismatchError(f"{ctx.where}: the reduced chunks' frames end after {r} of {n} ranks")
+            size = int.from_bytes(gathered[off: off + 8].tobytes(), "little")
+            chunks.append(gathered[off + 8: off + 8 + size])
+            off += 8 + size
+        if ctx.reduce_error is not None:
+            raise protocol.MismatchError(f"{ctx.where}: this rank could not reduce chunk {j}: "
+                                         f"{ctx.reduce_error}") from ctx.reduce_error
+        ctx.received += off - (8 + chunks[j].size)
+        out = reduction.decode_chunks(chunks, alpha, ctx.expect.numel, self.settings.bucket_size,
+                                      where=f"{ctx.where}: reduced chunks")
+        return torch.from_numpy(out)
 
     def _with_residual(self, x32, residual_key, where):
         residual = self._residuals.get(residual_key) if self.settings.error_feedback else None
@@ -203,13 +326,19 @@ class QSGD(Compressor):
                                            fault_message=None if ctx.fault is None else
                                            f"{ctx.where}: {ctx.fault}")
         except protocol.MismatchError as e:
+            with self._lock:
+                self._scattering = [c for c in self._scattering if c is not ctx]
             raise e from ctx.fault
         finally:
             self._finish(ctx)
-        gathered = hvd.synchronize(ctx.handle)
-        out = (self._decode_cuda if ctx.on_device else self._decode)(gathered, alpha, ctx)
-        self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
-                        bytes_received=gathered.numel() - ctx.own_len)
+        if ctx.reduction == "scatter_allgather":
+            out = self._finish_scatter(ctx, alpha)
+            self._stats.add(elements=out.numel(), bytes_sent=ctx.sent, tensors=1, bytes_received=ctx.received)
+        else:
+            gathered = self._wait(ctx.handle)
+            out = (self._decode_cuda if ctx.on_device else self._decode)(gathered, alpha, ctx)
+            self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
+                            bytes_received=gathered.numel() - ctx.own_len)
         out = out.view(ctx.shape)
         if out.dtype != ctx.dtype or out.device != ctx.device:
             out = out.to(device=ctx.device, dtype=ctx.dtype)

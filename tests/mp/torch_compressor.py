@@ -21,7 +21,8 @@ from horovod.torch.compression import Compressor
 
 import hvd_qsgd
 import hvd_qsgd.torch
-from hvd_qsgd import codec, protocol
+from hvd_qsgd import codec, cost_model, protocol, reduction
+from hvd_qsgd.compressor import Settings
 
 SEED = 7
 
@@ -77,6 +78,39 @@ def reference(grads_by_rank, exchange, name, shape, dtype, bits, bucket, scale, 
                              source_dtype=str(dtype).replace("torch.", ""))
                 for r, g in enumerate(grads_by_rank)]
     return torch.from_numpy(codec.decode_sum(payloads, scale)).view(shape).to(dtype)
+
+
+def scatter_reference(xs, exchange, shape, dtype, settings, alpha, fp_name=""):
+    """The single-process simulation of scatter_allgather (``reduction.simulate``) on every rank's
+    tensor, with the documented step seeds: (result, phase-1 payloads [r][j], reduced chunks [j])."""
+    dname = str(dtype).replace("torch.", "")
+    fp = codec.tensor_fingerprint(fp_name, shape, dname)
+    seeds = [protocol.payload_seed(SEED, r, exchange, 0) for r in range(len(xs))]
+    out, sent, reduced = reduction.simulate([x.float().numpy().reshape(-1) for x in xs], settings, seeds, alpha,
+                                            fp, dname)
+    return torch.from_numpy(out).view(shape).to(dtype), sent, reduced
+
+
+def scatter_bytes(sent, reduced, rank):
+    """(bytes sent, bytes received) by ``rank`` in both phases (own chunk and own slot excluded;
+    a reduced chunk travels in a frame with an 8-byte length)."""
+    n = len(sent)
+    out = sum(sent[rank][j].size for j in range(n) if j != rank) + 8 + reduced[rank].size
+    into = (sum(sent[r][rank].size for r in range(n) if r != rank)
+            + sum(8 + reduced[j].size for j in range(n) if j != rank))
+    return out, into
+
+
+def check_scatter_allreduce(c, t, seq, alpha, op=None, name=None, fp_name=""):
+    """hvd.allreduce of t through c (scatter_allgather) equals the simulation, on every rank."""
+    kwargs = {} if op is None else {"op": op}
+    out = hvd.allreduce(t, compression=c, name=name, **kwargs)
+    ref, sent, reduced = scatter_reference(gather(t), f"hvd_qsgd.{c._creation_index}.s{seq}", t.shape, t.dtype,
+                                           c.settings, alpha, fp_name)
+    assert out.dtype == t.dtype and out.shape == t.shape
+    assert torch.equal(out, ref), f"scatter_allgather of {tuple(t.shape)} {t.dtype}: max diff {(out - ref).abs().max()}"
+    check_identical(out, "scatter_allgather")
+    return sent, reduced
 
 
 def gather_in(ps, t):
@@ -176,6 +210,21 @@ def scenario(s):
         optimizer_step(model, c)
         for name, p in model.named_parameters():
             check_identical(p.grad, name)
+    elif s == "scatter-dynamic-named":
+        # rank 1 skips a layer and hands gradients over in another order: second phases start in
+        # different orders on different ranks, and nobody waits on a phase another has not started
+        model = Net(skip_layer=(rank == 1))
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather", named_parameters=model.named_parameters())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=c)
+        for step in range(2):
+            opt.zero_grad()
+            x, y = batch(rank, step)
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            for name, p in model.named_parameters():
+                check_identical(p.grad, name)
+                check_identical(p.data, name)
     elif s == "allreduce":
         t = torch.randn(3, 10000, generator=torch.Generator().manual_seed(rank))
         c = hvd_qsgd.QSGD(4, seed=SEED)
@@ -246,6 +295,84 @@ def scenario(s):
             ref = reference(mine, f"hvd_qsgd.{c._creation_index}.s0", "", t.shape, t.dtype, 4, 512, 0.5)
             assert torch.equal(out, ref)
         hvd.allreduce(torch.zeros(1), name="done")
+    elif s == "scatter-optimizer":
+        model = Net()
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather", named_parameters=model.named_parameters())
+        mine = local_grads(model, rank)
+        all_grads = {k: gather(v) for k, v in mine.items()}
+        optimizer_step(model, c)
+        sent = received = 0
+        for name, p in model.named_parameters():
+            if p.numel() >= 10000:
+                ref, ph1, red = scatter_reference(all_grads[name], f"hvd_qsgd.{c._creation_index}.p.{name}", p.shape,
+                                                  p.dtype, c.settings, 1.0 / n, name)
+                assert torch.equal(p.grad, ref), f"{name}: max diff {(p.grad - ref).abs().max()}"
+                a, b = scatter_bytes(ph1, red, rank)
+                sent, received = sent + a, received + b
+            check_identical(p.grad, name)
+        st = c.stats
+        assert st["tensors"] == 3 and st["bytes_sent"] == sent and st["bytes_received"] == received, (st, sent, received)
+    elif s == "scatter-allreduce":
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather", min_numel=1)
+        g = torch.Generator().manual_seed(rank)
+        check_scatter_allreduce(c, torch.randn(3, 10000, generator=g), 0, 1.0 / n, name="avg")
+        check_scatter_allreduce(c, torch.randn(20000, generator=g), 1, 1.0, op=hvd.Sum, name="sum")
+        check_scatter_allreduce(c, torch.randn(20000, generator=g).half(), 2, 1.0 / n, name="fp16")
+        # fewer buckets than ranks: some chunks are empty
+        check_scatter_allreduce(c, torch.randn(1000, generator=g), 3, 1.0 / n, name="small")
+        assert any(b == e for b, e in reduction.chunk_ranges(1000, 512, n)) == (n > 2)
+        # predivide, as the optimizer applies it: prescale 1/f, postscale f/n -> alpha 1/n
+        out = hvd.grouped_allreduce([torch.randn(20000, generator=g), torch.randn(30000, generator=g)], compression=c)
+        assert [o.numel() for o in out] == [20000, 30000]
+    elif s == "scatter-elias":
+        # ranks scale their gradients differently: Elias payloads differ in length per rank
+        t = torch.randn(40000, generator=torch.Generator().manual_seed(rank)) * torch.linspace(0, 1, 40000) ** (rank + 1)
+        for i, red in enumerate(("scatter_allgather", "allgather")):
+            c = hvd_qsgd.QSGD(4, seed=SEED, coding="elias", reduction=red)
+            if red == "scatter_allgather":
+                sent, reduced = check_scatter_allreduce(c, t, 0, 1.0 / n, name=f"elias{i}")
+                lengths = [sum(p.size for p in row) for row in sent]
+                assert len(set(lengths)) == n, f"phase-1 lengths per rank: {lengths}"
+                assert c.stats["bytes_sent"] == scatter_bytes(sent, reduced, rank)[0]
+            else:
+                out = hvd.allreduce(t, compression=c, name=f"elias{i}")
+                xs = gather(t)
+                payloads = [codec.encode(x.numpy(), 4, 512, "max",
+                                         protocol.payload_seed(SEED, r, f"hvd_qsgd.{c._creation_index}.s0", 0),
+                                         "elias", codec.tensor_fingerprint("", t.shape, "float32"))
+                            for r, x in enumerate(xs)]
+                assert len({p.size for p in payloads}) == n, [p.size for p in payloads]
+                assert torch.equal(out, torch.from_numpy(codec.decode_sum(payloads, 1.0 / n)))
+                assert c.stats["bytes_received"] == sum(p.size for p in payloads) - payloads[rank].size
+                check_identical(out, "elias allgather")
+    elif s == "auto":
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction="auto")
+        g = torch.Generator().manual_seed(rank)
+        for seq, numel in enumerate((20000, 400000)):
+            t = torch.randn(numel, generator=g)
+            chosen = cost_model.choose(n, numel, 4, 512)
+            assert chosen == ("scatter_allgather" if n >= 3 and numel == 400000 else "allgather"), (n, numel, chosen)
+            if chosen == "scatter_allgather":
+                check_scatter_allreduce(c, t, seq, 1.0 / n, name=f"auto{seq}")
+            else:
+                out = hvd.allreduce(t, compression=c, name=f"auto{seq}")
+                ref = reference(gather(t), f"hvd_qsgd.{c._creation_index}.s{seq}", "", t.shape, t.dtype, 4, 512, 1.0 / n)
+                assert torch.equal(out, ref), "auto -> allgather"
+    elif s == "scatter-error-feedback":
+        model = Net()
+        c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True, reduction="scatter_allgather",
+                          named_parameters=model.named_parameters())
+        mine = local_grads(model, rank)
+        optimizer_step(model, c)
+        residuals = c.state_dict()["torch"]["residuals"]
+        assert set(residuals) == {"fc1.weight", "fc2.weight", "extra.weight"}, set(residuals)
+        for name, e in residuals.items():
+            g = mine[name].reshape(-1)
+            seed = protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{name}", 0)
+            fp = codec.tensor_fingerprint(name, mine[name].shape, "float32")
+            buf, lens = reduction.encode_chunks(g.numpy(), c.settings, seed, n, fp)
+            own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, g.numel(), 128)
+            assert torch.equal(e, g - torch.from_numpy(own)), name
     elif s.startswith("mismatch-"):
         try:
             mismatch(s[len("mismatch-"):], n, rank)
@@ -289,6 +416,8 @@ def mismatch(kind, n, rank):
                 raise RuntimeError("outside the process set")
         finally:  # ranks 2 and 3 wait until 0 and 1 have seen the error
             hvd.allreduce(torch.zeros(1), name="done")
+    elif kind == "reduction":
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, reduction="scatter_allgather" if rank == 1 else "allgather"))
     elif kind == "op-min":
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4), op=hvd.Min)
     elif kind == "reducescatter":
