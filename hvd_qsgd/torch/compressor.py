@@ -43,6 +43,7 @@ first phases finish, in whatever order, and no rank waits on a phase another ran
 Error feedback keeps e_r <- (g_r + e_r) - decode(this rank's chunk payloads). The chunk steps run on
 the host (a CUDA tensor is copied there and back).
 """
+import threading
 import time
 from types import SimpleNamespace
 
@@ -63,7 +64,8 @@ class _Exchange:
 
     __slots__ = ("where", "name", "shape", "dtype", "device", "handle", "expect",
                  "own_len", "fault", "set_ranks", "world", "on_device", "reduction", "exchange",
-                 "set_rank", "step_seed", "splits", "gather_handle", "reduce_error", "sent", "received")
+                 "set_rank", "step_seed", "splits", "gather_handle", "reduce_error", "sent", "received",
+                 "started")
 
 
 class QSGD(Compressor):
@@ -168,6 +170,7 @@ class QSGD(Compressor):
                          and cuda.available())
         ctx.exchange, ctx.set_rank, ctx.gather_handle, ctx.reduce_error = exchange, set_rank, None, None
         ctx.sent = ctx.received = 0
+        ctx.started = threading.Event()   # set once the second phase of a scatter_allgather started
         try:
             if set_rank is None:
                 raise protocol.MismatchError(
@@ -227,6 +230,12 @@ class QSGD(Compressor):
     def _reduce(self, ctx):
         """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
         allgather of the reduced chunks. A failure sends an empty frame (every rank then raises)."""
+        try:
+            self._reduce_and_gather(ctx)
+        finally:
+            ctx.started.set()
+
+    def _reduce_and_gather(self, ctx):
         s, n, j = self.settings, len(ctx.set_ranks), ctx.set_rank
         received, rsplits = hvd.synchronize(ctx.handle)
         rsplits = [int(v) for v in rsplits]
@@ -265,8 +274,10 @@ class QSGD(Compressor):
 
     def _finish_scatter(self, ctx, alpha):
         """Phase 2's result on this rank."""
+        self._advance(block_on=ctx)  # its alltoall: all ranks started it (the control check passed)
+        ctx.started.wait()           # (another thread may be starting it)
         if ctx.gather_handle is None:
-            self._advance(block_on=ctx)  # its alltoall: all ranks started it (the control check passed)
+            raise protocol.MismatchError(f"{ctx.where}: the first phase of the exchange failed on this rank")
         gathered = self._wait(ctx.gather_handle).numpy()
         n, j = len(ctx.set_ranks), ctx.set_rank
         chunks, off = [], 0
