@@ -13,8 +13,11 @@ import sys
 SUBCOMMANDS = {
     "kernels": ("hvd_qsgd.bench.kernels",
                 "codec encode/decode throughput vs memcpy and NumPy / PyTorch baselines"),
+    "reduction": ("hvd_qsgd.bench.reduction",
+                  "bytes per rank of QSGD's allgather and scatter_allgather reductions as n grows"),
     "torch": ("hvd_qsgd.bench.torch",
               "per-step time and bytes of Horovod PyTorch training: none, fp16, QSGD(b), at -np N"),
+    "e2e": ("hvd_qsgd.bench.e2e", "step time and counted wire bytes over tbf-shaped links between network namespaces"),
 }
 
 

@@ -1,0 +1,130 @@
+"""``python -m hvd_qsgd.bench e2e``: the model-only projection and its files, and a tiny real run over
+shaped links between network namespaces whose counted bytes are checked against the ring and
+allgather byte counts (skipped, with the reason, where namespaces cannot be made)."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+
+from hvd_qsgd import codec, cost_model, protocol
+from hvd_qsgd.bench import e2e, netns
+from tests.conftest import ROOT, mp_env
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def _bench(argv, timeout):
+    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "e2e"] + argv
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # the launcher deletes its namespaces on SIGTERM
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-4000:]}")
+    assert proc.returncode == 0, out[-6000:]
+    return out
+
+
+def test_model_parts():
+    assert sum(d for _, d in e2e.param_shapes(4096, 3)) == 50_384_906  # the number the docs quote
+    assert netns.parse_rate("100mbit") == 1e8 and netns.parse_rate("2.5gbit") == 2.5e9
+    with pytest.raises(ValueError):
+        netns.parse_rate("1gbps")
+    assert netns.tbf_params(1e9) == (125_000, 20) and netns.tbf_params(1e8)[0] == 64 * 1024
+
+
+def test_unavailable_reduction_is_reported(monkeypatch):
+    from hvd_qsgd import compressor
+
+    monkeypatch.setattr(compressor, "REDUCTIONS", ("allgather",))
+    gone = e2e.unavailable_modes(["none", "fp16", "qsgd4-allgather", "qsgd4-scatter"])
+    assert list(gone) == ["qsgd4-scatter"] and "scatter_allgather" in gone["qsgd4-scatter"]
+
+
+def test_model_only(tmp_path):
+    out_dir = tmp_path / "e2e"
+    stdout = _bench(["--model-only", "--np", "4", "--rates", "1gbit", "--width", "256", "--depth", "2",
+                     "--steps", "1", "--warmup", "0", "--modes", "none,fp16,qsgd4-allgather", "--out", str(out_dir)],
+                    timeout=90)
+    assert "NO MEASUREMENT: --model-only given" in stdout and "## MODEL projection" in stdout
+    assert "## Measured" not in stdout
+    r = json.loads((out_dir / "results.json").read_text())
+    assert r["measured"] is False and r["jobs"] == [] and r["alpha_s"] == cost_model.LATENCY_S
+    assert r["efficiency_median"] is None and all("speedup_at_efficiency" not in p for p in r["projection"])
+    assert (out_dir / "table.md").read_text().lstrip().startswith("- NO MEASUREMENT")
+    assert (out_dir / "plot.png").read_bytes()[:8] == PNG
+
+    shapes = e2e.param_shapes(256, 2)
+    numel = sum(d for _, d in shapes)
+    rows = {(p["np"], p["rate"], p["mode"]): p for p in r["projection"]}
+    assert {k[:2] for k in rows} == {(n, rate) for n in (4, 16) for rate in ("1gbit", "10gbit", "25gbit", "100gbit")}
+    for n in (4, 16):
+        # the fp32 ring allreduce receives 2(n-1)/n of the gradient
+        assert rows[(n, "1gbit", "none")]["wire_bytes"] == pytest.approx(2 * (n - 1) / n * 4 * numel)
+        assert rows[(n, "1gbit", "fp16")]["wire_bytes"] == pytest.approx(2 * (n - 1) / n * 2 * numel)
+        # QSGD(4): the weights are allgathered (payloads and control vectors), the biases allreduced in fp32
+        quantized = [d for _, d in shapes if d >= 10000]
+        expected = sum((n - 1) * codec.payload_nbytes(d, 4, 512) + 2 * (n - 1) / n * 8 * protocol.control_length(n)
+                       for d in quantized) + 2 * (n - 1) / n * 4 * (numel - sum(quantized))
+        q = rows[(n, "1gbit", "qsgd4-allgather")]
+        assert q["wire_bytes"] == pytest.approx(expected)
+        # the step is compute + comm, and the speedup is the ratio of steps
+        assert q["step_s"] == pytest.approx(q["compute_s"] + q["comm_s"])
+        assert q["speedup"] == pytest.approx(rows[(n, "1gbit", "none")]["step_s"] / q["step_s"])
+    # more bandwidth, less time
+    assert rows[(16, "100gbit", "none")]["comm_s"] < rows[(16, "1gbit", "none")]["comm_s"]
+
+
+def test_real_run_counts_bytes_and_cleans_up(tmp_path):
+    reason = netns.probe()
+    if reason:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    out_dir = tmp_path / "e2e"
+    stdout = _bench(["--np", "2", "--rates", "50mbit", "--width", "512", "--depth", "2", "--batch", "8",
+                     "--steps", "3", "--warmup", "1", "--modes", "none,qsgd4-allgather", "--timeout", "100",
+                     "--out", str(out_dir)], timeout=150)
+    prefix = re.search(r"namespaces (hq\d+)\*", stdout).group(1)
+    left = [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
+    assert left == [], f"namespaces left behind: {left}"
+    assert not any(name.startswith(prefix) for name in os.listdir(netns.ETC_NETNS)) \
+        if os.path.isdir(netns.ETC_NETNS) else True
+
+    r = json.loads((out_dir / "results.json").read_text())
+    assert r["measured"] is True and r["checks_ok"] and r["failed_jobs"] == []
+    (job,) = r["jobs"]
+    assert job["np"] == 2 and job["rate"] == "50mbit"
+    assert any("rate 50Mbit" in line for line in r["qdiscs"]["np2_50mbit"])
+    rows = {row["mode"]: row for row in job["rows"]}
+    assert set(rows) == {"compute", "none", "qsgd4-allgather"}
+    numel = job["numel"]
+    assert numel == sum(d for _, d in e2e.param_shapes(512, 2))
+
+    none, q4, comp = rows["none"], rows["qsgd4-allgather"], rows["compute"]
+    ring = 2 * (2 - 1) / 2 * 4 * numel  # bytes a rank sends and receives in a 2-rank fp32 ring allreduce
+    for key in ("tx_bytes_per_step", "rx_bytes_per_step"):
+        # every step's counted bytes, on every rank, carry at least the ring's payload, plus headers
+        assert min(min(per_rank) for per_rank in none[key.replace("_per_step", "_per_rank_step")]) >= ring
+        assert none[key] < 1.3 * ring, (key, none[key], ring)
+        # QSGD(4): under a fifth of none's bytes on the wire, and at least its own payloads
+        assert q4[key] < 0.2 * none[key], (key, q4[key], none[key])
+        assert comp[key] < 0.05 * none[key], (key, comp[key])
+    assert q4["tx_bytes_per_step"] >= q4["stats_per_step"]["bytes_sent"] > 0
+    assert q4["rx_bytes_per_step"] >= q4["stats_per_step"]["bytes_received"] > 0
+    # 2.1 MB against 0.3 MB a step: at 50 Mbit/s ~340 ms against ~50 ms
+    assert q4["step_s_median"] < none["step_s_median"]
+    # the link efficiency fitted on none predicts QSGD's step (a loose band: a shared 2-core machine)
+    assert 0 < job["efficiency"] <= 1
+    (pred,) = [p for p in r["predictions"] if p["mode"] == "qsgd4-allgather"]
+    assert 0.3 < pred["ratio"] < 3, pred
+    assert "## Model vs measured" in stdout and (out_dir / "plot.png").read_bytes()[:8] == PNG
+    assert (out_dir / "table.md").read_text().startswith("## Measured")
