@@ -109,6 +109,81 @@ def test_tensorflow_ops_and_the_torch_binding_produce_identical_payloads():
     assert cases[0]["nbytes"] == codec.payload_nbytes(20000, 4, 512)
 
 
+CHUNK_OPS = r'''
+import json
+import numpy as np
+import tensorflow as tf
+from hvd_qsgd import codec, protocol, reduction
+from hvd_qsgd.compressor import Settings
+from hvd_qsgd.tensorflow import ops
+o = ops.load()
+cases = []
+for n, d, bits, coding, dtype in [(3, 20000, 4, "fixed", "float32"), (4, 1000, 4, "elias", "float32"),
+                                  (3, 700, 2, "fixed", "float16"), (3, 50001, 3, "elias", "bfloat16")]:
+    s = Settings.make(bits, coding=coding)
+    fp = codec.tensor_fingerprint("w", (d,), dtype)
+    attrs = dict(bits=bits, bucket_size=s.bucket_size, coding=codec.CODINGS[coding], dtype_code=codec.DTYPES[dtype],
+                 fingerprint=ops.as_int64_attr(fp), world=n)
+    xs = [tf.cast(np.random.default_rng(r).standard_normal(d).astype(np.float32) * (r + 1), dtype) for r in range(n)]
+    occ = tf.constant(3, tf.int64)
+    base = [ops.as_int64_attr(protocol.exchange_seed(7, r, "e")) for r in range(n)]
+    ref, sent, reduced = reduction.simulate([tf.cast(x, tf.float32).numpy() for x in xs], s,
+                                            [protocol.payload_seed(7, r, "e", 3) for r in range(n)], 1.0 / n, fp, dtype)
+    ok = True
+    for r in range(n):
+        p, sp = o.qsgd_encode_chunks(xs[r], occ, seed=base[r], **attrs)
+        ok &= np.array_equal(p.numpy(), np.concatenate(sent[r])) and sp.numpy().tolist() == [len(c) for c in sent[r]]
+    mine = []
+    for j in range(n):
+        part = [sent[r][j] for r in range(n)]
+        p, err = o.qsgd_reduce_chunk(np.concatenate(part), [len(c) for c in part], occ, seed=base[j], chunk=j,
+                                     numel=d, **attrs)
+        ok &= err.numpy() == b"" and np.array_equal(p.numpy(), reduced[j])
+        mine.append(p.numpy())
+    out = o.qsgd_decode_chunks(np.concatenate(mine), [len(q) for q in mine], 1.0 / n, "", numel=d, **attrs)
+    ok &= np.array_equal(out.numpy(), ref)
+    # a bad chunk: the reduce does not raise, it returns an empty payload and the reason
+    bad = [sent[r][0] for r in range(n)]
+    bad[1] = bad[1][:-1]
+    p, err = o.qsgd_reduce_chunk(np.concatenate(bad), [len(b) for b in bad], occ, seed=base[0], chunk=0, numel=d,
+                                 **attrs)
+    reduce_error = err.numpy().decode()
+    ok &= p.shape == (0,)
+    try:
+        o.qsgd_decode_chunks(np.concatenate(mine[1:]), [0] + [len(q) for q in mine[1:]], 1.0, reduce_error,
+                             numel=d, **attrs)
+        decode_error = ""
+    except tf.errors.InvalidArgumentError as e:
+        decode_error = e.message
+    g = tf.function(lambda x: o.qsgd_encode_chunks(x, occ, seed=0, **attrs)).get_concrete_function(
+        tf.TensorSpec([d], dtype)).structured_outputs
+    cases.append(dict(n=n, ok=bool(ok), reduce_error=reduce_error, decode_error=decode_error,
+                      payloads_shape=g[0].shape.as_list(), splits_shape=g[1].shape.as_list(),
+                      static=int(sum(len(c) for c in sent[0])) if coding == "fixed" else None))
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_chunk_ops_equal_the_reduction_module_and_report_failures_without_raising():
+    """QsgdEncodeChunks, QsgdReduceChunk and QsgdDecodeChunks give the bytes and values of
+    hvd_qsgd.reduction (fixed and Elias, fp32/fp16/bf16, uneven and empty chunks); a truncated
+    payload makes QsgdReduceChunk return an empty payload and its reason (no error raised), and
+    QsgdDecodeChunks then fails naming the rank with the empty slot and this rank's reason; the
+    phase-1 length is static for the fixed coding."""
+    proc = subprocess.run([sys.executable, "-c", CHUNK_OPS], cwd=ROOT, env=mp_env(), capture_output=True,
+                          text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert len(cases) == 4
+    for c in cases:
+        assert c["ok"], c
+        assert re.fullmatch(r"tensor: reducing chunk 0: the payload of rank 1 \(\d+ bytes\): .*", c["reduce_error"]), c
+        assert re.search(r"tensor: rank\(s\) \[0\] could not reduce their chunk; this rank's reason: "
+                         r"reducing chunk 0: the payload of rank 1", c["decode_error"]), c
+        assert c["splits_shape"] == [c["n"]], c
+        assert c["payloads_shape"] == [c["static"]], c
+
+
 def test_the_tensorflow_op_library_was_built():
     here = os.path.join(ROOT, "hvd_qsgd", "tensorflow")
     assert any(f.startswith("_qsgd_ops") and f.endswith(".so") for f in os.listdir(here))

@@ -1,6 +1,8 @@
 """The TensorFlow ops of the codec (``qsgd_ops.cc``, built by setup.py against the installed
-TensorFlow): ``qsgd_encode``, ``qsgd_decode_sum`` and ``qsgd_check_control``, CPU kernels calling
-the same C ABI as the PyTorch binding, so the same input, settings and seed give the same bytes."""
+TensorFlow): ``qsgd_encode``, ``qsgd_decode_sum`` and ``qsgd_check_control``, and the steps of the
+scatter_allgather reduction ``qsgd_encode_chunks``, ``qsgd_reduce_chunk`` and ``qsgd_decode_chunks``:
+CPU kernels calling the same C ABI as the PyTorch binding and ``hvd_qsgd.reduction``, so the same
+input, settings and seed give the same bytes."""
 import glob
 import os
 

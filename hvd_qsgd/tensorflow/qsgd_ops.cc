@@ -4,9 +4,20 @@
 //   QsgdDecodeSum(gathered, alpha) -> out       out = alpha * sum of the `count` payloads in gathered
 //   QsgdCheckControl(reduced) -> alpha          the control-vector verdict (hvd_qsgd/protocol.py)
 //
+// and the three steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the
+// algorithm; kernels/qsgd_chunks.cc implements it, these ops only check headers and call it):
+//
+//   QsgdEncodeChunks(x, occurrence) -> payloads, splits            phase 1: the n chunk payloads
+//   QsgdReduceChunk(received, received_splits, occurrence) -> payload, error
+//                                                                  this rank's chunk, re-quantized
+//   QsgdDecodeChunks(gathered, gathered_splits, alpha, local_error) -> out
+//                                                                  phase 2: alpha * the n chunks
+//
 // CPU kernels only: GPU tensors are copied to the host by TensorFlow's placement.
 #include <cstring>
+#include <limits>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -24,6 +35,112 @@ uint64_t as_u64(int64_t v) { uint64_t u; std::memcpy(&u, &v, 8); return u; }
 
 Status FromStatus(int32_t st, const std::string& where) {
   return errors::InvalidArgument(where, ": ", qsgd_status_string(st));
+}
+
+// The header fields every payload of one exchange must agree on, in the order they are checked.
+enum Field { kBits, kBucket, kNorm, kCoding, kDtype, kNumel, kFingerprint, kFields };
+const char* const kFieldNames[kFields] = {"bits", "bucket_size", "norm", "coding", "dtype", "numel", "fingerprint"};
+
+uint64_t FieldOf(const qsgd_header& h, int f) {
+  switch (f) {
+    case kBits: return h.bits;
+    case kBucket: return h.bucket_size;
+    case kNorm: return h.norm;
+    case kCoding: return h.coding;
+    case kDtype: return h.dtype;
+    case kNumel: return h.numel;
+    default: return h.fingerprint;
+  }
+}
+
+// "" when every header has the expected value of every field f with check[f]; otherwise a message
+// naming the first field on which some payload differs, with every rank's value (payload i comes
+// from rank i).
+std::string HeaderMismatch(const std::vector<qsgd_header>& heads, const uint64_t (&want)[kFields],
+                           const bool (&check)[kFields], const std::string& where) {
+  for (int f = 0; f < kFields; ++f) {
+    if (!check[f]) continue;
+    bool bad = false;
+    std::string by_rank;
+    for (size_t i = 0; i < heads.size(); ++i) {
+      bad |= FieldOf(heads[i], f) != want[f];
+      by_rank += (i ? ", rank " : "rank ") + std::to_string(i) + ": " + std::to_string(FieldOf(heads[i], f));
+    }
+    if (bad)
+      return where + ": the ranks' payloads disagree on " + kFieldNames[f] + " (" + by_rank +
+             "); every rank must use the same compressor settings for the same tensor";
+  }
+  return "";
+}
+
+// The message of a failed kernel call on payloads [i] (rank i's): the first payload that fails its
+// own validation is named, else the status alone.
+std::string PayloadFailure(int32_t st, const std::vector<const uint8_t*>& ptrs, const std::vector<uint64_t>& lens,
+                           const std::string& where) {
+  for (size_t i = 0; i < ptrs.size(); ++i) {
+    const int32_t v = qsgd_validate_cpu(ptrs[i], lens[i]);
+    if (v != QSGD_OK) return where + ": the payload of rank " + std::to_string(i) + ": " + qsgd_status_string(v);
+  }
+  return where + ": " + qsgd_status_string(st);
+}
+
+// Split buf[0:size) at the int32 lengths in `splits` (one per rank); "" or why it cannot be split.
+std::string SplitBySplits(const Tensor& buf, const Tensor& splits, int64_t world, const std::string& where,
+                          std::vector<const uint8_t*>* ptrs, std::vector<uint64_t>* lens) {
+  if (!TensorShapeUtils::IsVector(splits.shape()) || splits.NumElements() != world)
+    return where + ": expected " + std::to_string(world) + " splits (one per rank), got shape " +
+           splits.shape().DebugString();
+  const uint8_t* base = buf.flat<uint8_t>().data();
+  const uint64_t size = uint64_t(buf.NumElements());
+  auto s = splits.flat<int32_t>();
+  uint64_t off = 0;
+  for (int64_t i = 0; i < world; ++i) {
+    if (s(i) < 0) return where + ": rank " + std::to_string(i) + "'s split is negative (" + std::to_string(s(i)) + ")";
+    ptrs->push_back(base + off);
+    lens->push_back(uint64_t(s(i)));
+    off += uint64_t(s(i));
+  }
+  if (off != size)
+    return where + ": received " + std::to_string(size) + " bytes, but the splits add up to " + std::to_string(off);
+  return "";
+}
+
+// The encoder settings of an op's attrs (bits, bucket_size, norm, coding, dtype_code, checksum,
+// fingerprint) and its base seed; where.
+Status ReadConfig(OpKernelConstruction* ctx, qsgd_config* cfg, uint64_t* base_seed, std::string* where) {
+  int64_t bits, bucket, norm, coding, dtype_code, seed, fingerprint;
+  bool checksum;
+  TF_RETURN_IF_ERROR(ctx->GetAttr("bits", &bits));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("bucket_size", &bucket));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("norm", &norm));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("coding", &coding));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("dtype_code", &dtype_code));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("checksum", &checksum));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("seed", &seed));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("fingerprint", &fingerprint));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("where", where));
+  *cfg = qsgd_config{};
+  cfg->bits = int32_t(bits);
+  cfg->coding = int32_t(coding);
+  cfg->norm = int32_t(norm);
+  cfg->dtype = int32_t(dtype_code);
+  cfg->bucket_size = uint32_t(bucket);
+  cfg->flags = checksum ? QSGD_FLAG_CHECKSUM : 0;
+  cfg->seed = 0;
+  cfg->fingerprint = as_u64(fingerprint);
+  *base_seed = as_u64(seed);
+  return OkStatus();
+}
+
+// x as float32: its own data, or widened into `widened`.
+template <typename T>
+const float* AsFloat(const Tensor& x, std::vector<float>* widened) {
+  if (std::is_same<T, float>::value) return reinterpret_cast<const float*>(x.flat<T>().data());
+  const uint64_t n = uint64_t(x.NumElements());
+  widened->resize(n);
+  auto flat = x.flat<T>();
+  for (uint64_t i = 0; i < n; ++i) (*widened)[i] = static_cast<float>(flat(i));
+  return widened->data();
 }
 
 }  // namespace
@@ -60,26 +177,7 @@ template <typename T>
 class QsgdEncodeOp : public OpKernel {
  public:
   explicit QsgdEncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    int64_t bits, bucket, norm, coding, dtype_code, seed, fingerprint;
-    bool checksum;
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bits", &bits));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("bucket_size", &bucket));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("norm", &norm));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("coding", &coding));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dtype_code", &dtype_code));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("checksum", &checksum));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("seed", &seed));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("fingerprint", &fingerprint));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("where", &where_));
-    cfg_.bits = int32_t(bits);
-    cfg_.coding = int32_t(coding);
-    cfg_.norm = int32_t(norm);
-    cfg_.dtype = int32_t(dtype_code);
-    cfg_.bucket_size = uint32_t(bucket);
-    cfg_.flags = checksum ? QSGD_FLAG_CHECKSUM : 0;
-    cfg_.seed = 0;
-    cfg_.fingerprint = as_u64(fingerprint);
-    base_seed_ = as_u64(seed);
+    OP_REQUIRES_OK(ctx, ReadConfig(ctx, &cfg_, &base_seed_, &where_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -90,16 +188,8 @@ class QsgdEncodeOp : public OpKernel {
     qsgd_config cfg = cfg_;
     cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
     const uint64_t n = uint64_t(x.NumElements());
-    const float* data;
     std::vector<float> widened;
-    if (std::is_same<T, float>::value) {
-      data = reinterpret_cast<const float*>(x.flat<T>().data());
-    } else {
-      widened.resize(n);
-      auto flat = x.flat<T>();
-      for (uint64_t i = 0; i < n; ++i) widened[i] = static_cast<float>(flat(i));
-      data = widened.data();
-    }
+    const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = cfg.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(n, cfg.bits, cfg.bucket_size)
                                                           : qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size);
     uint64_t len = 0;
@@ -190,25 +280,11 @@ class QsgdDecodeSumOp : public OpKernel {
     OP_REQUIRES(ctx, off == size && int64_t(ptrs.size()) == count_,
                 errors::InvalidArgument(where_, ": expected ", count_, " payloads filling ", size, " bytes, found ",
                                         ptrs.size(), " covering ", off));
-    const char* names[] = {"bits", "bucket_size", "norm", "coding", "dtype", "numel", "fingerprint"};
-    for (size_t f = 0; f < 7; ++f) {
-      auto value = [&](const qsgd_header& h) -> uint64_t {
-        switch (f) {
-          case 0: return h.bits; case 1: return h.bucket_size; case 2: return h.norm;
-          case 3: return h.coding; case 4: return h.dtype; case 5: return h.numel; default: return h.fingerprint;
-        }
-      };
-      const uint64_t want = f < 5 ? uint64_t(want_[f]) : (f == 5 ? uint64_t(numel_) : fingerprint_);
-      bool bad = false;
-      std::string by_rank;
-      for (size_t i = 0; i < heads.size(); ++i) {
-        bad |= value(heads[i]) != want;
-        by_rank += (i ? ", rank " : "rank ") + std::to_string(i) + ": " + std::to_string(value(heads[i]));
-      }
-      OP_REQUIRES(ctx, !bad, errors::InvalidArgument(where_, ": the ranks' payloads disagree on ", names[f], " (",
-                                                     by_rank, "); every rank must use the same compressor "
-                                                     "settings for the same tensor"));
-    }
+    const uint64_t want[kFields] = {uint64_t(want_[0]), uint64_t(want_[1]), uint64_t(want_[2]), uint64_t(want_[3]),
+                                    uint64_t(want_[4]), uint64_t(numel_), fingerprint_};
+    const bool all[kFields] = {true, true, true, true, true, true, true};
+    const std::string mismatch = HeaderMismatch(heads, want, all, where_);
+    OP_REQUIRES(ctx, mismatch.empty(), errors::InvalidArgument(mismatch));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &out));
     const int32_t st = qsgd_decode_sum_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), alpha.scalar<float>()(),
@@ -276,3 +352,288 @@ class QsgdCheckControlOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("QsgdCheckControl").Device(DEVICE_CPU), QsgdCheckControlOp);
+
+// ---- the scatter_allgather reduction -------------------------------------------------------
+
+// The attrs of an encoder's settings, shared by the three chunk ops.
+#define QSGD_SETTINGS_ATTRS                 \
+  Attr("bits: int")                         \
+      .Attr("bucket_size: int")             \
+      .Attr("norm: int = 0")                \
+      .Attr("coding: int = 0")              \
+      .Attr("dtype_code: int = 0")          \
+      .Attr("checksum: bool = true")        \
+      .Attr("seed: int = 0")                \
+      .Attr("fingerprint: int = 0")         \
+      .Attr("world: int")                   \
+      .Attr("where: string = 'tensor'")
+
+REGISTER_OP("QsgdEncodeChunks")
+    .Input("x: T")
+    .Input("occurrence: int64")
+    .Output("payloads: uint8")
+    .Output("splits: int32")
+    .Attr("T: {float, half, bfloat16}")
+    .QSGD_SETTINGS_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t bits, bucket, coding, world;
+      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+      TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket));
+      TF_RETURN_IF_ERROR(c->GetAttr("coding", &coding));
+      TF_RETURN_IF_ERROR(c->GetAttr("world", &world));
+      int64_t len = InferenceContext::kUnknownDim;
+      if (coding == QSGD_CODING_FIXED && c->RankKnown(c->input(0)) && c->FullyDefined(c->input(0))) {
+        const uint64_t total = qsgd_chunks_max_nbytes(uint64_t(c->Value(c->NumElements(c->input(0)))),
+                                                      int32_t(bits), uint32_t(bucket), int32_t(coding), int32_t(world));
+        if (total) len = int64_t(total);
+      }
+      c->set_output(0, c->Vector(len));
+      c->set_output(1, c->Vector(world));
+      return OkStatus();
+    })
+    .Doc("Phase 1 of scatter_allgather: the `world` chunk payloads of x back to back (qsgd_encode_chunks_cpu "
+         "with the step seed qsgd_step_seed(seed, occurrence)), and their lengths, the alltoall's splits.");
+
+template <typename T>
+class QsgdEncodeChunksOp : public OpKernel {
+ public:
+  explicit QsgdEncodeChunksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadConfig(ctx, &cfg_, &base_seed_, &where_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("world", &world_));
+    OP_REQUIRES(ctx, world_ >= 1 && world_ <= std::numeric_limits<int32_t>::max(),
+                errors::InvalidArgument(where_, ": world must be positive, got ", world_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& x = ctx->input(0);
+    const Tensor& occ = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(occ.shape()),
+                errors::InvalidArgument(where_, ": occurrence must be a scalar"));
+    qsgd_config cfg = cfg_;
+    cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
+    const uint64_t n = uint64_t(x.NumElements());
+    const int32_t world = int32_t(world_);
+    std::vector<float> widened;
+    const float* data = AsFloat<T>(x, &widened);
+    const uint64_t cap = qsgd_chunks_max_nbytes(n, cfg.bits, cfg.bucket_size, cfg.coding, world);
+    OP_REQUIRES(ctx, cap > 0, FromStatus(QSGD_E_ARG, where_ + ": encode chunks"));
+    std::vector<uint64_t> lens(size_t(world), 0);
+    Tensor* payloads = nullptr;
+    if (cfg.coding == QSGD_CODING_FIXED) {  // the bound is exact: encode in place
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(cap)}), &payloads));
+      const int32_t st = qsgd_encode_chunks_cpu(data, n, &cfg, world, payloads->flat<uint8_t>().data(), cap,
+                                                lens.data());
+      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
+    } else {
+      std::vector<uint8_t> buf(cap);
+      const int32_t st = qsgd_encode_chunks_cpu(data, n, &cfg, world, buf.data(), cap, lens.data());
+      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
+      uint64_t total = 0;
+      for (uint64_t l : lens) total += l;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(total)}), &payloads));
+      std::memcpy(payloads->flat<uint8_t>().data(), buf.data(), total);
+    }
+    Tensor* splits = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({world_}), &splits));
+    for (int32_t j = 0; j < world; ++j) {
+      OP_REQUIRES(ctx, lens[j] <= uint64_t(std::numeric_limits<int32_t>::max()),
+                  errors::InvalidArgument(where_, ": chunk ", j, "'s payload has ", lens[j],
+                                          " bytes, more than an alltoall split (int32) can count"));
+      splits->flat<int32_t>()(j) = int32_t(lens[j]);
+    }
+  }
+
+ private:
+  qsgd_config cfg_{};
+  uint64_t base_seed_ = 0;
+  int64_t world_ = 1;
+  std::string where_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        QsgdEncodeChunksOp<float>);
+REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),
+                        QsgdEncodeChunksOp<Eigen::half>);
+REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"),
+                        QsgdEncodeChunksOp<bfloat16>);
+
+REGISTER_OP("QsgdReduceChunk")
+    .Input("received: uint8")
+    .Input("received_splits: int32")
+    .Input("occurrence: int64")
+    .Output("payload: uint8")
+    .Output("error: string")
+    .QSGD_SETTINGS_ATTRS
+    .Attr("chunk: int")
+    .Attr("numel: int")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));  // empty on failure
+      c->set_output(1, c->Scalar());
+      return OkStatus();
+    })
+    .Doc("The reduce step on the rank whose set rank is `chunk`: the `world` ranks' payloads of this chunk "
+         "(received, cut at received_splits) are checked against the expected settings and chunk size, "
+         "summed and re-quantized (qsgd_reduce_chunk_cpu, step seed qsgd_step_seed(seed, occurrence)). "
+         "Never fails the step: on any failure `payload` is empty and `error` says why (every rank then "
+         "sees the empty slot after the allgather and raises, so no rank is left waiting); else error "
+         "is ''.");
+
+class QsgdReduceChunkOp : public OpKernel {
+ public:
+  explicit QsgdReduceChunkOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadConfig(ctx, &cfg_, &base_seed_, &where_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("world", &world_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("chunk", &chunk_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("numel", &numel_));
+    OP_REQUIRES(ctx, world_ >= 1 && world_ <= std::numeric_limits<int32_t>::max() && chunk_ >= 0 && chunk_ < world_
+                         && numel_ >= 0,
+                errors::InvalidArgument(where_, ": needs 0 <= chunk < world and numel >= 0, got chunk ", chunk_,
+                                        ", world ", world_, ", numel ", numel_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    std::vector<uint8_t> out;
+    const std::string error = Reduce(ctx, &out);
+    Tensor* payload = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({error.empty() ? int64_t(out.size()) : 0}), &payload));
+    if (error.empty()) std::memcpy(payload->flat<uint8_t>().data(), out.data(), out.size());
+    Tensor* err = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &err));
+    err->scalar<tstring>()() = error;
+  }
+
+ private:
+  // "" and the reduced payload in *out, or why this rank cannot reduce its chunk.
+  std::string Reduce(OpKernelContext* ctx, std::vector<uint8_t>* out) {
+    const std::string where = where_ + ": reducing chunk " + std::to_string(chunk_);
+    const Tensor& occ = ctx->input(2);
+    if (!TensorShapeUtils::IsScalar(occ.shape())) return where + ": occurrence must be a scalar";
+    std::vector<const uint8_t*> ptrs;
+    std::vector<uint64_t> lens;
+    std::string error = SplitBySplits(ctx->input(0), ctx->input(1), world_, where, &ptrs, &lens);
+    if (!error.empty()) return error;
+    uint64_t begin = 0, end = 0;
+    int32_t st = qsgd_chunk_range(uint64_t(numel_), cfg_.bucket_size, int32_t(world_), int32_t(chunk_), &begin, &end);
+    if (st != QSGD_OK) return where + ": chunk range: " + qsgd_status_string(st);
+    std::vector<qsgd_header> heads(ptrs.size());
+    for (size_t i = 0; i < ptrs.size(); ++i) {
+      st = qsgd_parse_header(ptrs[i], lens[i], &heads[i]);
+      if (st != QSGD_OK)
+        return where + ": the payload of rank " + std::to_string(i) + " (" + std::to_string(lens[i]) +
+               " bytes): " + qsgd_status_string(st);
+    }
+    const uint64_t want[kFields] = {uint64_t(cfg_.bits), cfg_.bucket_size, uint64_t(cfg_.norm), uint64_t(cfg_.coding),
+                                    uint64_t(cfg_.dtype), end - begin, cfg_.fingerprint};
+    const bool all[kFields] = {true, true, true, true, true, true, true};
+    error = HeaderMismatch(heads, want, all, where);
+    if (!error.empty()) return error;
+    qsgd_config cfg = cfg_;
+    cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
+    const uint64_t m = end - begin;
+    const uint64_t cap = cfg.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(m, cfg.bits, cfg.bucket_size)
+                                                          : qsgd_elias_max_nbytes(m, cfg.bits, cfg.bucket_size);
+    if (cap == 0) return where + ": " + qsgd_status_string(QSGD_E_ARG);
+    std::vector<float> scratch(m);
+    out->resize(cap);
+    uint64_t len = 0;
+    st = qsgd_reduce_chunk_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), &cfg, int32_t(chunk_),
+                               scratch.data(), m, out->data(), cap, &len);
+    if (st != QSGD_OK) return PayloadFailure(st, ptrs, lens, where);
+    out->resize(len);
+    return "";
+  }
+
+  qsgd_config cfg_{};
+  uint64_t base_seed_ = 0;
+  int64_t world_ = 1, chunk_ = 0, numel_ = 0;
+  std::string where_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("QsgdReduceChunk").Device(DEVICE_CPU), QsgdReduceChunkOp);
+
+REGISTER_OP("QsgdDecodeChunks")
+    .Input("gathered: uint8")
+    .Input("gathered_splits: int32")
+    .Input("alpha: float")
+    .Input("local_error: string")
+    .Output("out: float")
+    .QSGD_SETTINGS_ATTRS
+    .Attr("numel: int")
+    .SetShapeFn([](InferenceContext* c) {
+      int64_t numel;
+      TF_RETURN_IF_ERROR(c->GetAttr("numel", &numel));
+      c->set_output(0, c->Vector(numel));
+      return OkStatus();
+    })
+    .Doc("Phase 2 of scatter_allgather: chunk j of out = alpha * decode(payload j), the `world` reduced "
+         "chunks cut from gathered at gathered_splits (qsgd_decode_chunks_cpu). Ranks whose slot is empty "
+         "could not reduce their chunk: the op fails naming them, with local_error, this rank's own "
+         "reason, when it is not ''.");
+
+class QsgdDecodeChunksOp : public OpKernel {
+ public:
+  explicit QsgdDecodeChunksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ReadConfig(ctx, &cfg_, &base_seed_, &where_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("world", &world_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("numel", &numel_));
+    OP_REQUIRES(ctx, world_ >= 1 && world_ <= std::numeric_limits<int32_t>::max() && numel_ >= 0,
+                errors::InvalidArgument(where_, ": needs world >= 1 and numel >= 0, got world ", world_,
+                                        ", numel ", numel_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& alpha = ctx->input(2);
+    const Tensor& local_error = ctx->input(3);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(alpha.shape()) && TensorShapeUtils::IsScalar(local_error.shape()),
+                errors::InvalidArgument(where_, ": alpha and local_error must be scalars"));
+    std::vector<const uint8_t*> ptrs;
+    std::vector<uint64_t> lens;
+    const std::string split_error = SplitBySplits(ctx->input(0), ctx->input(1), world_, where_, &ptrs, &lens);
+    OP_REQUIRES(ctx, split_error.empty(), errors::InvalidArgument(split_error));
+    std::string empty;
+    for (size_t j = 0; j < lens.size(); ++j)
+      if (lens[j] == 0) empty += (empty.empty() ? "" : ", ") + std::to_string(j);
+    std::string mine(local_error.scalar<tstring>()());
+    if (mine.compare(0, where_.size() + 2, where_ + ": ") == 0) mine.erase(0, where_.size() + 2);  // said once
+    OP_REQUIRES(ctx, empty.empty(),
+                errors::InvalidArgument(where_, ": rank(s) [", empty, "] could not reduce their chunk",
+                                        mine.empty() ? std::string(" (the error on those ranks says why)")
+                                                     : "; this rank's reason: " + mine));
+    std::vector<qsgd_header> heads(ptrs.size());
+    for (size_t j = 0; j < ptrs.size(); ++j) {
+      const int32_t st = qsgd_parse_header(ptrs[j], lens[j], &heads[j]);
+      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": the reduced chunk of rank " + std::to_string(j)));
+    }
+    const uint64_t want[kFields] = {uint64_t(cfg_.bits), cfg_.bucket_size, uint64_t(cfg_.norm), uint64_t(cfg_.coding),
+                                    uint64_t(cfg_.dtype), 0, cfg_.fingerprint};
+    const bool fields[kFields] = {true, true, true, true, true, false, true};  // numel: per chunk, below
+    const std::string mismatch = HeaderMismatch(heads, want, fields, where_ + ": reduced chunks");
+    OP_REQUIRES(ctx, mismatch.empty(), errors::InvalidArgument(mismatch));
+    std::string got, expected;
+    bool numel_ok = true;
+    for (int32_t j = 0; j < int32_t(world_); ++j) {
+      uint64_t b = 0, e = 0;
+      const int32_t st = qsgd_chunk_range(uint64_t(numel_), cfg_.bucket_size, int32_t(world_), j, &b, &e);
+      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": chunk range"));
+      numel_ok &= heads[j].numel == e - b;
+      got += (j ? ", " : "") + std::to_string(heads[j].numel);
+      expected += (j ? ", " : "") + std::to_string(e - b);
+    }
+    OP_REQUIRES(ctx, numel_ok, errors::InvalidArgument(where_, ": the reduced chunks have [", got,
+                                                       "] elements, expected [", expected, "]"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &out));
+    const int32_t st = qsgd_decode_chunks_cpu(ptrs.data(), lens.data(), int32_t(world_), alpha.scalar<float>()(),
+                                              out->flat<float>().data(), uint64_t(numel_), cfg_.bucket_size);
+    OP_REQUIRES(ctx, st == QSGD_OK,
+                errors::InvalidArgument(PayloadFailure(st, ptrs, lens, where_ + ": decode chunks")));
+  }
+
+ private:
+  qsgd_config cfg_{};
+  uint64_t base_seed_ = 0;
+  int64_t world_ = 1, numel_ = 0;
+  std::string where_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("QsgdDecodeChunks").Device(DEVICE_CPU), QsgdDecodeChunksOp);
