@@ -4,7 +4,9 @@ and the TensorFlow ops against the PyTorch binding and the NumPy codec.
 Exactness: after a step, every rank's averaged gradient (GradientTape in a tf.function; eager and
 grouped allreduce; a tf_keras model.fit step; a tf.compat.v1 DistributedOptimizer) equals the
 single-process decode_sum of every rank's payload, re-encoded independently from the documented
-seeds, and is bit-identical across ranks. Mismatches fail the step on every rank.
+seeds, and is bit-identical across ranks. With reduction="scatter_allgather" (and "auto") it equals
+``hvd_qsgd.reduction.simulate`` of every rank's input, regenerated in each worker. Mismatches fail
+the step on every rank.
 """
 import json
 import os
@@ -59,6 +61,34 @@ def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
     assert sorted(int(r) for r, _ in raised) == [0, 1], out[-3000:]
     for _, msg in raised:
         assert re.search(pattern, msg), msg
+
+
+
+SCATTER = ["scatter-tape", "scatter-eager", "elias", "auto"]
+
+
+@pytest.mark.parametrize("np_", [3, 4])
+def test_scatter_allgather_equals_the_reduction_simulation_on_every_rank(np_):
+    """scatter_allgather and auto (Gloo): tf.function tape steps with uneven and empty chunks, error
+    feedback, eager Average / Sum / fp16, Elias payloads of per-rank lengths under both reductions,
+    and the statistics, each exact against the single-process reference on every rank (the worker
+    asserts). At -np 3 the same job then runs the two mismatches of this reduction: ranks with
+    different ``reduction`` settings fail the control check on every rank; a tensor of another shape
+    (same size) makes every rank's reduce fail, and every rank, having joined the phase-2 allgather
+    with an empty chunk, raises naming the ranks that could not reduce."""
+    mismatches = ["mismatch-reduction", "mismatch-fingerprint"] if np_ == 3 else []
+    out = launch(np_, "gloo", [WORKER] + SCATTER + mismatches, timeout=300)
+    for s in SCATTER:
+        assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
+    if not mismatches:
+        return
+    raised = re.findall(r"^\[(\d+)\]<stdout>:(RAISED .*)$", out, flags=re.M)
+    settings = [int(r) for r, m in raised if re.search(
+        r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor settings", m)]
+    reduce = [int(r) for r, m in raised if re.search(
+        r"InvalidArgumentError: hvd_qsgd: .*rank\(s\) \[0, 1, 2\] could not reduce their chunk; this rank's "
+        r"reason: reducing chunk [0-2]: the ranks' payloads disagree on fingerprint", m)]
+    assert sorted(settings) == [0, 1, 2] and sorted(reduce) == [0, 1, 2] and len(raised) == 6, out[-3000:]
 
 
 IDENTITY = r'''

@@ -1,7 +1,13 @@
-"""QSGD as a Horovod TensorFlow ``Compressor``, reduced by an allgather of payloads, in-graph.
+"""QSGD as a Horovod TensorFlow ``Compressor``, reduced in-graph by an allgather of payloads or by
+the scatter_allgather reduction of ``hvd_qsgd.reduction``.
 
 The same exchange as the PyTorch adapter (``hvd_qsgd/torch/compressor.py``), built from TensorFlow
-ops so it runs inside ``tf.function`` training steps and ``tf.compat.v1`` graphs:
+ops so it runs inside ``tf.function`` training steps and ``tf.compat.v1`` graphs. Each exchange
+resolves its reduction with ``settings.exchange_reduction(n, numel)`` ("auto" picks per tensor by
+``hvd_qsgd.cost_model``, alike on every rank); the resolved reduction is part of the settings tag
+of the control vector, so ranks that resolve differently fail the check instead of hanging.
+
+allgather (every rank receives every payload)::
 
     compress(g):    payload = QsgdEncode(g [+ e], occurrence)           (the kernels' CPU encoder)
                     return the control vector (a float64 constant) for Horovod's allreduce
@@ -9,19 +15,45 @@ ops so it runs inside ``tf.function`` training steps and ``tf.compat.v1`` graphs
                     gathered = hvd.allgather(payload), after alpha          (control dependency)
                     return cast(QsgdDecodeSum(gathered, alpha), g.dtype)
 
-The allgather is ordered after the check, so a rank never waits on an allgather another rank did not
-start: a mismatch fails the step with ``InvalidArgumentError`` on every rank. Exchanges are numbered
-in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under ``tf.function`` that is while
-tracing), which is the same on every rank that runs the same program; a different order is
+scatter_allgather (rank j reduces chunk j; ``hvd_qsgd.reduction`` states the algorithm)::
+
+    compress(g):    payloads, splits = QsgdEncodeChunks(g [+ e], occurrence)   (n chunk payloads)
+                    return the control vector
+    decompress(r):  alpha = QsgdCheckControl(r)
+                    received, rsplits = hvd.alltoall(payloads, splits), after alpha   ("<exchange>_scatter")
+                    reduced, error = QsgdReduceChunk(received, rsplits, occurrence)
+                    gathered = hvd.allgather(reduced)                        ("<exchange>_gather")
+                    lengths = hvd.allgather([len(reduced)])                  ("<exchange>_gather_splits")
+                    return cast(QsgdDecodeChunks(gathered, lengths, alpha, error), g.dtype)
+
+The phase-2 lengths travel by a second, int32 allgather of each rank's reduced-payload length (4
+bytes a rank), not inside the payload bytes: the decode then knows every rank's slot, including an
+empty one, without parsing headers, and the payloads on the wire are exactly the codec's. Payloads
+are never padded: Elias-coded (variable-length) chunks travel at their own lengths in both phases.
+QsgdReduceChunk never fails the step: a rank whose received payloads fail their checks sends an
+empty reduced payload (and keeps its reason in ``error``), so every rank still joins the phase-2
+allgathers, sees the empty slot and raises ``InvalidArgumentError`` naming the ranks that could not
+reduce (with this rank's own reason, when it is one of them).
+
+A collective is ordered after the control check, so a rank never waits on a collective another rank
+did not start: a mismatch fails the step with ``InvalidArgumentError`` on every rank. Exchanges are
+numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under ``tf.function`` that
+is while tracing), which is the same on every rank that runs the same program; a different order is
 detected, not hung on. Per-exchange variables are keyed by the enclosing function's name and the
 position within its trace, so a retrace reuses what the first trace created.
 
 State lives in ``tf.Variable``s created outside the traced function (``tf.init_scope``): for each
 traced exchange an int64 occurrence counter (the payload seed is
-``protocol.payload_seed(seed, rank, exchange, occurrence)``, computed by the op) and, with
-``error_feedback``, the float32 residual ``e <- (g + e) - decode(encode(g + e))``; and the statistics
-counters. In eager execution (no ``tf.function``) every call is a new exchange with occurrence 0;
-error feedback needs a ``tf.function`` step (its residual must persist per traced tensor).
+``protocol.payload_seed(seed, rank, exchange, occurrence)``, computed by the op; scatter_allgather
+derives its chunk seeds from it as ``reduction.chunk_seed``) and, with ``error_feedback``, the
+float32 residual ``e <- (g + e) - decode(own payload(s))`` (scatter_allgather: the decode of this
+rank's n phase-1 chunk payloads); and the statistics counters. ``bytes_sent`` counts this rank's
+payload bytes put on the wire once each: its payload (allgather), or its phase-1 chunks for the other
+ranks plus its reduced chunk (scatter_allgather); ``bytes_received`` counts the other ranks'
+payloads this rank received, in both phases (its own slots excluded; the 4-byte phase-2 lengths are
+not payload and are not counted). In eager execution (no ``tf.function``) every call is a new
+exchange with occurrence 0; error feedback needs a ``tf.function`` step (its residual must persist
+per traced tensor).
 """
 import weakref
 
@@ -49,8 +81,8 @@ class _Raw:
 class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
-    __slots__ = ("name", "where", "payload", "x32", "residual", "shape", "dtype",
-                 "numel", "set_ranks", "fingerprint")
+    __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
+                 "set_rank", "fingerprint", "reduction", "occurrence", "seed")
 
 
 class QSGD(Compressor):
@@ -167,12 +199,17 @@ class QSGD(Compressor):
                                  "compressor other tensors in this position when it was first traced")
             x = tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual
         ctx.x32 = x
-        ctx.payload = qops.load().qsgd_encode(
-            x, occurrence, bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm],
-            coding=codec.CODINGS[s.coding], dtype_code=codec.DTYPES[_SOURCE_DTYPES[tensor.dtype]],
-            checksum=s.checksum, seed=qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name)),
-            fingerprint=qops.as_int64_attr(ctx.fingerprint), where=ctx.where)
-        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, self._settings_tag, 2 * seq)
+        ctx.set_rank, ctx.occurrence = set_rank, occurrence
+        ctx.reduction = s.exchange_reduction(len(set_ranks), ctx.numel)
+        ctx.seed = qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
+        attrs = self._codec_attrs(ctx)
+        if ctx.reduction == "scatter_allgather":
+            ctx.payload, ctx.splits = qops.load().qsgd_encode_chunks(x, occurrence, checksum=s.checksum,
+                                                                     seed=ctx.seed, **attrs)
+        else:
+            attrs.pop("world")
+            ctx.payload = qops.load().qsgd_encode(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)
+        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction), 2 * seq)
         control = tf.constant(protocol.control_vector(world, grank, set_rank, tags), dtype=tf.float64,
                               name=f"{ctx.name}_control")
         return control, ctx
@@ -183,25 +220,67 @@ class QSGD(Compressor):
             return tensor
         if isinstance(ctx, _Raw):
             return tf.cast(tensor, ctx.dtype)
-        s, ops = self.settings, qops.load()
+        ops = qops.load()
         alpha = ops.qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
                                        tag_names=list(protocol.TAG_NAMES), where=ctx.where)
+        if ctx.reduction == "scatter_allgather":
+            out, deps = self._scatter_allgather(ctx, alpha)
+        else:
+            out, deps = self._allgather(ctx, alpha)
+        with tf.control_dependencies(deps):
+            return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+
+    def _codec_attrs(self, ctx):
+        """The settings attrs the codec ops of one exchange share."""
+        s = self.settings
+        return dict(bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm], coding=codec.CODINGS[s.coding],
+                    dtype_code=codec.DTYPES[_SOURCE_DTYPES[ctx.dtype]],
+                    fingerprint=qops.as_int64_attr(ctx.fingerprint), world=len(ctx.set_ranks), where=ctx.where)
+
+    def _allgather(self, ctx, alpha):
+        """(alpha * the decoded sum of every rank's payload, the statistics and residual updates)."""
+        ops = qops.load()
         with tf.control_dependencies([alpha]):
             payload = tf.identity(ctx.payload)
         gathered = hvd.allgather(payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set)
-        decode_attrs = dict(numel=ctx.numel, bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm],
-                            coding=codec.CODINGS[s.coding],
-                            dtype_code=codec.DTYPES[_SOURCE_DTYPES[ctx.dtype]],
-                            fingerprint=qops.as_int64_attr(ctx.fingerprint), where=ctx.where)
-        out = ops.qsgd_decode_sum(gathered, alpha, count=len(ctx.set_ranks), **decode_attrs)
+        attrs = self._codec_attrs(ctx)
+        attrs.pop("world")
+        out = ops.qsgd_decode_sum(gathered, alpha, count=len(ctx.set_ranks), numel=ctx.numel, **attrs)
         sent = tf.size(ctx.payload, out_type=tf.int64)
         deps = self._count(elements=ctx.numel, bytes_sent=sent, tensors=1,
                            bytes_received=tf.size(gathered, out_type=tf.int64) - sent)
         if ctx.residual is not None:
-            own = ops.qsgd_decode_sum(ctx.payload, tf.constant(1.0), count=1, **decode_attrs)
+            own = ops.qsgd_decode_sum(ctx.payload, tf.constant(1.0), count=1, numel=ctx.numel, **attrs)
             deps.append(ctx.residual.assign(ctx.x32 - own))
-        with tf.control_dependencies(deps):
-            return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+        return out, deps
+
+    def _scatter_allgather(self, ctx, alpha):
+        """(alpha * the decoded reduced chunks, the statistics and residual updates)."""
+        ops, ps, j = qops.load(), self._process_set, ctx.set_rank
+        attrs = self._codec_attrs(ctx)
+        with tf.control_dependencies([alpha]):
+            payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)
+        received, received_splits = hvd.alltoall(payloads, splits=splits, name=f"{ctx.name}_scatter",
+                                                 ignore_name_scope=True, process_set=ps)
+        reduced, error = ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j, numel=ctx.numel,
+                                               checksum=self.settings.checksum, seed=ctx.seed, **attrs)
+        gathered = hvd.allgather(reduced, name=f"{ctx.name}_gather", ignore_name_scope=True, process_set=ps)
+        gathered_splits = hvd.allgather(tf.reshape(tf.size(reduced, out_type=tf.int32), [1]),
+                                        name=f"{ctx.name}_gather_splits", ignore_name_scope=True, process_set=ps)
+        out = ops.qsgd_decode_chunks(gathered, gathered_splits, alpha, error, numel=ctx.numel, **attrs)
+
+        def others(lengths):  # bytes in the other ranks' slots
+            lengths = tf.cast(lengths, tf.int64)
+            return tf.reduce_sum(lengths) - lengths[j]
+
+        deps = self._count(elements=ctx.numel, tensors=1,
+                           bytes_sent=others(splits) + tf.size(reduced, out_type=tf.int64),
+                           bytes_received=others(received_splits) + others(gathered_splits))
+        if ctx.residual is not None:
+            own = ops.qsgd_decode_chunks(ctx.payload, ctx.splits, tf.constant(1.0), tf.constant(""), numel=ctx.numel,
+                                         **attrs)
+            deps.append(ctx.residual.assign(ctx.x32 - own))
+        return out, deps
 
     # -- state --------------------------------------------------------------------------------
 

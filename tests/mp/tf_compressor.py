@@ -4,7 +4,9 @@ Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <m
 mismatch scenarios. References are computed independently: every rank's local gradient is gathered,
 re-encoded with ``hvd_qsgd.codec`` from the documented seed
 (``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", occurrence)``) and decoded with
-``codec.decode_sum(payloads, 1/n)``; the synchronized gradient must equal it exactly.
+``codec.decode_sum(payloads, 1/n)``; the synchronized gradient must equal it exactly. The
+scatter_allgather scenarios regenerate every rank's input from the seed and the rank
+(``rank_input``) and compare with ``hvd_qsgd.reduction.simulate`` of all ranks' inputs.
 """
 import argparse
 import os
@@ -18,7 +20,7 @@ import tensorflow as tf  # noqa: E402
 import horovod.tensorflow as hvd  # noqa: E402
 
 import hvd_qsgd  # noqa: E402
-from hvd_qsgd import codec, protocol  # noqa: E402
+from hvd_qsgd import codec, cost_model, protocol, reduction  # noqa: E402
 
 SEED = 11
 SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 10), (10,)]  # 12800, 20000 and 1000 elements
@@ -259,6 +261,172 @@ def scenario_v1():
     assert stats["tensors"] == 1, stats
 
 
+# -- scatter_allgather (and auto) ---------------------------------------------------------------
+
+def rank_input(r, shape, step=0, tensor=0, zeros=0.0):
+    """Rank r's input, the same in every worker: a normal sample scaled by 1 + r, with a fraction
+    ``zeros`` of its entries zeroed (sparser tensors give shorter Elias payloads)."""
+    rng = np.random.default_rng([SEED, r, step, tensor])
+    x = rng.standard_normal(shape).astype(np.float32) * np.float32(1 + r)
+    if zeros:
+        x[rng.random(shape) < zeros] = 0
+    return x
+
+
+class Expected:
+    """The reference of one exchange, computed in this worker from every rank's input."""
+
+    def __init__(self, c, per, name, occurrence, alpha, dtype="float32"):
+        s = c.settings
+        n, me = len(per), hvd.rank()
+        shape, numel = per[0].shape, per[0].size
+        fp = codec.tensor_fingerprint("", shape, dtype)
+        seeds = [protocol.payload_seed(SEED, r, name, occurrence) for r in range(n)]
+        xs = [np.asarray(x, np.float32).reshape(-1) for x in per]
+        self.reduction = (cost_model.choose(n, numel, s.bits, s.bucket_size) if s.reduction == "auto"
+                          else s.reduction)
+        if self.reduction == "scatter_allgather":
+            out, sent, reduced = reduction.simulate(xs, s, seeds, alpha, fp, dtype)
+            self.sent_chunks = sent[me]
+            chunks = reduction.chunk_ranges(numel, s.bucket_size, n)
+            self.lengths = {"phase 1": [sum(len(p) for p in sent[r]) for r in range(n)],   # (empty chunks: header only)
+                            "reduced": [len(q) for q, (b, e) in zip(reduced, chunks) if e > b]}
+            self.bytes_sent = sum(len(sent[me][j]) for j in range(n) if j != me) + len(reduced[me])
+            self.bytes_received = (sum(len(sent[r][me]) for r in range(n) if r != me)
+                                   + sum(len(reduced[j]) for j in range(n) if j != me))
+        else:
+            ps = [codec.encode(x, s.bits, s.bucket_size, s.norm, seeds[r], s.coding, fp, s.checksum, source_dtype=dtype)
+                  for r, x in enumerate(xs)]
+            out = codec.decode_sum(ps, alpha)
+            self.lengths = {"payload": [len(p) for p in ps]}
+            self.bytes_sent = len(ps[me])
+            self.bytes_received = sum(len(p) for p in ps) - len(ps[me])
+        self.out = out.reshape(shape)
+
+
+def check_exact(got, want, what):
+    assert np.array_equal(got, want), f"{what}: max diff {np.abs(np.float32(got) - np.float32(want)).max()}"
+    check_identical(got, what)
+
+
+def run_tape_steps(c, shapes, steps, zeros=lambda r, i: 0.0):
+    """DistributedGradientTape (Average) in a tf.function over loss = sum_i sum(v_i * t_i), whose
+    gradient is exactly rank r's t_i = rank_input(r, ...); each compressed gradient must equal the
+    reference of its exchange bit for bit on every rank. Returns the references."""
+    n, rank = hvd.size(), hvd.rank()
+    vs = [tf.Variable(tf.zeros(sh)) for sh in shapes]
+
+    @tf.function
+    def reduced_grads(targets):
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * t) for v, t in zip(vs, targets)])
+        return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+
+    adapter, expected = None, []
+    compressed = [i for i, sh in enumerate(shapes) if int(np.prod(sh)) >= c.settings.min_numel]
+    for k in range(steps):
+        per = [[rank_input(r, sh, k, i, zeros(r, i)) for i, sh in enumerate(shapes)] for r in range(n)]
+        grads = [g.numpy() for g in reduced_grads([tf.constant(t) for t in per[rank]])]
+        adapter = c._adapters["tensorflow"]
+        names = [name for name, _ in adapter.traced_exchanges[-len(compressed):]]  # the (only) trace
+        for i, g in enumerate(grads):
+            if i in compressed:
+                e = Expected(c, [per[r][i] for r in range(n)], names[compressed.index(i)], k, 1.0 / n)
+                check_exact(g, e.out, f"tensor {i} {shapes[i]} step {k} ({e.reduction})")
+                expected.append(e)
+            else:
+                assert np.allclose(g, np.mean([per[r][i] for r in range(n)], axis=0), rtol=1e-5, atol=1e-6), i
+    graph = reduced_grads.get_concrete_function([tf.TensorSpec(sh, tf.float32) for sh in shapes]).graph
+    gd = graph.as_graph_def()
+    types = {nd.op for nd in gd.node} | {nd.op for f in gd.library.function for nd in f.node_def}
+    return expected, types
+
+
+def check_stats(c, expected):
+    st = c.stats
+    assert st["tensors"] == len(expected), st
+    assert st["bytes_sent"] == sum(e.bytes_sent for e in expected), (st, [e.bytes_sent for e in expected])
+    assert st["bytes_received"] == sum(e.bytes_received for e in expected), st
+
+
+def scenario_scatter_tape():
+    """scatter_allgather in a tf.function step, two steps: uneven chunks (20000 = 39 buckets of 512
+    and one of 32), a tensor of fewer than n buckets (1000 elements: some chunks are empty), one
+    uncompressed tensor; then error feedback."""
+    n = hvd.size()
+    shapes = [(20000,), (40, 25), (10,), (100, 123)]
+    assert [e - b for b, e in reduction.chunk_ranges(1000, 512, n)].count(0) >= 1
+    assert len({e - b for b, e in reduction.chunk_ranges(20000, 512, n)}) > 1
+    c = hvd_qsgd.QSGD(4, seed=SEED, min_numel=500, reduction="scatter_allgather")
+    expected, types = run_tape_steps(c, shapes, 2)
+    assert all(e.reduction == "scatter_allgather" for e in expected)
+    for op in ("QsgdEncodeChunks", "QsgdCheckControl", "QsgdReduceChunk", "QsgdDecodeChunks", "HorovodAlltoall",
+               "HorovodAllgather", "HorovodAllreduce"):
+        assert op in types, (op, sorted(types))
+    assert "QsgdEncode" not in types and "QsgdDecodeSum" not in types, sorted(types)
+    check_stats(c, expected)
+
+    # error feedback: the residual is this rank's input minus the decode of its own phase-1 chunks
+    c = hvd_qsgd.QSGD(2, seed=SEED, min_numel=500, reduction="scatter_allgather", error_feedback=True)
+    expected, _ = run_tape_steps(c, [(20000,), (40, 25)], 1)
+    residuals = list(c._adapters["tensorflow"]._residuals.values())
+    assert len(residuals) == 2
+    for i, (sh, e, res) in enumerate(zip([(20000,), (40, 25)], expected, residuals)):
+        own = np.concatenate([codec.decode(p) for p in e.sent_chunks])
+        assert np.array_equal(res.numpy(), rank_input(hvd.rank(), sh, 0, i).reshape(-1) - own), sh
+
+
+def scenario_scatter_eager():
+    """Eager hvd.allreduce with scatter_allgather: Average, Sum (alpha 1) and an fp16 tensor."""
+    n, rank = hvd.size(), hvd.rank()
+    c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather")
+    k = c._creation_index
+    per = [rank_input(r, (3, 10001), tensor=7) for r in range(n)]
+    expected = []
+    out = hvd.allreduce(tf.constant(per[rank]), compression=c, name="sa_avg")   # exchange s0
+    expected.append(Expected(c, per, f"hvd_qsgd_{k}_s0", 0, 1.0 / n))
+    check_exact(out.numpy(), expected[-1].out, "average")
+    out = hvd.allreduce(tf.constant(per[rank]), compression=c, op=hvd.Sum, name="sa_sum")   # s1
+    expected.append(Expected(c, per, f"hvd_qsgd_{k}_s1", 0, 1.0))
+    check_exact(out.numpy(), expected[-1].out, "sum")
+    half = [x.astype(np.float16) for x in per]
+    out = hvd.allreduce(tf.constant(half[rank]), compression=c, name="sa_fp16")   # s2
+    assert out.dtype == tf.float16 and out.shape == half[rank].shape
+    expected.append(Expected(c, [h.astype(np.float32) for h in half], f"hvd_qsgd_{k}_s2", 0, 1.0 / n, "float16"))
+    check_exact(out.numpy(), expected[-1].out.astype(np.float16), "fp16")
+    assert all(e.reduction == "scatter_allgather" for e in expected)
+    check_stats(c, expected)
+
+
+def scenario_elias():
+    """Elias coding under both reductions in a tf.function step: ranks' inputs are sparse to
+    different degrees, so their payloads differ in length; the results are still exact."""
+    n = hvd.size()
+    for red in ("allgather", "scatter_allgather"):
+        c = hvd_qsgd.QSGD(4, seed=SEED, coding="elias", min_numel=500, reduction=red)
+        expected, types = run_tape_steps(c, [(30000,), (1000,)], 2, zeros=lambda r, i: r / n)
+        for e in expected:
+            assert e.reduction == red
+            for what, lens in e.lengths.items():
+                assert len(set(lens)) == len(lens) > 1, (red, what, lens)
+        check_stats(c, expected)
+        assert ("HorovodAlltoall" in types) == (red == "scatter_allgather"), sorted(types)
+
+
+def scenario_auto():
+    """reduction="auto": each tensor takes the reduction cost_model.choose predicts."""
+    n = hvd.size()
+    shapes = [(400000,), (20000,)]
+    want = [cost_model.choose(n, int(np.prod(sh)), 4, 512) for sh in shapes]
+    assert want == ["scatter_allgather", "allgather"], want   # at n = 3 and 4 with the default link model
+    c = hvd_qsgd.QSGD(4, seed=SEED, reduction="auto")
+    expected, types = run_tape_steps(c, shapes, 1)
+    assert [e.reduction for e in expected] == want
+    for op in ("QsgdEncodeChunks", "QsgdEncode", "HorovodAlltoall", "QsgdDecodeSum", "QsgdDecodeChunks"):
+        assert op in types, (op, sorted(types))
+    check_stats(c, expected)
+
+
 def mismatch(kind):
     rank = hvd.rank()
     t = tf.constant(np.ones(20000, np.float32))
@@ -275,6 +443,13 @@ def mismatch(kind):
             first, second = (a, b) if rank == 0 else (b, a)
             return hvd.grouped_allreduce([first, second], compression=c)
         return step()
+    elif kind == "reduction":
+        c = hvd_qsgd.QSGD(4, reduction="allgather" if rank == 0 else "scatter_allgather")
+    elif kind == "fingerprint":
+        # the same number of elements in another shape: the control check passes, every rank's
+        # reduce finds the payloads' fingerprints disagree and sends an empty reduced chunk
+        c = hvd_qsgd.QSGD(4, reduction="scatter_allgather")
+        t = tf.constant(np.ones((20000,) if rank == 0 else (200, 100), np.float32))
     else:
         raise SystemExit(f"unknown mismatch {kind}")
 
@@ -302,7 +477,9 @@ def main():
             sys.exit(1)
         else:
             {"tape": scenario_tape, "allreduce": scenario_allreduce, "keras": scenario_keras,
-             "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback}[s]()
+             "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback,
+             "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
+             "elias": scenario_elias, "auto": scenario_auto}[s]()
         print(f"OK {s}", flush=True)
 
 
