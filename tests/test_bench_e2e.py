@@ -4,9 +4,11 @@ allgather byte counts (skipped, with the reason, where namespaces cannot be made
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -128,3 +130,50 @@ def test_real_run_counts_bytes_and_cleans_up(tmp_path):
     assert 0.3 < pred["ratio"] < 3, pred
     assert "## Model vs measured" in stdout and (out_dir / "plot.png").read_bytes()[:8] == PNG
     assert (out_dir / "table.md").read_text().startswith("## Measured")
+
+
+def _workers_of(out_dir):
+    """Pids of processes whose command line names ``out_dir`` (the launcher and its ranks)."""
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if str(out_dir).encode() in f.read() and int(pid) != os.getpid():
+                    pids.append(int(pid))
+        except OSError:
+            pass
+    return pids
+
+
+def test_sigterm_kills_ranks_and_deletes_namespaces(tmp_path):
+    reason = netns.probe()
+    if reason:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    out_dir = tmp_path / "e2e"
+    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "e2e", "--np", "2", "--rates", "10mbit", "--width", "256",
+           "--depth", "1", "--steps", "100000", "--modes", "none", "--timeout", "120", "--out", str(out_dir)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        seen, prefix, deadline = "", None, time.monotonic() + 60
+        while prefix is None and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1)[0]:
+                seen += proc.stdout.readline()
+                m = re.search(r"namespaces (hq\d+)\*", seen)
+                prefix = m and m.group(1)
+        assert prefix, seen
+        while time.monotonic() < deadline and not set(_workers_of(out_dir)) - {proc.pid}:
+            time.sleep(0.2)
+        assert set(_workers_of(out_dir)) - {proc.pid}, "no rank started"
+        time.sleep(2)  # the ranks are up and stepping
+        assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)], "no namespaces while running"
+        proc.send_signal(signal.SIGTERM)  # the launcher only: the ranks run in sessions of their own
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert proc.returncode == 130, seen + out
+    assert "interrupted" in out
+    assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
+    assert _workers_of(out_dir) == []

@@ -6,8 +6,10 @@ The network. For each rank count n of ``--np`` the command builds n network name
 rank, each joined by a veth pair to a Linux bridge in one more namespace (the switch); every link
 end is shaped with ``tc ... tbf rate R`` on its egress, so each rank has a full-duplex R link into
 a switch (``hvd_qsgd.bench.netns``: names, addresses, token-bucket parameters). The root namespace's
-interfaces and routes are not touched, and everything created is deleted at the end (also on
-SIGINT / SIGTERM). For each rate of ``--rates`` the links are re-shaped and one job runs.
+interfaces and routes are not touched, and everything created is deleted at the end (on SIGINT
+or SIGTERM too: the ranks are killed, the namespaces deleted, and the command exits with status
+130); namespaces of this naming scheme left by a run that was killed outright are deleted at the
+start of the next. For each rate of ``--rates`` the links are re-shaped and one job runs.
 
 The job. Horovod's Gloo rendezvous server runs in the switch namespace (a helper process started
 with ``ip netns exec``, listening on the bridge's address); each rank is started directly with
@@ -560,8 +562,12 @@ def run_job(topo, rate, args, json_path, log_dir):
             time.sleep(0.2)
     finally:
         _kill_children()
-    with open(json_path) as f:
-        return json.load(f)
+    try:
+        with open(json_path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise JobFailed(f"every rank exited with status 0 but rank 0's results are unreadable: {e}\n"
+                        f"{_tail(logs[0])}") from None
 
 
 # ---- compute timed in this process (--model-only, or no namespaces) -------------------------------
@@ -828,6 +834,9 @@ def run(args):
                     left = topo.destroy()
                     if left:
                         print(f"warning: could not delete namespaces {' '.join(left)}", flush=True)
+        except KeyboardInterrupt as e:
+            print(f"\ninterrupted ({e or 'SIGINT'}): every rank was killed and the namespaces deleted", flush=True)
+            return 130
         finally:
             _kill_children()
             for s, h in old.items():
