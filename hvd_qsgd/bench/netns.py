@@ -153,6 +153,7 @@ class Topology:
         self.subnet = f"10.{200 + (pid >> 8) % 50}.{pid % 256}"
         self.created = []
         self.rate = None
+        self._made_etc = False  # whether /etc/netns was made here (removed again when left empty)
 
     def address(self, i):
         return f"{self.subnet}.{i + 1}"
@@ -194,6 +195,9 @@ class Topology:
 
     def _write_hosts(self, ns, address):
         try:
+            if not os.path.isdir(ETC_NETNS):
+                os.makedirs(ETC_NETNS)
+                self._made_etc = True
             os.makedirs(_etc_dir(ns), exist_ok=True)
             with open(os.path.join(_etc_dir(ns), "hosts"), "w") as f:
                 f.write(f"127.0.0.1 localhost\n{address} {socket.gethostname()}\n")
@@ -231,6 +235,11 @@ class Topology:
         for ns in reversed(self.created):
             _run([IP, "netns", "del", ns], check=False)
             shutil.rmtree(_etc_dir(ns), ignore_errors=True)
+        if self._made_etc:
+            try:
+                os.rmdir(ETC_NETNS)  # only if empty
+            except OSError:
+                pass
         existing = set(list_namespaces())
         left = [ns for ns in self.created if ns in existing]
         self.created = left
