@@ -67,17 +67,17 @@ def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
 SCATTER = ["scatter-tape", "scatter-eager", "elias", "auto"]
 
 
-@pytest.mark.parametrize("np_", [3, 4])
-def test_scatter_allgather_equals_the_reduction_simulation_on_every_rank(np_):
-    """scatter_allgather and auto (Gloo): tf.function tape steps with uneven and empty chunks, error
+@pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
+def test_scatter_allgather_equals_the_reduction_simulation_on_every_rank(np_, controller):
+    """scatter_allgather and auto: tf.function tape steps with uneven and empty chunks, error
     feedback, eager Average / Sum / fp16, Elias payloads of per-rank lengths under both reductions,
     and the statistics, each exact against the single-process reference on every rank (the worker
-    asserts). At -np 3 the same job then runs the two mismatches of this reduction: ranks with
+    asserts). At -np 3 with Gloo the same job then runs the two mismatches of this reduction: ranks with
     different ``reduction`` settings fail the control check on every rank; a tensor of another shape
     (same size) makes every rank's reduce fail, and every rank, having joined the phase-2 allgather
     with an empty chunk, raises naming the ranks that could not reduce."""
-    mismatches = ["mismatch-reduction", "mismatch-fingerprint"] if np_ == 3 else []
-    out = launch(np_, "gloo", [WORKER] + SCATTER + mismatches, timeout=300)
+    mismatches = ["mismatch-reduction", "mismatch-fingerprint"] if (np_, controller) == (3, "gloo") else []
+    out = launch(np_, controller, [WORKER] + SCATTER + mismatches, timeout=300)
     for s in SCATTER:
         assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
     if not mismatches:
