@@ -43,7 +43,6 @@ def init_adapter(adapter, settings, settings_args, creation_index, process_set, 
     adapter.settings = settings or Settings.make(*settings_args)
     adapter._creation_index = next_creation_index() if creation_index is None else creation_index
     adapter._process_set = process_set if process_set is not None else global_process_set
-    adapter._settings_tag = adapter.settings.tag()
     adapter._lock = threading.Lock()
 
 
