@@ -76,27 +76,35 @@ class Header:
 
 
 # ---- parameter checks: one message per parameter, naming it and the value -----------------------
+def is_integer(v):
+    """An int or NumPy integer, not a bool (True is not a bit width)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def is_bool(v):
+    return isinstance(v, (bool, np.bool_))
+
+
 def _check_bits(bits):
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+    if not is_integer(bits) or not 1 <= bits <= 8:
         raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
     return int(bits)
 
 
 def _check_bucket(bucket_size):
-    if (isinstance(bucket_size, bool) or not isinstance(bucket_size, (int, np.integer))
-            or not 1 <= bucket_size <= MAX_BUCKET):
+    if not is_integer(bucket_size) or not 1 <= bucket_size <= MAX_BUCKET:
         raise ValueError(f"bucket_size must be an integer in 1..{MAX_BUCKET}, got {bucket_size!r}")
     return int(bucket_size)
 
 
 def _check_u64(name, v):
-    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or not 0 <= v <= MAX_SEED:
+    if not is_integer(v) or not 0 <= v <= MAX_SEED:
         raise ValueError(f"{name} must be an integer in 0..2**64-1, got {v!r}")
     return int(v)
 
 
 def _check_choice(name, v, choices):
-    if v not in choices:
+    if not isinstance(v, str) or v not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {v!r}")
     return choices[v]
 

@@ -69,13 +69,16 @@ class Settings:
     def make(cls, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
              error_feedback=False, checksum=True, reduction="allgather"):
         """Settings with every parameter checked (ValueError naming the parameter)."""
-        if bucket_size is None and isinstance(bits, int) and not isinstance(bits, bool):
-            bucket_size = default_bucket_size(bits)
+        if bucket_size is None:
+            bucket_size = default_bucket_size(codec._check_bits(bits))
         codec.make_config(bits, bucket_size, norm, seed, coding)  # checks bits, bucket, norm, coding, seed
-        if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 1:
+        if not codec.is_integer(min_numel) or min_numel < 1:
             raise ValueError(f"min_numel must be a positive integer, got {min_numel!r}")
-        if reduction not in REDUCTIONS:
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        for name, flag in (("error_feedback", error_feedback), ("checksum", checksum)):
+            if not codec.is_bool(flag):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction)
 

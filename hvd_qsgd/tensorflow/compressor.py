@@ -251,7 +251,7 @@ class QSGD(Compressor):
                            bytes_received=tf.size(gathered, out_type=tf.int64) - sent)
         if ctx.residual is not None:
             own = ops.qsgd_decode_sum(ctx.payload, tf.constant(1.0), count=1, numel=ctx.numel, **attrs)
-            deps.append(ctx.residual.assign(ctx.x32 - own))
+            deps.append(self._assign_residual(ctx, own))
         return out, deps
 
     def _scatter_allgather(self, ctx, alpha):
@@ -279,8 +279,16 @@ class QSGD(Compressor):
         if ctx.residual is not None:
             own = ops.qsgd_decode_chunks(ctx.payload, ctx.splits, tf.constant(1.0), tf.constant(""), numel=ctx.numel,
                                          **attrs)
-            deps.append(ctx.residual.assign(ctx.x32 - own))
+            deps.append(self._assign_residual(ctx, own))
         return out, deps
+
+    @staticmethod
+    def _assign_residual(ctx, own):
+        """residual <- x32 - own, except where that is not finite (a bucket that held a NaN or an Inf
+        decodes to NaN): there the previous residual stays, so one overflowing step (skipped by loss
+        scaling) does not make every later gradient non-finite."""
+        new = ctx.x32 - own
+        return ctx.residual.assign(tf.where(tf.math.is_finite(new), new, ctx.residual))
 
     # -- state --------------------------------------------------------------------------------
 

@@ -172,6 +172,9 @@ class QSGD(Compressor):
         ctx.sent = ctx.received = 0
         ctx.started = threading.Event()   # set once the second phase of a scatter_allgather started
         try:
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
+                                 "the CPU or a CUDA device (move it there, or pass it uncompressed)")
             if set_rank is None:
                 raise protocol.MismatchError(
                     f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
@@ -210,7 +213,7 @@ class QSGD(Compressor):
         if s.error_feedback:
             own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size,
                                           where=ctx.where)
-            self._residuals[residual_key] = x32 - torch.from_numpy(own)
+            self._set_residual(residual_key, x32 - torch.from_numpy(own))
         ctx.splits, ctx.own_len = lens, int(sum(lens))
         ctx.sent = ctx.own_len - lens[ctx.set_rank]
         ctx.handle = hvd.alltoall_async(torch.from_numpy(buf), splits=torch.tensor(lens, dtype=torch.int32),
@@ -295,6 +298,14 @@ class QSGD(Compressor):
                                       where=f"{ctx.where}: reduced chunks")
         return torch.from_numpy(out)
 
+    def _set_residual(self, residual_key, new):
+        """Keep ``new`` as the residual, except where it is not finite (a bucket that held a NaN or an
+        Inf decodes to NaN): there the previous residual stays (0 if none), so one overflowing step
+        (skipped by loss scaling) does not make every later gradient non-finite."""
+        old = self._residuals.get(residual_key)
+        keep = torch.zeros((), dtype=new.dtype, device=new.device) if old is None else old.to(new.device)
+        self._residuals[residual_key] = torch.where(torch.isfinite(new), new, keep)
+
     def _with_residual(self, x32, residual_key, where):
         residual = self._residuals.get(residual_key) if self.settings.error_feedback else None
         if residual is None:
@@ -316,7 +327,7 @@ class QSGD(Compressor):
         payload = codec.encode(x32.numpy(), s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint,
                                s.checksum, name=where, source_dtype=_SOURCE_DTYPES[tensor.dtype])
         if s.error_feedback:
-            self._residuals[residual_key] = x32 - torch.from_numpy(codec.decode(payload, where))
+            self._set_residual(residual_key, x32 - torch.from_numpy(codec.decode(payload, where)))
         return payload
 
     def _encode_cuda(self, tensor, residual_key, seed, fingerprint, where):
@@ -326,7 +337,7 @@ class QSGD(Compressor):
         payload = cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
                               source_dtype=_SOURCE_DTYPES[tensor.dtype])
         if s.error_feedback:
-            self._residuals[residual_key] = x32 - cuda.decode_sum([payload], where=where)
+            self._set_residual(residual_key, x32 - cuda.decode_sum([payload], where=where))
         return payload
 
     def decompress(self, tensor, ctx):
