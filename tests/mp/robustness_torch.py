@@ -1,0 +1,317 @@
+"""Worker for tests/test_robustness_mp.py: bad inputs through Horovod's PyTorch API, under horovodrun.
+
+Every rank runs every case in order and prints ``OK <case>`` when its checks pass (an exception ends
+the job). References are computed independently on every rank: every rank's input is regenerated
+or gathered, re-encoded with the documented seeds (``protocol.payload_seed``) and decoded with
+``codec.decode_sum`` (allgather) or ``reduction.simulate`` (scatter_allgather). Results with NaN
+compare NaN-equal; the documented non-finite rule is checked by ``check_nonfinite``
+(tests/test_robustness.py).
+"""
+import argparse
+import itertools
+
+import numpy as np
+import torch
+import torch.nn as nn
+import horovod.torch as hvd
+
+import hvd_qsgd
+from hvd_qsgd import codec, protocol, reduction
+from tests.test_robustness import check_nonfinite, cleaned
+
+SEED = 13
+REDUCTIONS = ("allgather", "scatter_allgather")
+_names = itertools.count()
+
+
+def dname(dtype):
+    return str(dtype).replace("torch.", "")
+
+
+def gather(t):
+    """Every rank's copy of t in rank order (float16/bfloat16 travel as float32, which holds them)."""
+    out = hvd.allgather(t.detach().float().unsqueeze(0), name=f"rb.gather.{next(_names)}")
+    return [x.to(t.dtype) for x in out.unbind(0)]
+
+
+def as_np(t):
+    return t.detach().float().numpy()
+
+
+def same(a, b):
+    """Bit for bit, NaN equal to NaN (float16/bfloat16 compared through float32, exactly)."""
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(as_np(a), as_np(b), equal_nan=True)
+
+
+def check_identical(t, what):
+    copies = gather(t)
+    for r, c in enumerate(copies):
+        assert same(c, copies[0]), f"{what}: rank {r} differs from rank 0"
+
+
+def reference(c, xs, exchange, shape, dtype, alpha, occurrence=0, fp_name=""):
+    """What every rank must get for these per-rank inputs (float32 NumPy arrays), as a tensor."""
+    s = c.settings
+    fp = codec.tensor_fingerprint(fp_name, shape, dname(dtype))
+    seeds = [protocol.payload_seed(SEED, r, exchange, occurrence) for r in range(len(xs))]
+    xs = [np.ascontiguousarray(x, np.float32).reshape(-1) for x in xs]
+    if s.reduction == "scatter_allgather":
+        out = reduction.simulate(xs, s, seeds, alpha, fp, dname(dtype))[0]
+    else:
+        out = codec.decode_sum([codec.encode(x, s.bits, s.bucket_size, s.norm, seeds[r], s.coding, fp, s.checksum,
+                                             source_dtype=dname(dtype)) for r, x in enumerate(xs)], alpha)
+    return torch.from_numpy(out).view(shape).to(dtype)
+
+
+def bad_input(r, numel, bucket, dtype=np.float32):
+    """Rank r's input with NaN/Inf in a few buckets: rank 0 a NaN in bucket 0 and +Inf in bucket 3,
+    rank 1 -Inf in bucket 3 (Inf - Inf across ranks) and in bucket 10, and +Inf in the last bucket."""
+    x = np.random.default_rng([SEED, r]).standard_normal(numel).astype(np.float32)
+    if r == 0:
+        x[5], x[3 * bucket + 7] = np.nan, np.inf
+    if r == 1:
+        x[3 * bucket + 1], x[10 * bucket] = -np.inf, -np.inf
+        x[numel - 1] = np.inf
+    return x.astype(dtype)
+
+
+def check_exchange(c, xs, out, exchange, dtype, alpha, what, occurrence=0, fp_name=""):
+    """out equals the reference of xs, bit for bit; with non-finite inputs, the non-finite rule."""
+    shape = out.shape
+    want = reference(c, xs, exchange, shape, dtype, alpha, occurrence, fp_name)
+    assert same(out, want), f"{what}: differs from the reference"
+    xs32 = [np.asarray(x, np.float32).reshape(-1) for x in xs]
+    if not all(np.isfinite(x).all() for x in xs32):
+        clean = reference(c, [cleaned(x) for x in xs32], exchange, shape, dtype, alpha, occurrence, fp_name)
+        check_nonfinite(as_np(out).reshape(-1), xs32, c.settings.bucket_size, c.settings.bits,
+                        as_np(clean).reshape(-1))
+    check_identical(out, what)
+
+
+def case_nonfinite_allreduce(n, rank):
+    for red, bits in itertools.product(REDUCTIONS, (4, 1)):
+        c = hvd_qsgd.QSGD(bits, seed=SEED, reduction=red)
+        k, bucket = c._creation_index, c.settings.bucket_size
+        seq = 0
+        for dtype, np_dtype in ((torch.float32, np.float32), (torch.float16, np.float16)):
+            for op, alpha in ((hvd.Average, 1.0 / n), (hvd.Sum, 1.0)):
+                xs = [bad_input(r, 100 * bucket, bucket, np_dtype) for r in range(n)]
+                out = hvd.allreduce(torch.from_numpy(xs[rank]), compression=c, op=op, name=f"nf.{k}.{seq}")
+                assert out.dtype == dtype
+                check_exchange(c, xs, out, f"hvd_qsgd.{k}.s{seq}", dtype, alpha, f"{red} bits={bits} {dtype} {op}")
+                assert not torch.isfinite(out.view(-1)[:bucket]).any()
+                assert torch.isfinite(out.view(-1)[bucket:3 * bucket]).all()
+                seq += 1
+
+
+def case_nonfinite_optimizer(n, rank):
+    """A parameter whose gradient holds NaN/Inf, through hvd.DistributedOptimizer (named)."""
+    for red in REDUCTIONS:
+        w = nn.Parameter(torch.zeros(40, 512))
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, named_parameters=[("w", w)])
+        opt = hvd.DistributedOptimizer(torch.optim.SGD([w], lr=0.1), named_parameters=[("w", w)], compression=c)
+        xs = [bad_input(r, w.numel(), 512).reshape(w.shape) for r in range(n)]
+        opt.zero_grad()
+        (w * torch.from_numpy(xs[rank])).sum().backward()   # the gradient is this rank's xs
+        opt.synchronize()
+        check_exchange(c, xs, w.grad, f"hvd_qsgd.{c._creation_index}.p.w", torch.float32, 1.0 / n, f"optimizer {red}",
+                       fp_name="w")
+
+
+def own_decode(c, x, exchange, fp):
+    """This rank's own decode of its payload(s) for x (what error feedback subtracts)."""
+    s = c.settings
+    seed = protocol.payload_seed(SEED, hvd.rank(), exchange, 0)
+    if s.reduction == "scatter_allgather":
+        buf, lens = reduction.encode_chunks(x, s, seed, hvd.size(), fp)
+        return reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, x.size, s.bucket_size)
+    return codec.decode(codec.encode(x, s.bits, s.bucket_size, s.norm, seed, s.coding, fp))
+
+
+def case_nonfinite_error_feedback(n, rank):
+    """Step 1 holds NaN/Inf: its output has them; the residual stays finite (0 where this rank's
+    bucket was non-finite, its usual value elsewhere). Step 2 is finite: its output is finite and
+    equals the reference of every rank's g2 + residual."""
+    for red in REDUCTIONS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, error_feedback=True)
+        k = c._creation_index
+        fp = codec.tensor_fingerprint("", (30 * 512,), "float32")
+        xs = [bad_input(r, 30 * 512, 512) for r in range(n)]
+        out = hvd.allreduce(torch.from_numpy(xs[rank]), compression=c, name=f"ef1.{k}")
+        check_exchange(c, xs, out, f"hvd_qsgd.{k}.s0", torch.float32, 1.0 / n, f"error feedback step 1 {red}")
+        e1 = c.state_dict()["torch"]["residuals"][0]
+        new = xs[rank] - own_decode(c, xs[rank], f"hvd_qsgd.{k}.s0", fp)
+        assert np.array_equal(e1.numpy(), np.where(np.isfinite(new), new, 0)), red
+        assert torch.isfinite(e1).all() and not np.isfinite(new).all()
+        g2 = torch.randn(30 * 512, generator=torch.Generator().manual_seed(rank))
+        out = hvd.allreduce(g2, compression=c, name=f"ef2.{k}")
+        assert torch.isfinite(out).all(), red
+        check_exchange(c, [as_np(x) for x in gather(g2 + e1)], out, f"hvd_qsgd.{k}.s1", torch.float32, 1.0 / n,
+                       f"error feedback step 2 {red}")
+        assert torch.isfinite(c.state_dict()["torch"]["residuals"][0]).all()
+
+
+def case_zeros(n, rank):
+    for red, bits in itertools.product(REDUCTIONS, (1, 4)):
+        c = hvd_qsgd.QSGD(bits, seed=SEED, reduction=red)
+        t = torch.zeros(100, 200)
+        out = hvd.allreduce(t, compression=c, name=f"zeros.{c._creation_index}")
+        assert torch.equal(out, t) and not torch.signbit(out).any() and c.stats["tensors"] == 1, red
+
+
+def case_empty(n, rank):
+    for red in REDUCTIONS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, min_numel=1)
+        for i, t in enumerate((torch.zeros(0), torch.zeros(0, 5), torch.zeros(3, 0, dtype=torch.float16))):
+            out = hvd.allreduce(t, compression=c, name=f"empty.{c._creation_index}.{i}")
+            assert out.shape == t.shape and out.dtype == t.dtype
+        assert c.stats["tensors"] == 0 and c.stats["raw_tensors"] == 3, c.stats
+
+
+def case_scalar(n, rank):
+    """A 0-d tensor is one element: compressed with min_numel=1 (shape () kept), else uncompressed."""
+    t = torch.tensor(0.5 + rank, dtype=torch.float32)
+    for red in REDUCTIONS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, min_numel=1)
+        out = hvd.allreduce(t, compression=c, name=f"scalar.{c._creation_index}")
+        assert out.shape == () and c.stats["tensors"] == 1
+        check_exchange(c, [as_np(x) for x in gather(t)], out, f"hvd_qsgd.{c._creation_index}.s0", torch.float32,
+                       1.0 / n, f"scalar {red}")
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    out = hvd.allreduce(t, compression=c, name="scalar.raw")
+    assert torch.equal(out, hvd.allreduce(t, name="scalar.plain")) and c.stats["raw_tensors"] == 1
+
+
+def case_noncontiguous(n, rank):
+    """Transposed, strided and permuted views: the result of their contiguous copy, in their shape."""
+    g = torch.Generator().manual_seed(rank)
+    base, cube = torch.randn(300, 200, generator=g), torch.randn(20, 30, 40, generator=g)
+    views = {"transposed": lambda: base.t(), "strided": lambda: base.view(-1)[::3],
+             "column-slice": lambda: base[:, ::2].t(), "permuted": lambda: cube.permute(2, 0, 1)}
+    before = base.clone(), cube.clone()
+    for red in REDUCTIONS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red)
+        for seq, (what, view) in enumerate(views.items()):
+            t = view()
+            assert not t.is_contiguous() and t.numel() >= 10000
+            out = hvd.allreduce(t, compression=c, name=f"nc.{c._creation_index}.{seq}")
+            assert out.shape == t.shape
+            check_exchange(c, [as_np(x) for x in gather(t.contiguous())], out,
+                           f"hvd_qsgd.{c._creation_index}.s{seq}", torch.float32, 1.0 / n, f"{what} {red}")
+    assert torch.equal(base, before[0]) and torch.equal(cube, before[1])
+
+
+def case_integers(n, rank):
+    """int32/int64 go through Horovod's own allreduce, exactly as without compression; the dtypes
+    Horovod's allreduce refuses (bool, uint8, int8, complex) raise Horovod's own error, as without
+    compression."""
+    c = hvd_qsgd.QSGD(4, seed=SEED, min_numel=1)
+    for i, dtype in enumerate((torch.int32, torch.int64)):
+        t = (torch.arange(20000) * (rank + 1)).to(dtype)
+        for op in (hvd.Sum, hvd.Average):
+            out = hvd.allreduce(t, compression=c, op=op, name=f"int.{i}.{op}")
+            assert out.dtype == dtype and torch.equal(out, hvd.allreduce(t, op=op, name=f"int.plain.{i}.{op}"))
+        assert torch.equal(hvd.allreduce(t, compression=c, op=hvd.Sum, name=f"int.sum.{i}"),
+                           (torch.arange(20000) * (n * (n + 1) // 2)).to(dtype))
+    assert c.stats["tensors"] == 0 and c.stats["raw_tensors"] == 6, c.stats
+    for dtype in (torch.bool, torch.uint8, torch.int8, torch.complex64):
+        t = torch.ones(20000, dtype=dtype)
+        errors = []
+        for comp in (c, hvd.Compression.none):
+            try:
+                hvd.allreduce(t, compression=comp, op=hvd.Sum, name=f"refused.{dtype}")
+                errors.append(None)
+            except Exception as e:
+                errors.append((type(e), str(e)))
+        assert errors[0] is not None and errors[0] == errors[1], (dtype, errors)
+        assert "is not supported" in errors[0][1], errors
+
+
+def case_sparse(n, rank):
+    """Sparse gradients: Horovod's sparse path (the compressor is not called), or with
+    sparse_as_dense=True the dense gradient, compressed like any other; hvd.allreduce of a sparse
+    tensor raises Horovod's own error, as without compression."""
+    idx = torch.arange(10) + 10 * rank
+    dense = torch.zeros(1000, 20)
+    dense[idx] = 1.0
+    emb = nn.Embedding(1000, 20, sparse=True)
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), named_parameters=emb.named_parameters(),
+                                   compression=c)
+    emb(idx).sum().backward()
+    opt.synchronize()
+    assert emb.weight.grad.is_sparse
+    assert torch.equal(emb.weight.grad.to_dense(), torch.stack(gather(dense)).sum(0) / n)
+    assert c.stats["tensors"] == 0 and c.stats["raw_tensors"] == 0, c.stats
+    for red in REDUCTIONS:
+        emb = nn.Embedding(1000, 20, sparse=True)
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(), compression=c, sparse_as_dense=True)
+        emb(idx).sum().backward()
+        opt.synchronize()
+        check_exchange(c, [as_np(x) for x in gather(dense)], emb.weight.grad.to_dense(),
+                       f"hvd_qsgd.{c._creation_index}.s0", torch.float32, 1.0 / n, f"sparse_as_dense {red}")
+    errors = []
+    for comp in (c, hvd.Compression.none):
+        try:
+            hvd.allreduce(dense.to_sparse(), compression=comp, name="sparse.direct")
+            errors.append(None)
+        except Exception as e:
+            errors.append((type(e), str(e)))
+    assert errors[0] is not None and errors[0] == errors[1] and "not supported" in errors[0][1], errors
+
+
+def case_low_precision(n, rank):
+    for red in REDUCTIONS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red)
+        for seq, dtype in enumerate((torch.float16, torch.bfloat16)):
+            t = torch.randn(150, 100, generator=torch.Generator().manual_seed(rank)).to(dtype)
+            out = hvd.allreduce(t, compression=c, name=f"lp.{c._creation_index}.{seq}")
+            assert out.dtype == dtype and out.shape == t.shape
+            check_exchange(c, [as_np(x) for x in gather(t)], out, f"hvd_qsgd.{c._creation_index}.s{seq}", dtype,
+                           1.0 / n, f"{dtype} {red}")
+
+
+def case_meta_device(n, rank):
+    """A tensor on a device hvd_qsgd cannot read (meta: without CUDA, the only other device here):
+    every rank raises, naming the tensor and the device; the compressor works afterwards."""
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    for who in ("all", "rank 0"):
+        on_meta = who == "all" or rank == 0
+        t = torch.empty(20000, device="meta") if on_meta else torch.ones(20000)
+        try:
+            hvd.allreduce(t, compression=c, name=f"meta.{who}")
+        except hvd_qsgd.MismatchError as e:
+            msg = str(e)
+        else:
+            raise AssertionError("a meta tensor was not refused")
+        assert "compressed tensor s" in msg and "(shape (20000,))" in msg, msg
+        if on_meta:
+            assert "is on device 'meta'" in msg and "CPU or a CUDA device" in msg, msg
+        else:
+            assert "1 rank(s) could not encode this tensor" in msg, msg
+    out = hvd.allreduce(torch.ones(20000), compression=c, name="meta.after")
+    assert torch.equal(out, torch.ones(20000))
+
+
+CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
+         "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
+         "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
+         "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("case", nargs="*", default=list(CASES))
+    args = p.parse_args()
+    hvd.init()
+    torch.set_num_threads(1)
+    for name in args.case:
+        torch.manual_seed(0)
+        CASES[name](hvd.size(), hvd.rank())
+        print(f"OK {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
