@@ -414,3 +414,34 @@ class QSGD(Compressor):
         with self._lock:
             self._residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
         self._stats.load(state.get("stats", {}))
+
+    # -- elastic training (hvd_qsgd.torch.elastic) --------------------------------------------
+
+    def reset(self, residuals=True):
+        """Forget every exchange in progress, and with ``residuals`` the error-feedback residuals.
+
+        For when no exchange this compressor started will be waited on: after Horovod was shut down
+        and re-initialised (an elastic reset). A step interrupted by a failure leaves exchanges
+        between compress and decompress, in different numbers on different ranks; left in place,
+        they would route the next gradients of those parameters to numbered exchanges and shift the
+        residual positions. The exchange counters (``exchange_counters``) are kept."""
+        with self._lock:
+            self._pending = 0
+            self._position = 0
+            self._in_flight = set()
+            self._scattering = []
+            self._grad_names = {}
+            if residuals:
+                self._residuals = {}
+
+    def exchange_counters(self):
+        """What names and seeds the next exchanges: the numbered exchanges started so far and the
+        exchanges started per parameter name (the payload seeds' occurrence)."""
+        with self._lock:
+            return {"seq": self._seq, "occurrences": dict(self._occurrences)}
+
+    def load_exchange_counters(self, counters):
+        """Set the counters of ``exchange_counters()`` (e.g. those of another rank)."""
+        seq, occurrences = int(counters["seq"]), {str(k): int(v) for k, v in counters["occurrences"].items()}
+        with self._lock:
+            self._seq, self._occurrences = seq, occurrences
