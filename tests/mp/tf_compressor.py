@@ -445,6 +445,9 @@ def mismatch(kind):
         return step()
     elif kind == "reduction":
         c = hvd_qsgd.QSGD(4, reduction="allgather" if rank == 0 else "scatter_allgather")
+    elif kind == "no-compression":
+        # rank 1 allreduces the float32 tensor, rank 0 the compressor's float64 control vector
+        c = hvd_qsgd.QSGD(4) if rank == 0 else hvd.Compression.none
     elif kind == "fingerprint":
         # the same number of elements in another shape: the control check passes, every rank's
         # reduce finds the payloads' fingerprints disagree and sends an empty reduced chunk
@@ -470,7 +473,10 @@ def main():
                 mismatch(s[len("mismatch-"):])
             except Exception as e:
                 text = " ".join(str(e).split())
-                text = text[text.find("hvd_qsgd:"):] if "hvd_qsgd:" in text else text  # skip TF's preamble
+                for start in ("hvd_qsgd:", "Mismatched", "Horovod has been shut down"):  # skip TF's preamble
+                    if start in text:
+                        text = text[text.find(start):]
+                        break
                 print(f"RAISED {type(e).__name__}: {text[:400]}", flush=True)
                 continue
             print("NOT RAISED", flush=True)
