@@ -1,7 +1,8 @@
 """``python -m hvd_qsgd.bench kernels``: codec throughput against memcpy and hand-written baselines.
 
 For each size and bit width, side by side in one run: np.copyto of a same-size float32 array (the
-memory-bandwidth reference), hvd_qsgd encode, decode and encode+decode, and encode+decode of the
+memory-bandwidth reference), hvd_qsgd encode, decode and encode+decode (with and without the payload
+checksum: the "checksum" column is its cost, t(with) / t(without) - 1), and encode+decode of the
 NumPy and PyTorch-ops baselines of the same quantizer (``baselines.py``). Throughput is GB/s of fp32
 input: 4 * numel / seconds (1 GB = 1e9 bytes; e+d uses t_encode + t_decode); each time is the median
 of ``--repeats`` runs after one warm-up. Before timing, a self-check verifies every implementation
@@ -165,7 +166,7 @@ def self_check(bits_list, bucket, checksum, seed):
 
 # ---- CPU timing ----------------------------------------------------------------------------------
 _COLS = [("size", 6), ("bits", 4), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
-         ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11)]
+         ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11), ("checksum", 9)]
 
 
 def _row_text(cells):
@@ -187,6 +188,12 @@ def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselin
     td, _ = median_time(lambda: codec.decode_sum([payload], out=out), repeats)
     row.update(payload_bytes=int(payload.size), qsgd_encode_s=te, qsgd_decode_s=td,
                qsgd_encode_gbps=gbps(n, te), qsgd_decode_gbps=gbps(n, td), qsgd_ed_gbps=gbps(n, te + td))
+    # the checksum's cost, side by side: encode + decode of the same data with the other setting
+    other, _ = _implementations(bits, bucket, not checksum)["hvd_qsgd"]
+    te2, payload2 = median_time(lambda: other(x, seed), repeats)
+    td2, _ = median_time(lambda: codec.decode_sum([payload2], out=out), repeats)
+    with_ck, without_ck = ((te + td), (te2 + td2)) if checksum else ((te2 + td2), (te + td))
+    row.update(checksum_cost=with_ck / without_ck - 1.0, ed_with_checksum_s=with_ck, ed_without_checksum_s=without_ck)
     for name in ("numpy", "torch"):
         row.update({f"{name}_encode_s": None, f"{name}_decode_s": None, f"{name}_ed_gbps": None})
         if not with_baselines or (name == "torch" and bl.torch is None):
@@ -209,7 +216,7 @@ def _print_cpu_row(r):
     print(_row_text([fmt_size(r["numel"]), r["bits"], _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
                      _num(r["qsgd_decode_gbps"]), _num(r["qsgd_ed_gbps"]), _num(r["numpy_ed_gbps"]),
                      _num(r["torch_ed_gbps"]), _num(r["ratio_qsgd_torch"], True),
-                     _num(r["ratio_qsgd_memcpy"], True)]), flush=True)
+                     _num(r["ratio_qsgd_memcpy"], True), f"{100 * r['checksum_cost']:+.1f}%"]), flush=True)
 
 
 # ---- CUDA timing ---------------------------------------------------------------------------------
@@ -336,7 +343,8 @@ def run(args):
             _print_cpu_row(r)
         del x
     print("memcpy = np.copyto into an existing array (counts the 4 * numel bytes read; it also writes as "
-          "many); qsgd dec = decode_sum into an existing array; qsgd enc includes the checksum; "
+          "many); qsgd dec = decode_sum into an existing array; qsgd enc includes the checksum; checksum = "
+          "time of encode+decode with the checksum over without it, minus 1, measured side by side; "
           f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
     status, cuda = 0, dict(measured=False, reason=cuda_unavailable_reason(), rows=[])
     if cuda["reason"] is not None:
