@@ -37,16 +37,27 @@ def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
     cmd += [sys.executable] + list(argv)
     full_env = mp_env()
     full_env.update(env or {})
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
+    returncode, out = run_bounded(cmd, timeout, env=full_env)
+    if expect_failure and returncode == 0:
+        pytest.fail(f"{' '.join(cmd)} succeeded but was expected to fail:\n{out[-5000:]}")
+    if not expect_failure and returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {returncode}:\n{out[-5000:]}")
+    return out
+
+
+def run_bounded(cmd, timeout, env=None, stop_signal=signal.SIGKILL):
+    """Run ``cmd`` in its own process group from the repository root; return (exit status, combined
+    output). On timeout the group gets ``stop_signal`` (then SIGKILL after 20 s) and the test fails."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env if env is not None else mp_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-3000:]}")
-    if expect_failure and proc.returncode == 0:
-        pytest.fail(f"{' '.join(cmd)} succeeded but was expected to fail:\n{out[-5000:]}")
-    if not expect_failure and proc.returncode != 0:
-        pytest.fail(f"{' '.join(cmd)} exited with {proc.returncode}:\n{out[-5000:]}")
-    return out
+        os.killpg(proc.pid, stop_signal)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-4000:]}")
+    return proc.returncode, out

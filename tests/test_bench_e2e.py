@@ -14,26 +14,15 @@ import pytest
 
 from hvd_qsgd import codec, cost_model, protocol
 from hvd_qsgd.bench import e2e, netns
-from tests.conftest import ROOT, mp_env
+from tests.conftest import ROOT, mp_env, run_bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _bench(argv, timeout):
     cmd = [sys.executable, "-m", "hvd_qsgd.bench", "e2e"] + argv
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # the launcher deletes its namespaces on SIGTERM
-        try:
-            out, _ = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-4000:]}")
-    assert proc.returncode == 0, out[-6000:]
+    returncode, out = run_bounded(cmd, timeout, stop_signal=signal.SIGTERM)  # SIGTERM: it deletes its namespaces
+    assert returncode == 0, out[-6000:]
     return out
 
 

@@ -2,30 +2,18 @@
 are those of the payloads (allgather: (n-1) P exactly) and scatter_allgather stays within 1.2x of
 2 (n-1)/n * d * b/8 while allgather's ratio grows with n."""
 import json
-import os
-import signal
-import subprocess
 import sys
 
-import pytest
-
 from hvd_qsgd import codec
-from tests.conftest import ROOT, mp_env
+from tests.conftest import run_bounded
 
 
 def test_bench_reduction_tiny(tmp_path):
     d = 200000
     cmd = [sys.executable, "-m", "hvd_qsgd.bench", "reduction", "--np", "2", "3", "--numel", str(d), "--steps", "2",
            "--out", str(tmp_path), "--timeout", "100"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"the benchmark did not finish in 150 s:\n{stdout[-3000:]}")
-    assert proc.returncode == 0, stdout[-5000:]
+    returncode, stdout = run_bounded(cmd, 150)
+    assert returncode == 0, stdout[-5000:]
     rows = {(r["n"], r["reduction"]): r for r in json.loads((tmp_path / "results.json").read_text())["rows"]}
     p = codec.payload_nbytes(d, 4, 512)
     for n in (2, 3):

@@ -1,15 +1,10 @@
 """Smoke test of ``python -m hvd_qsgd.bench torch``: a tiny 2-rank run writes its table, JSON and
 plot, and the bytes it reports are the codec's payload sizes of the model's quantized tensors."""
 import json
-import os
-import signal
-import subprocess
 import sys
 
-import pytest
-
 from hvd_qsgd import codec
-from tests.conftest import ROOT, mp_env
+from tests.conftest import run_bounded
 
 # --hidden 256: Linear(128, 256), Linear(256, 128), Linear(128, 10), weights then biases
 WEIGHTS = [256 * 128, 128 * 256, 10 * 128]
@@ -23,15 +18,8 @@ def test_bench_torch_tiny(tmp_path):
     out_dir = tmp_path / "torch"
     cmd = [sys.executable, "-m", "hvd_qsgd.bench", "torch", "--np", "2", "--steps", "2", "--warmup", "1",
            "--hidden", "256", "--batch", "8", "--out", str(out_dir), "--timeout", "100"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        stdout, _ = proc.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, _ = proc.communicate()
-        pytest.fail(f"the benchmark did not finish in 120 s:\n{stdout[-3000:]}")
-    assert proc.returncode == 0, stdout[-5000:]
+    returncode, stdout = run_bounded(cmd, 120)
+    assert returncode == 0, stdout[-5000:]
 
     assert "| ranks | mode |" in stdout and "| 2 | QSGD(4) |" in stdout, stdout[-3000:]
     assert (out_dir / "table.md").read_text().startswith("| ranks | mode |")

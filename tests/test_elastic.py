@@ -30,14 +30,13 @@ computes it.
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 
 import pytest
 
-from tests.conftest import BIN, ROOT, mp_env
+from tests.conftest import BIN, ROOT, mp_env, run_bounded
 from tests.digits_checks import check_parity
 
 WORKER = os.path.join(ROOT, "tests", "mp", "elastic_worker.py")
@@ -58,15 +57,8 @@ def run_elastic(tmp_path, reduction, timeout=240):
            sys.executable, WORKER, "--out", str(tmp_path), "--reduction", reduction, "--epochs", str(EPOCHS),
            "--kill-step", str(KILL_STEP), "--commit-every", str(COMMIT_EVERY), "--rejoin-step", str(REJOIN_STEP)]
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"the elastic job did not finish in {timeout}s:\n{out[-5000:]}")
-    assert proc.returncode == 0, f"the elastic job exited with {proc.returncode}:\n{out[-5000:]}"
+    returncode, out = run_bounded(cmd, timeout, env=env)
+    assert returncode == 0, f"the elastic job exited with {returncode}:\n{out[-5000:]}"
     return out, time.monotonic() - t0
 
 

@@ -17,6 +17,7 @@ import horovod.tensorflow as hvd
 
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
+from tests.mp.nonfinite import bad_input
 from tests.test_robustness import check_nonfinite, cleaned
 
 SEED = 17
@@ -82,17 +83,6 @@ def allreduce_fn(c, x, op=None, name="rb"):
         return hvd.allreduce(t, compression=c, name=name, **kwargs)
     out = step(tf.constant(x)).numpy()
     return out, last_exchange(c)
-
-
-def bad_input(r, numel, bucket, dtype=np.float32):
-    """Rank r's input with NaN/Inf in a few buckets (as tests/mp/robustness_torch.py)."""
-    x = np.random.default_rng([SEED, r]).standard_normal(numel).astype(np.float32)
-    if r == 0:
-        x[5], x[3 * bucket + 7] = np.nan, np.inf
-    if r == 1:
-        x[3 * bucket + 1], x[10 * bucket] = -np.inf, -np.inf
-        x[numel - 1] = np.inf
-    return x.astype(dtype)
 
 
 def case_nonfinite_allreduce(n, rank):

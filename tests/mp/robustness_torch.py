@@ -17,6 +17,7 @@ import horovod.torch as hvd
 
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
+from tests.mp.nonfinite import bad_input
 from tests.test_robustness import check_nonfinite, cleaned
 
 SEED = 13
@@ -61,18 +62,6 @@ def reference(c, xs, exchange, shape, dtype, alpha, occurrence=0, fp_name=""):
         out = codec.decode_sum([codec.encode(x, s.bits, s.bucket_size, s.norm, seeds[r], s.coding, fp, s.checksum,
                                              source_dtype=dname(dtype)) for r, x in enumerate(xs)], alpha)
     return torch.from_numpy(out).view(shape).to(dtype)
-
-
-def bad_input(r, numel, bucket, dtype=np.float32):
-    """Rank r's input with NaN/Inf in a few buckets: rank 0 a NaN in bucket 0 and +Inf in bucket 3,
-    rank 1 -Inf in bucket 3 (Inf - Inf across ranks) and in bucket 10, and +Inf in the last bucket."""
-    x = np.random.default_rng([SEED, r]).standard_normal(numel).astype(np.float32)
-    if r == 0:
-        x[5], x[3 * bucket + 7] = np.nan, np.inf
-    if r == 1:
-        x[3 * bucket + 1], x[10 * bucket] = -np.inf, -np.inf
-        x[numel - 1] = np.inf
-    return x.astype(dtype)
 
 
 def check_exchange(c, xs, out, exchange, dtype, alpha, what, occurrence=0, fp_name=""):
