@@ -2,7 +2,8 @@
 
 For each size and bit width, side by side in one run: np.copyto of a same-size float32 array (the
 memory-bandwidth reference), hvd_qsgd encode, decode and encode+decode (with and without the payload
-checksum: the "checksum" column is its cost, t(with) / t(without) - 1), and encode+decode of the
+checksum: the "checksum" column is its cost, the median over rounds of t(with) / t(without) - 1,
+the two timed back to back in each round), and encode+decode of the
 NumPy and PyTorch-ops baselines of the same quantizer (``baselines.py``). Throughput is GB/s of fp32
 input: 4 * numel / seconds (1 GB = 1e9 bytes; e+d uses t_encode + t_decode); each time is the median
 of ``--repeats`` runs after one warm-up. Before timing, a self-check verifies every implementation
@@ -82,6 +83,20 @@ def median_time(fn, repeats):
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+def paired_ratio(fn_a, fn_b, repeats):
+    """median over `repeats` rounds of t(fn_a) / t(fn_b), the two timed back to back in each round
+    (after one warm-up call of each), so that load changing during the run affects both alike."""
+    fn_a(), fn_b()
+    ratios = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn_a()
+        t1 = time.perf_counter()
+        fn_b()
+        ratios.append((t1 - t0) / (time.perf_counter() - t1))
+    return statistics.median(ratios)
 
 
 def gbps(numel, seconds):
@@ -188,12 +203,12 @@ def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselin
     td, _ = median_time(lambda: codec.decode_sum([payload], out=out), repeats)
     row.update(payload_bytes=int(payload.size), qsgd_encode_s=te, qsgd_decode_s=td,
                qsgd_encode_gbps=gbps(n, te), qsgd_decode_gbps=gbps(n, td), qsgd_ed_gbps=gbps(n, te + td))
-    # the checksum's cost, side by side: encode + decode of the same data with the other setting
-    other, _ = _implementations(bits, bucket, not checksum)["hvd_qsgd"]
-    te2, payload2 = median_time(lambda: other(x, seed), repeats)
-    td2, _ = median_time(lambda: codec.decode_sum([payload2], out=out), repeats)
-    with_ck, without_ck = ((te + td), (te2 + td2)) if checksum else ((te2 + td2), (te + td))
-    row.update(checksum_cost=with_ck / without_ck - 1.0, ed_with_checksum_s=with_ck, ed_without_checksum_s=without_ck)
+    # the checksum's cost, side by side: encode + decode with it over without it, round by round
+    with_ck, _ = _implementations(bits, bucket, True)["hvd_qsgd"]
+    without_ck, _ = _implementations(bits, bucket, False)["hvd_qsgd"]
+    out2 = np.empty(n, dtype=np.float32)
+    row["checksum_cost"] = paired_ratio(lambda: codec.decode_sum([with_ck(x, seed)], out=out),
+                                        lambda: codec.decode_sum([without_ck(x, seed)], out=out2), repeats) - 1.0
     for name in ("numpy", "torch"):
         row.update({f"{name}_encode_s": None, f"{name}_decode_s": None, f"{name}_ed_gbps": None})
         if not with_baselines or (name == "torch" and bl.torch is None):
@@ -344,7 +359,7 @@ def run(args):
         del x
     print("memcpy = np.copyto into an existing array (counts the 4 * numel bytes read; it also writes as "
           "many); qsgd dec = decode_sum into an existing array; qsgd enc includes the checksum; checksum = "
-          "time of encode+decode with the checksum over without it, minus 1, measured side by side; "
+          "median of t(encode+decode with the checksum) / t(without) - 1, timed back to back per round; "
           f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
     status, cuda = 0, dict(measured=False, reason=cuda_unavailable_reason(), rows=[])
     if cuda["reason"] is not None:
