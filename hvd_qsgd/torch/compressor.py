@@ -18,13 +18,19 @@ With error feedback, e_r <- (g_r + e_r) - decode(p_r) after each encoding (Karim
 Exchange names: with ``named_parameters`` the gradient of parameter ``name`` travels as
 ``hvd_qsgd.<k>.p.<name>`` (k: the compressor's creation index), whatever order ranks hand gradients
 over in. Tensors that are not a known parameter's gradient are numbered in the order they reach the
-compressor, ``hvd_qsgd.<k>.s<seq>``; the control vector proves that every rank gave the same tensor
-the same number before anyone waits on it. Error-feedback residuals are keyed by parameter name, or
+compressor: the seq-th is labelled ``hvd_qsgd.<k>.s<seq>`` (its payload seed, its messages) and
+travels as ``hvd_qsgd.<k>.n<slot>``, where slot is the lowest number that no unfinished numbered
+exchange of this compressor holds. A slot is free again once decompress has waited for the
+exchange's collectives (after a failed control check it stays taken: they may never complete), so
+a step's numbered exchanges reuse the same few collective names step after step, instead of a new
+name each (which Horovod's response cache would never hit, evicting its entries instead). The
+control vector proves that every rank gave the same tensor the same slot before anyone waits on
+it. Error-feedback residuals are keyed by parameter name, or
 without names by position within a step (the tensors compressed between two moments with no
 exchange pending), which presumes a static order of gradients.
 
 Payload seeds: ``protocol.payload_seed(seed, set_rank, exchange_name, i)`` where i counts the
-previous exchanges of that name on this rank (always 0 for numbered exchanges).
+previous exchanges of that name on this rank (numbered exchanges: their ``s<seq>`` label, i = 0).
 
 scatter_allgather (``reduction="scatter_allgather"``, or "auto" choosing it for a tensor):
 
@@ -78,6 +84,7 @@ class QSGD(Compressor):
                                       reduction), creation_index, process_set, hvd.global_process_set)
         self._stats = Stats()
         self._seq = 0              # numbered exchanges started
+        self._numbered = set()     # collective names of numbered exchanges not yet finished
         self._occurrences = {}     # exchanges started per parameter name
         self._in_flight = set()    # parameter names with an exchange pending
         self._pending = 0          # exchanges between compress and decompress
@@ -120,7 +127,8 @@ class QSGD(Compressor):
         return hit[0] if hit is not None and hit[1].grad is tensor else None
 
     def _route(self, tensor):
-        """(exchange name, occurrence, protocol key, residual key, parameter name); under the lock."""
+        """(collective name, seed name, occurrence, protocol key, residual key, parameter name); under
+        the lock."""
         prefix = f"hvd_qsgd.{self._creation_index}"
         name = self._param_name(tensor)
         if self._pending == 0:
@@ -134,11 +142,14 @@ class QSGD(Compressor):
             self._occurrences[name] = occurrence + 1
             exchange = f"{prefix}.p.{name}"
             key = 2 * protocol.small_hash(name, protocol.TAG_RANGE ** 2 // 2) + 1
-            return exchange, occurrence, key, name, name
-        seq = self._seq
+            return exchange, exchange, occurrence, key, name, name
+        seq, slot = self._seq, 0
         self._seq += 1
-        exchange = f"{prefix}.s{seq}"
-        return exchange, 0, (2 * seq) % protocol.TAG_RANGE ** 2, position, None
+        while f"{prefix}.n{slot}" in self._numbered:  # the lowest slot no unfinished exchange holds
+            slot += 1
+        exchange = f"{prefix}.n{slot}"
+        self._numbered.add(exchange)
+        return exchange, f"{prefix}.s{seq}", 0, (2 * slot) % protocol.TAG_RANGE ** 2, position, None
 
     # -- Compressor interface -----------------------------------------------------------------
 
@@ -155,11 +166,11 @@ class QSGD(Compressor):
         world, grank = hvd.size(), hvd.rank()
         set_rank = set_ranks.index(grank) if grank in set_ranks else None
         with self._lock:
-            exchange, occurrence, key, residual_key, param = self._route(tensor)
+            exchange, seed_name, occurrence, key, residual_key, param = self._route(tensor)
         ctx = _Exchange()
         ctx.name, ctx.shape, ctx.dtype, ctx.device = param, tensor.shape, tensor.dtype, tensor.device
         ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
-                     f"hvd_qsgd: compressed tensor {exchange.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
+                     f"hvd_qsgd: compressed tensor {seed_name.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
         ctx.set_ranks, ctx.world, ctx.handle, ctx.fault = set_ranks, world, None, None
         fingerprint = codec.tensor_fingerprint(param or "", tensor.shape, _SOURCE_DTYPES[tensor.dtype])
         ctx.expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
@@ -179,7 +190,7 @@ class QSGD(Compressor):
                 raise protocol.MismatchError(
                     f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
                     f"{set_ranks}; pass the optimizer's process_set= to the compressor")
-            seed = protocol.payload_seed(s.seed, set_rank, exchange, occurrence)
+            seed = protocol.payload_seed(s.seed, set_rank, seed_name, occurrence)
             ctx.step_seed = seed
             if ctx.reduction == "scatter_allgather":
                 self._start_scatter(tensor, residual_key, ctx)
@@ -350,17 +361,21 @@ class QSGD(Compressor):
         except protocol.MismatchError as e:
             with self._lock:
                 self._scattering = [c for c in self._scattering if c is not ctx]
-            raise e from ctx.fault
+            raise e from ctx.fault  # a numbered name stays taken: its collectives may never complete
         finally:
             self._finish(ctx)
-        if ctx.reduction == "scatter_allgather":
-            out = self._finish_scatter(ctx, alpha)
-            self._stats.add(elements=out.numel(), bytes_sent=ctx.sent, tensors=1, bytes_received=ctx.received)
-        else:
-            gathered = self._wait(ctx.handle)
-            out = (self._decode_cuda if ctx.on_device else self._decode)(gathered, alpha, ctx)
-            self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
-                            bytes_received=gathered.numel() - ctx.own_len)
+        try:
+            if ctx.reduction == "scatter_allgather":
+                out = self._finish_scatter(ctx, alpha)
+                self._stats.add(elements=out.numel(), bytes_sent=ctx.sent, tensors=1, bytes_received=ctx.received)
+            else:
+                gathered = self._wait(ctx.handle)
+                out = (self._decode_cuda if ctx.on_device else self._decode)(gathered, alpha, ctx)
+                self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
+                                bytes_received=gathered.numel() - ctx.own_len)
+        finally:  # every rank waited for this exchange's collectives: its name may be used again
+            with self._lock:
+                self._numbered.discard(ctx.exchange)
         out = out.view(ctx.shape)
         if out.dtype != ctx.dtype or out.device != ctx.device:
             out = out.to(device=ctx.device, dtype=ctx.dtype)
@@ -429,6 +444,7 @@ class QSGD(Compressor):
             self._pending = 0
             self._position = 0
             self._in_flight = set()
+            self._numbered = set()
             self._scattering = []
             self._grad_names = {}
             if residuals:
