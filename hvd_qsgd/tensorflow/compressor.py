@@ -52,11 +52,21 @@ payload bytes put on the wire once each: its payload (allgather), or its phase-1
 ranks plus its reduced chunk (scatter_allgather); ``bytes_received`` counts the other ranks'
 payloads this rank received, in both phases (its own slots excluded; the 4-byte phase-2 lengths are
 not payload and are not counted). In eager execution (no ``tf.function``) every call is a new
-exchange with occurrence 0; error feedback needs a ``tf.function`` step (its residual must persist
-per traced tensor).
+exchange, seeded as occurrence 0 of ``hvd_qsgd_<k>_s<seq>``; error feedback needs a ``tf.function``
+step (its residual must persist per traced tensor).
+
+In eager execution the ops run as they are called, and TensorFlow's eager runtime keeps a kernel for
+every distinct set of attrs an op was called with, for the life of the process (about 40 KB each).
+So nothing that differs from call to call may be an attr: an eager exchange travels as
+``hvd_qsgd_<k>_n<slot>`` (the lowest slot no unfinished eager exchange holds, free again after its
+decompress), its messages name that slot, and its payload seed, still
+``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", 0)``, reaches the op through the
+occurrence input (``_occurrence_for``) with the seed attr 0. The names repeat from call to call,
+as Horovod's response cache expects.
 """
 import weakref
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 import horovod.tensorflow as hvd
@@ -67,6 +77,13 @@ from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ra
 from hvd_qsgd.tensorflow import ops as qops
 
 _SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
+_GOLDEN = 0x9E3779B97F4A7C15   # the increment of qsgd_step_seed (kernels/qsgd_control.cc)
+
+
+def _occurrence_for(base):
+    """The occurrence o with qsgd_step_seed(0, o) == qsgd_step_seed(base, 0): the step seed mixes
+    base + (o + 1) * GOLDEN, so o = base / GOLDEN (mod 2^64; GOLDEN is odd)."""
+    return qops.as_int64_attr(base * pow(_GOLDEN, -1, 2 ** 64))
 
 
 class _Raw:
@@ -82,7 +99,7 @@ class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
     __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
-                 "set_rank", "fingerprint", "reduction", "occurrence", "seed")
+                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot")
 
 
 class QSGD(Compressor):
@@ -101,6 +118,7 @@ class QSGD(Compressor):
         self._counters = None
         self._residuals = {}
         self._occurrences = {}
+        self._eager_slots = set()                       # slots of eager exchanges not yet decompressed
 
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
@@ -173,14 +191,18 @@ class QSGD(Compressor):
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")
         set_rank = set_ranks.index(grank)
         ctx = _Exchange()
-        ctx.name = f"hvd_qsgd_{self._creation_index}_s{seq}"
-        ctx.where = f"hvd_qsgd: compressed tensor s{seq} (shape {tuple(tensor.shape.as_list())})"
+        eager = tf.executing_eagerly()
+        ctx.slot = self._take_slot() if eager else None
+        label = f"s{seq}" if ctx.slot is None else f"n{ctx.slot}"
+        ctx.name = f"hvd_qsgd_{self._creation_index}_{label}"
+        ctx.where = f"hvd_qsgd: compressed tensor {label} (shape {tuple(tensor.shape.as_list())})"
         ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
         ctx.numel, ctx.set_ranks = tensor.shape.num_elements(), set_ranks
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), _SOURCE_DTYPES[tensor.dtype])
-        eager = tf.executing_eagerly()
-        if eager:
-            occurrence = tf.constant(0, tf.int64)
+        if eager:  # the seed of "hvd_qsgd_<k>_s<seq>", through the input (see the module docstring);
+            # a NumPy scalar, as TensorFlow keeps every eager tensor made from a Python number
+            occurrence = tf.constant(np.int64(_occurrence_for(protocol.exchange_seed(
+                s.seed, set_rank, f"hvd_qsgd_{self._creation_index}_s{seq}"))))
         else:
             counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
@@ -201,7 +223,7 @@ class QSGD(Compressor):
         ctx.x32 = x
         ctx.set_rank, ctx.occurrence = set_rank, occurrence
         ctx.reduction = s.exchange_reduction(len(set_ranks), ctx.numel)
-        ctx.seed = qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
+        ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
         attrs = self._codec_attrs(ctx)
         if ctx.reduction == "scatter_allgather":
             ctx.payload, ctx.splits = qops.load().qsgd_encode_chunks(x, occurrence, checksum=s.checksum,
@@ -209,7 +231,8 @@ class QSGD(Compressor):
         else:
             attrs.pop("world")
             ctx.payload = qops.load().qsgd_encode(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)
-        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction), 2 * seq)
+        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction),
+                                      2 * (seq if ctx.slot is None else ctx.slot))
         control = tf.constant(protocol.control_vector(world, grank, set_rank, tags), dtype=tf.float64,
                               name=f"{ctx.name}_control")
         return control, ctx
@@ -221,14 +244,27 @@ class QSGD(Compressor):
         if isinstance(ctx, _Raw):
             return tf.cast(tensor, ctx.dtype)
         ops = qops.load()
-        alpha = ops.qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
-                                       tag_names=list(protocol.TAG_NAMES), where=ctx.where)
-        if ctx.reduction == "scatter_allgather":
-            out, deps = self._scatter_allgather(ctx, alpha)
-        else:
-            out, deps = self._allgather(ctx, alpha)
-        with tf.control_dependencies(deps):
-            return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+        try:
+            alpha = ops.qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
+                                           tag_names=list(protocol.TAG_NAMES), where=ctx.where)
+            if ctx.reduction == "scatter_allgather":
+                out, deps = self._scatter_allgather(ctx, alpha)
+            else:
+                out, deps = self._allgather(ctx, alpha)
+            with tf.control_dependencies(deps):
+                return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+        finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
+            if ctx.slot is not None:
+                with self._lock:
+                    self._eager_slots.discard(ctx.slot)
+
+    def _take_slot(self):
+        with self._lock:
+            slot = 0
+            while slot in self._eager_slots:
+                slot += 1
+            self._eager_slots.add(slot)
+            return slot
 
     def _codec_attrs(self, ctx):
         """The settings attrs the codec ops of one exchange share."""
