@@ -25,10 +25,8 @@ blocks per call and about 0.5 MB of RSS until it is full (measured alike with
 step function with a new Python number every 100 steps (a new trace each time).
 """
 import argparse
-import ctypes
 import gc
 import json
-import statistics
 import sys
 import time
 
@@ -38,35 +36,12 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_qsgd
+from tests.mp.soak_memory import malloc_in_use, window_medians
 
 SAMPLE = 100
 SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 100), (100,), (100, 10), (10,)]  # 12800, 20000, 10000
 EAGER_NUMEL = (20000, 12000)
 WARMUP = {"tape": 2000, "eager": 100}
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-_mallinfo2 = ctypes.CDLL(None).mallinfo2
-_mallinfo2.restype = _Mallinfo2
-
-
-def malloc_in_use():
-    """Bytes that glibc's malloc has handed out and not had back (all arenas, mmapped chunks too)."""
-    m = _mallinfo2()
-    return m.uordblks + m.hblkhd
-
-
-def window_medians(series, fraction=0.2):
-    """Medians of the first, the middle and the last ``fraction`` of the series, and the steps
-    between the centres of neighbouring windows."""
-    n, k = len(series), max(1, int(len(series) * fraction))
-    mid = (n - k) // 2
-    return ([float(statistics.median(w)) for w in (series[:k], series[mid:mid + k], series[n - k:])],
-            (n - k) // 2)
 
 
 def live_tf_variables():

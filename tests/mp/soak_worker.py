@@ -31,10 +31,8 @@ never waits for it (its entry stays in ``_handle_map``); ``objects`` keeps one s
 per step; ``names`` never frees a numbered exchange's slot (each step's exchanges get new names).
 """
 import argparse
-import ctypes
 import gc
 import json
-import statistics
 import sys
 import time
 
@@ -47,25 +45,11 @@ from horovod.torch import mpi_ops
 
 import hvd_qsgd
 from hvd_qsgd.torch.compressor import _Exchange
+from tests.mp.soak_memory import malloc_in_use, window_medians
 
 SAMPLE = 100          # steps between descriptor and thread counts
 ALLREDUCE_NUMEL = (20000, 12000)   # the allreduce phase's tensors
 PHASES = ("none", "named-allgather", "named-scatter", "unnamed", "allreduce")
-
-
-class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                               "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-_mallinfo2 = ctypes.CDLL(None).mallinfo2
-_mallinfo2.restype = _Mallinfo2
-
-
-def malloc_in_use():
-    """Bytes that glibc's malloc has handed out and not had back (all arenas, mmapped chunks too)."""
-    m = _mallinfo2()
-    return m.uordblks + m.hblkhd
 
 
 class Net(nn.Module):
@@ -113,15 +97,6 @@ STATE = ("occurrences", "residuals", "grad_names", "in_flight", "numbered", "sca
 def adapter_state(a):
     return (len(a._occurrences), len(a._residuals), len(a._grad_names), len(a._in_flight),
             len(getattr(a, "_numbered", ())), len(a._scattering), a._pending, a._seq)
-
-
-def window_medians(series, fraction=0.2):
-    """Medians of the first, the middle and the last ``fraction`` of the series, and the steps
-    between the centres of neighbouring windows."""
-    n, k = len(series), max(1, int(len(series) * fraction))
-    mid = (n - k) // 2
-    return ([float(statistics.median(w)) for w in (series[:k], series[mid:mid + k], series[n - k:])],
-            (n - k) // 2)
 
 
 def live_exchanges():
