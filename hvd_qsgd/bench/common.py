@@ -2,6 +2,7 @@
 import argparse
 import os
 import platform
+import statistics
 
 
 def int_at_least(low):
@@ -32,6 +33,16 @@ def bit_widths(low=1):
             raise argparse.ArgumentTypeError(f"bits must be integers in {low}..8, comma-separated: {text!r}")
         return bits
     return parse
+
+
+def ms_quartiles(seconds, median_digits=0):
+    """'median [q1-q3]' of a list of times in seconds, in ms (just the median for fewer than 2)."""
+    t = [1e3 * v for v in seconds]
+    med = f"{statistics.median(t):.{median_digits}f}"
+    if len(t) < 2:
+        return med
+    q1, _, q3 = statistics.quantiles(t, n=4, method="inclusive")
+    return f"{med} [{q1:.0f}-{q3:.0f}]"
 
 
 def machine_info():

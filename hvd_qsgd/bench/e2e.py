@@ -111,7 +111,7 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import machine_info, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import machine_info, ms_quartiles, nonnegative_int, positive_int
 from hvd_qsgd.bench.netns import parse_rate
 
 DEFAULT_OUT = os.path.join("bench_out", "e2e")
@@ -646,15 +646,6 @@ def _ms(s):
     return f"{1e3 * s:.0f}" if s >= 0.1 else f"{1e3 * s:.1f}"
 
 
-def _quart(values):
-    t = [1e3 * v for v in values]
-    med = statistics.median(t)
-    if len(t) < 2:
-        return f"{med:.0f}"
-    q1, _, q3 = statistics.quantiles(t, n=4, method="inclusive")
-    return f"{med:.0f} [{q1:.0f}-{q3:.0f}]"
-
-
 MEASURED_HEADER = ("| ranks | link | mode | step ms: median [quartiles] | speedup vs none | tx MB/rank/step | "
                    "rx MB/rank/step | model MB/rank/step | counted rx / model | compressor MB sent / recv |")
 
@@ -669,7 +660,7 @@ def measured_lines(jobs, shapes):
             m = r["mode"]
             sp = f"{none / r['step_s_median']:.2f}x"
             if m == "compute":
-                lines.append(f"| {n} | {rate} | compute only (no exchange) | {_quart(r['step_s_max_over_ranks'])} | "
+                lines.append(f"| {n} | {rate} | compute only (no exchange) | {ms_quartiles(r['step_s_max_over_ranks'])} | "
                              f"({sp}: the bound) | {_mb(r['tx_bytes_per_step'])} | {_mb(r['rx_bytes_per_step'])} | "
                              "0 | - | - |")
                 continue
@@ -677,7 +668,7 @@ def measured_lines(jobs, shapes):
             st = r["stats_per_step"]
             comp = (f"{_mb(st['bytes_sent'])} / {_mb(st['bytes_received'])}" if "bytes_received" in st
                     else f"{_mb(st['bytes_sent'])} / -")
-            lines.append(f"| {n} | {rate} | {mode_label(m)} | {_quart(r['step_s_max_over_ranks'])} | {sp} | "
+            lines.append(f"| {n} | {rate} | {mode_label(m)} | {ms_quartiles(r['step_s_max_over_ranks'])} | {sp} | "
                          f"{_mb(r['tx_bytes_per_step'])} | {_mb(r['rx_bytes_per_step'])} | {_mb(model)} | "
                          f"{r['rx_bytes_per_step'] / model:.3f} | {comp} |")
     return lines

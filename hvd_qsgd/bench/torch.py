@@ -62,7 +62,7 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import bit_widths, machine_info, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import bit_widths, machine_info, ms_quartiles, nonnegative_int, positive_int
 
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
@@ -319,11 +319,7 @@ def _x(v):
 
 def _ms(row):
     """'median [q1-q3]' of the per-step times (max over ranks), in ms."""
-    t = [1e3 * v for v in row["step_s_max_over_ranks"]]
-    if len(t) < 2:
-        return f"{1e3 * row['step_s_median']:.1f}"
-    q1, _, q3 = statistics.quantiles(t, n=4, method="inclusive")
-    return f"{1e3 * row['step_s_median']:.1f} [{q1:.0f}-{q3:.0f}]"
+    return ms_quartiles(row["step_s_max_over_ranks"], median_digits=1)
 
 
 TABLE_HEADER = ("| ranks | mode | step ms: median [quartiles] | time vs none | sent MB/rank/step | "
