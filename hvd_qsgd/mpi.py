@@ -20,6 +20,8 @@ payload moves, and the payload collectives get their counts from it (variable-le
 need no padding). Tensors of fewer than ``min_numel`` elements, and dtypes QSGD does not encode, go
 through ``Allreduce`` uncompressed.
 """
+from types import SimpleNamespace
+
 import numpy as np
 
 from hvd_qsgd import codec, protocol, reduction as chunks
@@ -79,30 +81,30 @@ class QSGDReducer:
                                name=where, source_dtype=x.dtype.name)
             lens = [buf.size]
         records = self._agree(name, x, red, lens)
-        expect = dict(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding, dtype=x.dtype.name,
-                      fingerprint=fingerprint)
+        expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
+                                 numel=x.size, dtype=x.dtype.name, fingerprint=fingerprint)
         if red == "allgather":
             counts = [int(r[-1]) for r in records]
             gathered = np.empty(sum(counts), dtype=np.uint8)
             comm.Allgatherv(buf, [gathered, counts])
             payloads = chunks.split_by(gathered, counts)
-            self._check(payloads, dict(expect, numel=x.size), where)
+            protocol.check_payloads(payloads, expect, where)
             out = codec.decode_sum(payloads, alpha, where=where)
             self._stats.add(elements=x.size, bytes_sent=buf.size, tensors=1, bytes_received=gathered.size - buf.size)
         else:
-            out = self._scatter_allgather(buf, lens, records, expect, x.size, step_seed, alpha, where)
+            out = self._scatter_allgather(buf, lens, records, expect, step_seed, alpha, where)
         return out.reshape(x.shape).astype(x.dtype, copy=False)
 
-    def _scatter_allgather(self, buf, lens, records, expect, numel, step_seed, alpha, where):
+    def _scatter_allgather(self, buf, lens, records, expect, step_seed, alpha, where):
         comm, s, n, j = self.comm, self.settings, self.comm.Get_size(), self.comm.Get_rank()
+        numel = expect.numel
         recv_counts = [int(r[-n + j]) for r in records]          # what rank r sends to this rank
         received = np.empty(sum(recv_counts), dtype=np.uint8)
         comm.Alltoallv([buf, lens], [received, recv_counts])
-        b, e = chunks.chunk_ranges(numel, s.bucket_size, n)[j]
         mine = chunks.split_by(received, recv_counts)
         try:
-            self._check(mine, dict(expect, numel=e - b), f"{where}: chunk {j}")
-            q = chunks.reduce_chunk(mine, j, s, step_seed, expect["fingerprint"], expect["dtype"], where)
+            chunks.check_chunk(mine, j, expect, where)
+            q = chunks.reduce_chunk(mine, j, s, step_seed, expect.fingerprint, expect.dtype, where)
             error = None
         except Exception as exc:  # every rank sees the empty slot below and raises
             q, error = np.zeros(0, dtype=np.uint8), exc
@@ -131,9 +133,3 @@ class QSGDReducer:
                 f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with rank 0 on the {what}: every rank "
                 "must reduce the same tensors in the same order with the same settings")
         return records
-
-    @staticmethod
-    def _check(payloads, expect, where):
-        from types import SimpleNamespace
-        protocol.check_gathered([codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)],
-                                SimpleNamespace(**expect), where)

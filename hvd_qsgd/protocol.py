@@ -45,7 +45,7 @@ import hashlib
 
 import numpy as np
 
-from hvd_qsgd import _native
+from hvd_qsgd import _native, codec
 
 TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)     (QSGD_CONTROL_TAG_RANGE)
 MEMBER_BITS = 24          # global ranks per MEMBERS entry            (QSGD_CONTROL_MEMBER_BITS)
@@ -186,6 +186,12 @@ def check_gathered(headers, expect, where):
             by_rank = ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
             raise MismatchError(f"{where}: the ranks' payloads disagree on {field} ({by_rank}); "
                                 "every rank must use the same compressor settings for the same tensor")
+
+
+def check_payloads(payloads, expect, where):
+    """``check_gathered`` on the headers of every rank's payload (in rank order), read with
+    ``codec.read_header`` (a malformed header is a ``PayloadError`` naming the rank)."""
+    check_gathered([codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)], expect, where)
 
 
 def ratio(elements, bytes_sent):

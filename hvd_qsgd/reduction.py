@@ -28,10 +28,11 @@ The chunk steps are the kernels' ``qsgd_encode_chunks_cpu``, ``qsgd_reduce_chunk
 runs both phases for all ranks in one process: the reference the multi-rank tests compare with.
 """
 import ctypes
+from types import SimpleNamespace
 
 import numpy as np
 
-from hvd_qsgd import _native, codec
+from hvd_qsgd import _native, codec, protocol
 from hvd_qsgd.codec import PayloadError
 
 
@@ -46,6 +47,15 @@ def chunk_ranges(numel, bucket_size, n):
             raise ValueError(f"chunk_ranges({numel}, {bucket_size}, {n}): {_native.status_string(st)}")
         out.append((b.value, e.value))
     return out
+
+
+def check_chunk(payloads, j, expect, where):
+    """Check the n ranks' payloads of chunk j against ``expect``, the header fields of the whole
+    tensor (bits, bucket_size, norm, coding, numel, dtype, fingerprint): a chunk payload has them
+    all, with the chunk's own numel. Raises ``protocol.MismatchError`` naming the field and ranks."""
+    begin, end = chunk_ranges(expect.numel, expect.bucket_size, len(payloads))[j]
+    protocol.check_payloads(payloads, SimpleNamespace(**{**vars(expect), "numel": end - begin}),
+                            f"{where}: chunk {j}")
 
 
 def chunk_seed(step_seed, j, phase):

@@ -250,19 +250,15 @@ class QSGD(Compressor):
             ctx.started.set()
 
     def _reduce_and_gather(self, ctx):
-        s, n, j = self.settings, len(ctx.set_ranks), ctx.set_rank
+        s, j = self.settings, ctx.set_rank
         received, rsplits = hvd.synchronize(ctx.handle)
         rsplits = [int(v) for v in rsplits]
         ctx.received = int(sum(rsplits)) - rsplits[j]
         try:
             payloads = reduction.split_by(received.numpy(), rsplits)
-            begin, end = reduction.chunk_ranges(ctx.expect.numel, s.bucket_size, n)[j]
-            expect = SimpleNamespace(**{**vars(ctx.expect), "numel": end - begin})
-            where = f"{ctx.where}: chunk {j}"
-            protocol.check_gathered([codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)],
-                                    expect, where)
+            reduction.check_chunk(payloads, j, ctx.expect, ctx.where)
             q = reduction.reduce_chunk(payloads, j, s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
-                                       where=where)
+                                       where=f"{ctx.where}: chunk {j}")
         except Exception as e:  # raised on this rank in decompress; the others see the empty frame
             ctx.reduce_error, q = e, np.zeros(0, dtype=np.uint8)
         frame = np.empty(8 + q.size, dtype=np.uint8)
