@@ -381,7 +381,7 @@ class QSGD(Compressor):
         """Split the gathered bytes by their headers, check them, decode and sum on the host."""
         payloads = codec.split_payloads(gathered.numpy(), count=len(ctx.set_ranks),
                                         where=f"{ctx.where}: gathered payloads")
-        protocol.check_gathered([codec.read_header(p, ctx.where) for p in payloads], ctx.expect, ctx.where)
+        protocol.check_payloads(payloads, ctx.expect, ctx.where)
         out = torch.empty(ctx.expect.numel, dtype=torch.float32)
         codec.decode_sum(payloads, alpha, out=out.numpy(), where=ctx.where)
         return out
