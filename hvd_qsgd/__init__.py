@@ -5,7 +5,11 @@ levels scaled per bucket (QSGD, Alistarh et al., NeurIPS 2017) and decodes and s
 in one fused pass. Its kernels live in ``kernels/`` (CPU and CUDA, one C ABI); the framework
 adapters are thin bindings on top.
 
-``hvd_qsgd.QSGD(bits)`` is the compressor users pass to Horovod as ``compression=``.
+``hvd_qsgd.QSGD(bits)`` is the compressor users pass to Horovod as ``compression=``; so are
+``hvd_qsgd.DynamicQSGD`` (DQSGD: bits chosen per step under a budget) and ``hvd_qsgd.BlockSign``
+(dist-EF-SGDM's blockwise scaled sign). ``hvd_qsgd.torch.EFSGDM`` (dist-EF-SGDM) and
+``hvd_qsgd.torch.PeriodicQuantizedAveraging`` (PQASGD) are optimizers; ``hvd_qsgd.error_feedback``
+states the error-feedback rules they share. docs/algorithms.md says what runs where.
 """
 __version__ = "0.1.0"
 
@@ -20,4 +24,6 @@ from hvd_qsgd.codec import (  # noqa: F401
     split_payloads,
 )
 from hvd_qsgd.compressor import QSGD, Settings  # noqa: F401,E402
+from hvd_qsgd.block_sign import BlockSign  # noqa: F401,E402
+from hvd_qsgd.dynamic import DynamicQSGD  # noqa: F401,E402
 from hvd_qsgd.protocol import MismatchError  # noqa: F401,E402

@@ -52,8 +52,8 @@ def default_bucket_size(bits):
 
 @dataclass(frozen=True)
 class Settings:
-    """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum`` and
-    ``error_feedback`` are each rank's own choice."""
+    """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum``,
+    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice."""
 
     bits: int = 4
     bucket_size: int = 512
@@ -64,10 +64,11 @@ class Settings:
     error_feedback: bool = False
     checksum: bool = True
     reduction: str = "allgather"
+    server_error_feedback: bool = False
 
     @classmethod
     def make(cls, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-             error_feedback=False, checksum=True, reduction="allgather"):
+             error_feedback=False, checksum=True, reduction="allgather", server_error_feedback=False):
         """Settings with every parameter checked (ValueError naming the parameter)."""
         if bucket_size is None:
             bucket_size = default_bucket_size(codec._check_bits(bits))
@@ -76,11 +77,16 @@ class Settings:
             raise ValueError(f"min_numel must be a positive integer, got {min_numel!r}")
         if not isinstance(reduction, str) or reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-        for name, flag in (("error_feedback", error_feedback), ("checksum", checksum)):
+        for name, flag in (("error_feedback", error_feedback), ("checksum", checksum),
+                           ("server_error_feedback", server_error_feedback)):
             if not codec.is_bool(flag):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
-                   bool(error_feedback), bool(checksum), reduction)
+                   bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback))
+
+    def replace(self, **changes):
+        """These settings with some fields changed (checked as ``make`` checks them)."""
+        return Settings.make(**{**asdict(self), **changes})
 
     def tag(self, reduction=None):
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
@@ -165,6 +171,8 @@ class QSGD:
     min_numel:       tensors with fewer elements go through Horovod uncompressed (default 10,000)
     seed:            base seed; each rank and exchange draws its own stream from it
     error_feedback:  keep each tensor's quantization residual and add it before the next encoding
+                     (``hvd_qsgd.error_feedback``; ``follow_learning_rate(optimizer)`` rescales the
+                     residuals when the learning rate changes; ``state_dict`` checkpoints them)
     checksum:        add a checksum to every payload (verified by every receiver)
     reduction:       "allgather" (every rank receives every payload: (n-1) P bytes), "scatter_allgather"
                      (alltoall of chunks, reduce, allgather of the re-quantized chunks: 2 (n-1)/n P
@@ -173,43 +181,62 @@ class QSGD:
     named_parameters: (name, parameter) pairs, as given to Horovod's optimizer: payloads are then
                      matched by parameter name, so ranks may hand gradients over in any order
     process_set:     Horovod process set of the reduction (default: all ranks)
+    server_error_feedback: with scatter_allgather, the rank that reduces chunk j keeps the residual
+                     of its re-quantization and adds it to chunk j's sum next time (two-way error
+                     feedback, as dist-EF-SGDM's server; ``hvd_qsgd.error_feedback``)
 
     ``stats`` is a dict of cumulative counters (see ``Stats``).
     """
 
     def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
                  error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
-                 process_set=None):
+                 process_set=None, server_error_feedback=False):
         self.settings = Settings.make(bits, bucket_size, norm, coding, min_numel, seed, error_feedback,
-                                      checksum, reduction)
+                                      checksum, reduction, server_error_feedback)
         self._named_parameters = None if named_parameters is None else list(named_parameters)
         self._process_set = process_set
         self._creation_index = next_creation_index()
         self._adapters = {}
         self._lock = threading.Lock()
+        self._learning_rate = None
 
     def __repr__(self):
         s = self.settings
-        return (f"hvd_qsgd.QSGD(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
+        return (f"hvd_qsgd.{type(self).__name__}(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
-                f"reduction={s.reduction!r})")
+                f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback})")
+
+    def _adapter_options(self):
+        """Keyword arguments a subclass adds to its framework adapters."""
+        return {}
+
+    def _torch_adapter_class(self):
+        from hvd_qsgd.torch import QSGD as TorchQSGD
+        return TorchQSGD
+
+    def _tensorflow_adapter_class(self):
+        from hvd_qsgd.tensorflow import QSGD as TensorFlowQSGD
+        return TensorFlowQSGD
 
     def _adapter(self, framework):
         with self._lock:
             adapter = self._adapters.get(framework)
             if adapter is None:
                 if framework == "torch":
-                    from hvd_qsgd.torch import QSGD as TorchQSGD
-                    adapter = TorchQSGD(settings=self.settings, named_parameters=self._named_parameters,
-                                        process_set=self._process_set,
-                                        creation_index=self._creation_index)
+                    adapter = self._torch_adapter_class()(
+                        settings=self.settings, named_parameters=self._named_parameters,
+                        process_set=self._process_set, creation_index=self._creation_index,
+                        **self._adapter_options())
                 else:
-                    from hvd_qsgd.tensorflow import QSGD as TensorFlowQSGD
                     if self._named_parameters is not None:
-                        raise ValueError("hvd_qsgd.QSGD: named_parameters are PyTorch parameters; TensorFlow "
-                                         "gradients are matched in the order they are traced")
-                    adapter = TensorFlowQSGD(settings=self.settings, process_set=self._process_set,
-                                             creation_index=self._creation_index)
+                        raise ValueError(f"hvd_qsgd.{type(self).__name__}: named_parameters are PyTorch "
+                                         "parameters; TensorFlow gradients are matched in the order they "
+                                         "are traced")
+                    adapter = self._tensorflow_adapter_class()(
+                        settings=self.settings, process_set=self._process_set,
+                        creation_index=self._creation_index, **self._adapter_options())
+                if self._learning_rate is not None:
+                    adapter.follow_learning_rate(self._learning_rate)
                 self._adapters[framework] = adapter
             return adapter
 
@@ -237,6 +264,26 @@ class QSGD:
         if len(adapters) == 1:  # TensorFlow graph mode returns counter tensors: pass them through
             return adapters[0].stats
         return Stats.merge(a.stats for a in adapters)
+
+    def follow_learning_rate(self, optimizer):
+        """Rescale error-feedback residuals when the learning rate changes (see
+        ``hvd_qsgd.error_feedback``). ``optimizer``: the framework's optimizer (a
+        ``torch.optim.Optimizer``, the one wrapped by Horovod, or a Keras optimizer), or a function
+        of the residual's key (parameter name or position) returning the learning rate now applied
+        to that tensor's update. Returns self."""
+        with self._lock:
+            self._learning_rate = optimizer
+            adapters = list(self._adapters.values())
+        for adapter in adapters:
+            adapter.follow_learning_rate(optimizer)
+        return self
+
+    def rescale_residuals(self, factor):
+        """Multiply every error-feedback residual by ``factor`` (e.g. old_lr / new_lr)."""
+        with self._lock:
+            adapters = list(self._adapters.values())
+        for adapter in adapters:
+            adapter.rescale_residuals(factor)
 
     def state_dict(self):
         """Error-feedback residuals and statistics of each framework adapter."""

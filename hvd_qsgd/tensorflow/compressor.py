@@ -98,7 +98,7 @@ class _Raw:
 class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
-    __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
+    __slots__ = ("lr", "residual_lr", "name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
                  "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot")
 
 
@@ -108,15 +108,22 @@ class QSGD(Compressor):
     Hashable by identity: Horovod caches traced functions by compressor."""
 
     def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-                 error_feedback=False, checksum=True, reduction="allgather", process_set=None, *,
-                 settings=None, creation_index=None):
+                 error_feedback=False, checksum=True, reduction="allgather", process_set=None,
+                 server_error_feedback=False, *, settings=None, creation_index=None):
         init_adapter(self, settings, (bits, bucket_size, norm, coding, min_numel, seed, error_feedback, checksum,
-                                      reduction), creation_index, process_set, hvd.global_process_set)
+                                      reduction, server_error_feedback), creation_index, process_set,
+                     hvd.global_process_set)
+        if self.settings.server_error_feedback:
+            raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True (two-way error feedback) is "
+                             "implemented for PyTorch only; pass server_error_feedback=False "
+                             "(docs/algorithms.md says what is where)")
+        self._learning_rate = None
         self._seq = 0
         self._positions = weakref.WeakKeyDictionary()   # traced function graph -> exchanges so far
         self.traced_exchanges = []                      # (exchange name, function) of every trace
         self._counters = None
         self._residuals = {}
+        self._residual_lrs = {}                         # the learning rate each residual was made at
         self._occurrences = {}
         self._eager_slots = set()                       # slots of eager exchanges not yet decompressed
 
@@ -208,7 +215,7 @@ class QSGD(Compressor):
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
             occurrence = counter.assign_add(1) - 1
         x = tensor
-        ctx.residual = None
+        ctx.residual = ctx.lr = ctx.residual_lr = None
         if s.error_feedback:
             if eager:
                 raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
@@ -219,7 +226,7 @@ class QSGD(Compressor):
                 raise ValueError(f"{ctx.where}: its error-feedback residual ({state_key}) has "
                                  f"{ctx.residual.shape.num_elements()} elements: the function handed the "
                                  "compressor other tensors in this position when it was first traced")
-            x = tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual
+            x = tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual * self._rescale_factor(ctx, state_key)
         ctx.x32 = x
         ctx.set_rank, ctx.occurrence = set_rank, occurrence
         ctx.reduction = s.exchange_reduction(len(set_ranks), ctx.numel)
@@ -324,7 +331,47 @@ class QSGD(Compressor):
         decodes to NaN): there the previous residual stays, so one overflowing step (skipped by loss
         scaling) does not make every later gradient non-finite."""
         new = ctx.x32 - own
-        return ctx.residual.assign(tf.where(tf.math.is_finite(new), new, ctx.residual))
+        assign = ctx.residual.assign(tf.where(tf.math.is_finite(new), new, ctx.residual))
+        if ctx.lr is None:
+            return assign
+        with tf.control_dependencies([assign]):
+            return ctx.residual_lr.assign(tf.where(_usable(ctx.lr), ctx.lr, ctx.residual_lr))
+
+    # -- learning-rate following (hvd_qsgd.error_feedback) -----------------------------------------
+
+    def follow_learning_rate(self, optimizer):
+        """See ``hvd_qsgd.QSGD.follow_learning_rate``: a Keras optimizer, or a function returning the
+        learning rate now (a number or a tensor; read when the training step is traced)."""
+        if optimizer is not None and not callable(optimizer) and not hasattr(optimizer, "learning_rate"):
+            raise TypeError(f"follow_learning_rate: expected a Keras optimizer or a function returning the "
+                            f"learning rate, got {type(optimizer).__name__}")
+        self._learning_rate = optimizer
+        return self
+
+    def _lr_now(self):
+        source = self._learning_rate
+        if not hasattr(source, "learning_rate"):
+            return source()
+        lr = source.learning_rate
+        if callable(lr) and not isinstance(lr, (tf.Tensor, tf.Variable)):  # a schedule (Keras 2)
+            lr = lr(source.iterations)
+        return lr
+
+    def _rescale_factor(self, ctx, state_key):
+        """lr_made / lr_now for the residual (1 without follow_learning_rate, or where either is not
+        a finite positive number)."""
+        if self._learning_rate is None:
+            return tf.constant(1.0)
+        ctx.lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
+        ctx.residual_lr = self._state(self._residual_lrs, state_key, lambda: tf.Variable(
+            0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
+        ok = _usable(ctx.lr) & _usable(ctx.residual_lr)
+        return tf.where(ok, ctx.residual_lr / tf.where(ok, ctx.lr, 1.0), 1.0)
+
+    def rescale_residuals(self, factor):
+        """Multiply every error-feedback residual by ``factor`` (eager execution)."""
+        for v in self._residuals.values():
+            v.assign(v * float(factor))
 
     # -- state --------------------------------------------------------------------------------
 
@@ -344,11 +391,12 @@ class QSGD(Compressor):
         """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals),
         for a ``tf.train.Checkpoint``."""
         return (list(self._counter_vars().values()) + list(self._occurrences.values())
-                + list(self._residuals.values()))
+                + list(self._residuals.values()) + list(self._residual_lrs.values()))
 
     def state_dict(self):
         """Statistics and residuals as NumPy values (eager execution)."""
-        return {"stats": self.stats, "residuals": {k: v.numpy() for k, v in self._residuals.items()}}
+        return {"stats": self.stats, "residuals": {k: v.numpy() for k, v in self._residuals.items()},
+                "residual_lr": {k: float(v.numpy()) for k, v in self._residual_lrs.items()}}
 
     def load_state_dict(self, state):
         for k, v in state.get("stats", {}).items():
@@ -357,4 +405,11 @@ class QSGD(Compressor):
         for k, v in state.get("residuals", {}).items():
             if k in self._residuals:
                 self._residuals[k].assign(v)
+        for k, v in state.get("residual_lr", {}).items():
+            if k in self._residual_lrs:
+                self._residual_lrs[k].assign(v)
 
+
+def _usable(lr):
+    """Where a learning rate can rescale a residual: finite and positive."""
+    return tf.math.is_finite(lr) & (lr > 0)

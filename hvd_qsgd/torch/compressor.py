@@ -59,7 +59,7 @@ from horovod.torch.compression import Compressor
 
 import numpy as np
 
-from hvd_qsgd import codec, cuda, protocol, reduction
+from hvd_qsgd import codec, cuda, error_feedback, protocol, reduction
 from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
 
 _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -71,7 +71,7 @@ class _Exchange:
     __slots__ = ("where", "name", "shape", "dtype", "device", "handle", "expect",
                  "own_len", "fault", "set_ranks", "world", "on_device", "reduction", "exchange",
                  "set_rank", "step_seed", "splits", "gather_handle", "reduce_error", "sent", "received",
-                 "started")
+                 "started", "settings", "residual_key", "lr")
 
 
 class QSGD(Compressor):
@@ -79,9 +79,10 @@ class QSGD(Compressor):
 
     def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
                  error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
-                 process_set=None, *, settings=None, creation_index=None):
+                 process_set=None, server_error_feedback=False, *, settings=None, creation_index=None):
         init_adapter(self, settings, (bits, bucket_size, norm, coding, min_numel, seed, error_feedback, checksum,
-                                      reduction), creation_index, process_set, hvd.global_process_set)
+                                      reduction, server_error_feedback), creation_index, process_set,
+                     hvd.global_process_set)
         self._stats = Stats()
         self._seq = 0              # numbered exchanges started
         self._numbered = set()     # collective names of numbered exchanges not yet finished
@@ -90,6 +91,9 @@ class QSGD(Compressor):
         self._pending = 0          # exchanges between compress and decompress
         self._position = 0         # position within the current step (residual key without names)
         self._residuals = {}
+        self._residual_lr = {}     # the learning rate each residual was made at (follow_learning_rate)
+        self._server_residuals = {}  # residual key -> this rank's chunk residual (server_error_feedback)
+        self._learning_rate = None   # residual key -> learning rate now, or None
         self._scattering = []      # scatter_allgather exchanges whose alltoall is not yet handled
         self._params = None
         self._grad_names = {}
@@ -156,9 +160,8 @@ class QSGD(Compressor):
     def compress(self, tensor):
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
-        s = self.settings
         if (tensor.layout != torch.strided or tensor.dtype not in _SOURCE_DTYPES
-                or tensor.numel() < s.min_numel):
+                or tensor.numel() < self.settings.min_numel):
             self._stats.add(raw_elements=tensor.numel(), raw_tensors=1)
             return tensor, None
         ps = self._process_set
@@ -168,6 +171,8 @@ class QSGD(Compressor):
         with self._lock:
             exchange, seed_name, occurrence, key, residual_key, param = self._route(tensor)
         ctx = _Exchange()
+        s = ctx.settings = self._exchange_settings(residual_key, tensor)
+        ctx.residual_key, ctx.lr = residual_key, None
         ctx.name, ctx.shape, ctx.dtype, ctx.device = param, tensor.shape, tensor.dtype, tensor.device
         ctx.where = (f"hvd_qsgd: tensor {param!r}" if param is not None else
                      f"hvd_qsgd: compressed tensor {seed_name.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
@@ -190,17 +195,17 @@ class QSGD(Compressor):
                 raise protocol.MismatchError(
                     f"{ctx.where}: this rank (global rank {grank}) is not in the compressor's process set "
                     f"{set_ranks}; pass the optimizer's process_set= to the compressor")
-            seed = protocol.payload_seed(s.seed, set_rank, seed_name, occurrence)
-            ctx.step_seed = seed
+            ctx.lr = self._current_lr(residual_key)
+            ctx.step_seed = protocol.payload_seed(s.seed, set_rank, seed_name, occurrence)
             if ctx.reduction == "scatter_allgather":
-                self._start_scatter(tensor, residual_key, ctx)
+                self._start_scatter(tensor, ctx)
             else:
                 if ctx.on_device:
-                    payload = self._encode_cuda(tensor, residual_key, seed, fingerprint, ctx.where)
+                    payload = self._encode_cuda(tensor, ctx)
                     if not hvd.nccl_built():
                         payload = payload.cpu()
                 else:
-                    payload = torch.from_numpy(self._encode(tensor, residual_key, seed, fingerprint, ctx.where))
+                    payload = torch.from_numpy(self._encode(tensor, ctx))
                 ctx.own_len = payload.numel()
                 ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=ps)
         except Exception as e:  # reported through the control vector, raised on every rank
@@ -212,19 +217,19 @@ class QSGD(Compressor):
 
     # -- scatter_allgather ----------------------------------------------------------------------
 
-    def _start_scatter(self, tensor, residual_key, ctx):
+    def _start_scatter(self, tensor, ctx):
         """Phase 1: encode the n chunks of the tensor (+ residual) and start their alltoall."""
-        s, n = self.settings, len(ctx.set_ranks)
+        s, n = ctx.settings, len(ctx.set_ranks)
         x = tensor.detach().reshape(-1)
         if x.device.type != "cpu":
             x = x.cpu()
-        x32 = self._with_residual(x.float().contiguous(), residual_key, ctx.where)
+        x32 = self._with_residual(x.float().contiguous(), ctx)
         buf, lens = reduction.encode_chunks(x32.numpy(), s, ctx.step_seed, n, ctx.expect.fingerprint,
                                             ctx.expect.dtype, where=ctx.where)
         if s.error_feedback:
             own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size,
                                           where=ctx.where)
-            self._set_residual(residual_key, x32 - torch.from_numpy(own))
+            self._set_residual(ctx, x32 - torch.from_numpy(own))
         ctx.splits, ctx.own_len = lens, int(sum(lens))
         ctx.sent = ctx.own_len - lens[ctx.set_rank]
         ctx.handle = hvd.alltoall_async(torch.from_numpy(buf), splits=torch.tensor(lens, dtype=torch.int32),
@@ -250,7 +255,7 @@ class QSGD(Compressor):
             ctx.started.set()
 
     def _reduce_and_gather(self, ctx):
-        s, j = self.settings, ctx.set_rank
+        s, j = ctx.settings, ctx.set_rank
         received, rsplits = hvd.synchronize(ctx.handle)
         rsplits = [int(v) for v in rsplits]
         ctx.received = int(sum(rsplits)) - rsplits[j]
@@ -258,7 +263,7 @@ class QSGD(Compressor):
             payloads = reduction.split_by(received.numpy(), rsplits)
             reduction.check_chunk(payloads, j, ctx.expect, ctx.where)
             q = reduction.reduce_chunk(payloads, j, s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
-                                       where=f"{ctx.where}: chunk {j}")
+                                       where=f"{ctx.where}: chunk {j}", residual=self._server_residual(ctx))
         except Exception as e:  # raised on this rank in decompress; the others see the empty frame
             ctx.reduce_error, q = e, np.zeros(0, dtype=np.uint8)
         frame = np.empty(8 + q.size, dtype=np.uint8)
@@ -301,51 +306,126 @@ class QSGD(Compressor):
             raise protocol.MismatchError(f"{ctx.where}: this rank could not reduce chunk {j}: "
                                          f"{ctx.reduce_error}") from ctx.reduce_error
         ctx.received += off - (8 + chunks[j].size)
-        out = reduction.decode_chunks(chunks, alpha, ctx.expect.numel, self.settings.bucket_size,
+        out = reduction.decode_chunks(chunks, alpha, ctx.expect.numel, ctx.settings.bucket_size,
                                       where=f"{ctx.where}: reduced chunks")
         return torch.from_numpy(out)
 
-    def _set_residual(self, residual_key, new):
+    def _set_residual(self, ctx, new):
         """Keep ``new`` as the residual, except where it is not finite (a bucket that held a NaN or an
         Inf decodes to NaN): there the previous residual stays (0 if none), so one overflowing step
-        (skipped by loss scaling) does not make every later gradient non-finite."""
-        old = self._residuals.get(residual_key)
+        (skipped by loss scaling) does not make every later gradient non-finite. The learning rate
+        it was made at is kept with it (``hvd_qsgd.error_feedback``)."""
+        key = ctx.residual_key
+        old = self._residuals.get(key)
         keep = torch.zeros((), dtype=new.dtype, device=new.device) if old is None else old.to(new.device)
-        self._residuals[residual_key] = torch.where(torch.isfinite(new), new, keep)
+        self._residuals[key] = torch.where(torch.isfinite(new), new, keep)
+        if error_feedback.usable_rate(ctx.lr):
+            self._residual_lr[key] = float(ctx.lr)
 
-    def _with_residual(self, x32, residual_key, where):
-        residual = self._residuals.get(residual_key) if self.settings.error_feedback else None
+    def _with_residual(self, x32, ctx):
+        """x32 + the tensor's residual, rescaled by lr_made / lr_now (``hvd_qsgd.error_feedback``)."""
+        residual = self._residuals.get(ctx.residual_key) if ctx.settings.error_feedback else None
         if residual is None:
             return x32
         if residual.shape != x32.shape:
             raise protocol.MismatchError(
-                f"{where}: its error-feedback residual (position {residual_key!r}) has "
+                f"{ctx.where}: its error-feedback residual (position {ctx.residual_key!r}) has "
                 f"{residual.numel()} elements, the tensor {x32.numel()}: the tensors handed to the "
                 "compressor changed order between steps; pass named_parameters= to the compressor")
-        return x32 + residual.to(x32.device)
+        factor = error_feedback.rescale_factor(self._residual_lr.get(ctx.residual_key), ctx.lr)
+        residual = residual.to(x32.device)
+        return x32 + (residual if factor == 1.0 else residual * factor)
 
-    def _encode(self, tensor, residual_key, seed, fingerprint, where):
+    def _server_residual(self, ctx):
+        """This rank's residual of the tensor's chunk (a float32 array the reduce step updates in
+        place), or None without ``server_error_feedback``."""
+        if not ctx.settings.server_error_feedback:
+            return None
+        begin, end = reduction.chunk_ranges(ctx.expect.numel, ctx.settings.bucket_size,
+                                            len(ctx.set_ranks))[ctx.set_rank]
+        with self._lock:
+            residual = self._server_residuals.get(ctx.residual_key)
+            if residual is None:
+                residual = self._server_residuals[ctx.residual_key] = np.zeros(end - begin, dtype=np.float32)
+        if residual.size != end - begin:
+            raise protocol.MismatchError(
+                f"{ctx.where}: its server error-feedback residual has {residual.size} elements, this "
+                f"rank's chunk {end - begin}: the tensor or the number of ranks changed")
+        return residual
+
+    def _encode(self, tensor, ctx):
         """Encode ``tensor`` (+ its residual) on the host with the CPU kernels; update the residual."""
-        s = self.settings
+        s, where = ctx.settings, ctx.where
         x = tensor.detach().reshape(-1)
         if x.device.type != "cpu":
             x = x.cpu()
-        x32 = self._with_residual(x.float().contiguous(), residual_key, where)
-        payload = codec.encode(x32.numpy(), s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint,
-                               s.checksum, name=where, source_dtype=_SOURCE_DTYPES[tensor.dtype])
+        x32 = self._with_residual(x.float().contiguous(), ctx)
+        payload = codec.encode(x32.numpy(), s.bits, s.bucket_size, s.norm, ctx.step_seed, s.coding,
+                               ctx.expect.fingerprint, s.checksum, name=where,
+                               source_dtype=_SOURCE_DTYPES[tensor.dtype])
         if s.error_feedback:
-            self._set_residual(residual_key, x32 - torch.from_numpy(codec.decode(payload, where)))
+            self._set_residual(ctx, x32 - torch.from_numpy(codec.decode(payload, where)))
         return payload
 
-    def _encode_cuda(self, tensor, residual_key, seed, fingerprint, where):
+    def _encode_cuda(self, tensor, ctx):
         """Encode a CUDA tensor (+ its residual) with the CUDA kernels on the current stream."""
-        s = self.settings
-        x32 = self._with_residual(tensor.detach().reshape(-1).float().contiguous(), residual_key, where)
-        payload = cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
-                              source_dtype=_SOURCE_DTYPES[tensor.dtype])
+        s, where = ctx.settings, ctx.where
+        x32 = self._with_residual(tensor.detach().reshape(-1).float().contiguous(), ctx)
+        payload = cuda.encode(x32, s.bits, s.bucket_size, s.norm, ctx.step_seed, ctx.expect.fingerprint,
+                              s.checksum, name=where, source_dtype=_SOURCE_DTYPES[tensor.dtype])
         if s.error_feedback:
-            self._set_residual(residual_key, x32 - cuda.decode_sum([payload], where=where))
+            self._set_residual(ctx, x32 - cuda.decode_sum([payload], where=where))
         return payload
+
+    # -- hooks of subclasses and learning-rate following ---------------------------------------
+
+    def _exchange_settings(self, residual_key, tensor):
+        """The settings of one exchange (``hvd_qsgd.torch.DynamicQSGD`` picks its bits here)."""
+        return self.settings
+
+    def _decoded(self, ctx, out):
+        """Called with every exchange's result (the same on every rank)."""
+
+    def follow_learning_rate(self, optimizer):
+        """See ``hvd_qsgd.QSGD.follow_learning_rate``."""
+        if optimizer is None or callable(optimizer) and not hasattr(optimizer, "param_groups"):
+            source = optimizer
+        elif hasattr(optimizer, "param_groups"):
+            source = self._group_learning_rate(optimizer)
+        else:
+            raise TypeError(f"follow_learning_rate: expected a torch.optim.Optimizer or a function of the "
+                            f"residual key, got {type(optimizer).__name__}")
+        with self._lock:
+            self._learning_rate = source
+        return self
+
+    def _group_learning_rate(self, optimizer):
+        """key -> the lr of the parameter group holding that parameter (by name), or for position
+        keys the lr every group shares."""
+        def lr(key):
+            groups = optimizer.param_groups
+            if isinstance(key, str) and self._params is not None:
+                param = dict(self._params).get(key)
+                for g in groups:
+                    if any(p is param for p in g["params"]):
+                        return float(g["lr"])
+            rates = {float(g["lr"]) for g in groups}
+            if len(rates) == 1:
+                return rates.pop()
+            raise ValueError(f"follow_learning_rate: the optimizer's parameter groups have learning rates "
+                             f"{sorted(rates)}, and the tensor {key!r} is not a named parameter: pass "
+                             "named_parameters= to the compressor")
+        return lr
+
+    def _current_lr(self, residual_key):
+        source = self._learning_rate
+        return None if source is None else source(residual_key)
+
+    def rescale_residuals(self, factor):
+        """Multiply every error-feedback residual by ``factor``."""
+        factor = float(factor)
+        with self._lock:
+            self._residuals = {k: v * factor for k, v in self._residuals.items()}
 
     def decompress(self, tensor, ctx):
         if ctx is None:
@@ -372,6 +452,7 @@ class QSGD(Compressor):
         finally:  # every rank waited for this exchange's collectives: its name may be used again
             with self._lock:
                 self._numbered.discard(ctx.exchange)
+        self._decoded(ctx, out)
         out = out.view(ctx.shape)
         if out.dtype != ctx.dtype or out.device != ctx.device:
             out = out.to(device=ctx.device, dtype=ctx.dtype)
@@ -413,6 +494,8 @@ class QSGD(Compressor):
         """Error-feedback residuals (by parameter name or step position) and statistics."""
         with self._lock:
             return {"residuals": {k: v.clone() for k, v in self._residuals.items()},
+                    "residual_lr": dict(self._residual_lr),
+                    "server_residuals": {k: torch.from_numpy(v.copy()) for k, v in self._server_residuals.items()},
                     "stats": self._stats.as_dict(), "settings": self.settings.as_dict()}
 
     def load_state_dict(self, state):
@@ -424,6 +507,9 @@ class QSGD(Compressor):
                              f"settings ({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
         with self._lock:
             self._residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
+            self._residual_lr = {k: float(v) for k, v in state.get("residual_lr", {}).items()}
+            self._server_residuals = {k: np.array(torch.as_tensor(v).float().cpu().numpy(), dtype=np.float32)
+                                      for k, v in state.get("server_residuals", {}).items()}
         self._stats.load(state.get("stats", {}))
 
     # -- elastic training (hvd_qsgd.torch.elastic) --------------------------------------------
@@ -445,6 +531,8 @@ class QSGD(Compressor):
             self._grad_names = {}
             if residuals:
                 self._residuals = {}
+                self._residual_lr = {}
+                self._server_residuals = {}
 
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the

@@ -1,0 +1,51 @@
+"""Error feedback: what compression dropped is sent later, for every compressor of the package.
+
+Worker side (Seide et al., 2014; Karimireddy et al., 2019; dist-EF-SGDM's worker): rank r keeps a
+residual e_r per tensor and sends C(v) for v = g_r + e_r, then keeps
+
+    e_r <- v - C(v).
+
+Summed over steps, sum_t C(v_t) = sum_t g_t - e_T: what was sent tracks what was computed, off by
+one residual, which stays bounded (each element of e is at most one quantization step of its bucket
+for QSGD: |e_i| <= scale / s; at most |v_i| + mean |v| for the blockwise sign).
+
+Server side (dist-EF-SGDM's server, with ``reduction="scatter_allgather"``): the rank that reduces
+chunk j re-quantizes the sum of the ranks' chunk payloads; with ``server_error_feedback`` it keeps
+that re-quantization's residual e~_j too: v = sum_r decode(p_rj) + e~_j, q_j = C(v), e~_j <- v - q_j.
+It is kept in sum units (alpha is applied after decoding): for Average this is the paper's
+e~ = n e~_sum / n, exact for the blockwise sign (C(a v) = a C(v) for a > 0) and for QSGD in
+distribution.
+
+Learning-rate changes. A compressor of gradients sits before the optimizer, which applies
+-lr_t * (the reduced gradient). The residual made at step t is gradient owed at rate lr_t; paid at
+step t+1 it is applied at lr_{t+1}. So that the applied updates sum to sum_t lr_t g_t, the residual is
+rescaled when used,
+
+    e <- e * lr_made / lr_now,
+
+where lr_made is the learning rate in force when e was made and lr_now the one in force when it is
+added (``rescale_factor``). ``follow_learning_rate(optimizer)`` reads lr_now from the optimizer's
+parameter groups at every compression (a scheduler has set it by then) and stores lr_made with each
+residual, so the state checkpoints with it. Optimizers that compress updates already scaled by the
+learning rate (``hvd_qsgd.torch.EFSGDM``) need no rescaling: their residual is in update units.
+A learning rate of 0 (or one that is not a finite positive number) rescales nothing and is not
+recorded: the residual keeps the last positive rate it was made at.
+"""
+import math
+
+
+def usable_rate(lr):
+    """Whether ``lr`` can rescale a residual (a finite positive number)."""
+    try:
+        lr = float(lr)
+    except (TypeError, ValueError):
+        return False
+    return math.isfinite(lr) and lr > 0
+
+
+def rescale_factor(lr_made, lr_now):
+    """The factor a residual made at ``lr_made`` is multiplied by when used at ``lr_now`` (1 when
+    either is unknown or unusable)."""
+    if lr_made is None or lr_now is None or not usable_rate(lr_made) or not usable_rate(lr_now):
+        return 1.0
+    return float(lr_made) / float(lr_now)

@@ -1,0 +1,155 @@
+"""PQASGD: local SGD with periodic averaging of quantized model differences (Jiang & Agrawal,
+"A Linear Speedup Analysis of Distributed Deep Learning with Sparse and Quantized Communication",
+NeurIPS 2018).
+
+M ranks start from the same model (Horovod broadcast from rank 0) and each runs the wrapped
+optimizer on its own data; every ``period`` (p) local steps they average what they learnt, sending
+only its quantization:
+
+    local step (every step, each rank i):  x_i <- optimizer step of x_i on its own mini-batch
+    every p steps:                         d_i = x_i - x^            (x^: the model of the last sync)
+                                           x^ <- x^ + (1/M) sum_i Q(d_i)
+                                           x_i <- x^                 (every rank)
+
+Q is the compressor (default ``hvd_qsgd.QSGD(2)``, the 2-bit quantizer): unbiased, so E[x^] moves
+by the average of the local progress, and x^ is bit-identical on every rank (the reduced average is).
+Traffic: one quantized model every p steps instead of one full-precision gradient every step.
+Tensors under the compressor's ``min_numel`` are averaged exactly.
+
+Momentum buffers (``momentum=``): the optimizer's per-parameter state is local to each rank and,
+by default, is kept as it is across a sync ("local": each rank's buffer carries on, as every
+rank's optimizer did between syncs: the local steps are plain momentum SGD steps of that rank).
+"average" replaces every floating-point buffer of the optimizer state by its exact average over the
+ranks at each sync (an allreduce of the state, p times rarer than gradients), so the ranks restart
+alike; "reset" zeroes the buffers at each sync. The paper's analysis is for plain SGD local steps;
+with momentum=0 (or no momentum) the three agree.
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = hvd_qsgd.torch.PeriodicQuantizedAveraging(opt, model.named_parameters(), period=4,
+                                                    compression=hvd_qsgd.QSGD(2))
+    ...; loss.backward(); opt.step(); opt.zero_grad()
+
+The wrapped optimizer is a plain PyTorch optimizer, not Horovod's ``DistributedOptimizer`` (the
+local steps average nothing). ``state_dict`` holds the optimizer's, x^, the step count and the
+compressor's state.
+"""
+import torch
+import horovod.torch as hvd
+
+import hvd_qsgd
+
+MOMENTUM_MODES = ("local", "average", "reset")
+
+
+class PeriodicQuantizedAveraging:
+    """PQASGD over Horovod (see the module docstring).
+
+    optimizer:        a PyTorch optimizer over the model's parameters
+    named_parameters: (name, parameter) pairs of the parameters to average (exchange names)
+    period:           p, local steps between syncs (>= 1)
+    compression:      Q (default ``hvd_qsgd.QSGD(2)``); any compressor of the package, or
+                      ``hvd.Compression.none`` for exact periodic averaging
+    momentum:         "local" (default), "average" or "reset": the optimizer state at a sync
+    broadcast:        broadcast rank 0's parameters and optimizer state to all ranks now (default True)
+    process_set:      Horovod process set (default: all ranks)
+    """
+
+    def __init__(self, optimizer, named_parameters, period, compression=None, momentum="local", broadcast=True,
+                 process_set=None):
+        if type(optimizer).__name__ == "_DistributedOptimizer" or hasattr(optimizer, "_allreduce_delay"):
+            raise TypeError("PeriodicQuantizedAveraging wraps a plain PyTorch optimizer, not Horovod's "
+                            "DistributedOptimizer: the local steps must not average gradients")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"PeriodicQuantizedAveraging: expected a torch.optim.Optimizer, got {optimizer!r}")
+        named = list(named_parameters)
+        if not named or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+            raise ValueError("PeriodicQuantizedAveraging: named_parameters must be a non-empty list of "
+                             "(name, parameter) pairs, as from model.named_parameters()")
+        if len({n for n, _ in named}) != len(named):
+            raise ValueError("PeriodicQuantizedAveraging: parameter names must be unique")
+        if isinstance(period, bool) or not isinstance(period, int) or period < 1:
+            raise ValueError(f"PeriodicQuantizedAveraging: period must be an integer >= 1, got {period!r}")
+        if momentum not in MOMENTUM_MODES:
+            raise ValueError(f"PeriodicQuantizedAveraging: momentum must be one of {MOMENTUM_MODES}, "
+                             f"got {momentum!r}")
+        self.optimizer = optimizer
+        self.named_parameters = named
+        self.period = period
+        self.compression = hvd_qsgd.QSGD(2) if compression is None else compression
+        self.momentum = momentum
+        self.process_set = process_set if process_set is not None else hvd.global_process_set
+        self.local_steps = 0
+        self.syncs = 0
+        if broadcast:
+            hvd.broadcast_parameters(named, root_rank=0)       # over all ranks
+            hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        self.anchor = {n: p.detach().clone() for n, p in named}     # x^
+
+    # -- the optimizer interface -----------------------------------------------------------------
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def zero_grad(self, set_to_none=True):
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """One local step; every ``period``-th also synchronizes."""
+        loss = self.optimizer.step(closure)
+        self.local_steps += 1
+        if self.local_steps % self.period == 0:
+            self.synchronize()
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self):
+        """x^ <- x^ + (1/M) sum_i Q(x_i - x^); x_i <- x^; then the optimizer state per ``momentum``."""
+        pending = []
+        for name, p in self.named_parameters:
+            diff = p.detach() - self.anchor[name]
+            compressed, ctx = self.compression.compress(diff)
+            handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"hvd_qsgd.pqasgd.{name}",
+                                          process_set=self.process_set)
+            pending.append((name, p, handle, ctx))
+        for name, p, handle, ctx in pending:
+            average = self.compression.decompress(hvd.synchronize(handle), ctx)
+            self.anchor[name].add_(average.view_as(p).to(p.dtype))
+            p.copy_(self.anchor[name])
+        self._sync_state()
+        self.syncs += 1
+
+    def _sync_state(self):
+        if self.momentum == "local":
+            return
+        handles = []
+        for name, p in self.named_parameters:
+            for key, buf in sorted(self.optimizer.state.get(p, {}).items()):
+                if not (torch.is_tensor(buf) and buf.is_floating_point() and buf.dim() > 0):
+                    continue
+                if self.momentum == "reset":
+                    buf.zero_()
+                else:
+                    handles.append(hvd.allreduce_async_(buf, op=hvd.Average, name=f"hvd_qsgd.pqasgd.state.{name}.{key}",
+                                                        process_set=self.process_set))
+        for h in handles:
+            hvd.synchronize(h)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+
+    def state_dict(self):
+        return {"optimizer": self.optimizer.state_dict(), "anchor": {n: t.clone() for n, t in self.anchor.items()},
+                "local_steps": self.local_steps, "syncs": self.syncs,
+                "compression": self.compression.state_dict() if hasattr(self.compression, "state_dict") else None}
+
+    def load_state_dict(self, state):
+        self.optimizer.load_state_dict(state["optimizer"])
+        for n, t in state["anchor"].items():
+            self.anchor[n].copy_(t)
+        self.local_steps, self.syncs = int(state["local_steps"]), int(state["syncs"])
+        if state.get("compression") is not None and hasattr(self.compression, "load_state_dict"):
+            self.compression.load_state_dict(state["compression"])
