@@ -28,7 +28,7 @@ def ok_count(out, scenario):
 
 @pytest.mark.parametrize("np_,controller", [(2, "gloo"), (4, "gloo"), (2, "mpi")])
 def test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank(np_, controller):
-    scenarios = ["tape", "allreduce", "keras", "error-feedback"]
+    scenarios = ["tape", "allreduce", "keras", "error-feedback", "error-feedback-lr"]
     out = launch(np_, controller, [WORKER] + scenarios, timeout=300)
     for s in scenarios:
         assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"

@@ -236,6 +236,44 @@ def scenario_error_feedback():
     assert state["stats"]["tensors"] == 2 and c.stats["tensors"] == 2
 
 
+def scenario_error_feedback_lr():
+    """follow_learning_rate(Keras optimizer): a residual made at lr 0.1 is added at lr 0.05 rescaled
+    by lr_made / lr_now = 2 (hvd_qsgd.error_feedback), in-graph: after the second step the residual
+    is (g1 + 2 e0) - decode(encode(g1 + 2 e0)), with occurrence 1's seed; the learning rate it was
+    made at is kept and checkpointed."""
+    rank = hvd.rank()
+    vs = make_vars()
+    opt = tf.keras.optimizers.SGD(learning_rate=0.1)
+    c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True).follow_learning_rate(opt)
+
+    @tf.function
+    def reduced_grads(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+
+    big = [i for i, sh in enumerate(SHAPES) if int(np.prod(sh)) >= 10000]
+    g0 = [local_grads(vs, rank, 0)[i].reshape(-1) for i in big]
+    g1 = [local_grads(vs, rank, 1)[i].reshape(-1) for i in big]
+    reduced_grads(*batch(rank, 0))
+    opt.learning_rate.assign(0.05)
+    reduced_grads(*batch(rank, 1))
+    adapter = c._adapters["tensorflow"]
+    names = [name for name, _ in adapter.traced_exchanges[-2:]]
+    residuals = list(adapter._residuals.values())
+    for a, b, shape, name, e in zip(g0, g1, [SHAPES[i] for i in big], names, residuals):
+        fp = codec.tensor_fingerprint("", shape, "float32")
+        p0 = codec.encode(a, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed", fp)
+        e0 = a - codec.decode(p0)
+        x = b + e0 * np.float32(2.0)
+        p1 = codec.encode(x, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 1), "fixed", fp)
+        assert np.allclose(e.numpy(), x - codec.decode(p1), rtol=1e-6, atol=1e-7), name
+        assert not np.allclose(e.numpy(), (b + e0) - codec.decode(codec.encode(
+            b + e0, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 1), "fixed", fp)), atol=1e-4), name
+    state = adapter.state_dict()
+    assert sorted(state["residual_lr"].values()) == [np.float32(0.05)] * 2, state["residual_lr"]
+
+
 def scenario_v1():
     """tf.compat.v1 graph mode: hvd.DistributedOptimizer on a v1 optimizer, in a Session."""
     tf.compat.v1.disable_eager_execution()
@@ -484,6 +522,7 @@ def main():
         else:
             {"tape": scenario_tape, "allreduce": scenario_allreduce, "keras": scenario_keras,
              "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback,
+             "error-feedback-lr": scenario_error_feedback_lr,
              "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
              "elias": scenario_elias, "auto": scenario_auto}[s]()
         print(f"OK {s}", flush=True)
