@@ -4,14 +4,29 @@
 train the same MLP on scikit-learn's digits with the same flags, data split and shards, and report
 the same results. This module holds the parts that do not depend on the framework:
 
-* :func:`parse_args`: the command line (every flag of the three examples);
+* :func:`parse_args`: the command line (every flag of the three examples; the PyTorch example adds
+  ``--method`` and its flags, see below);
 * :func:`load_data`: the fixed train/test split and this rank's shard, as numpy arrays;
-* :func:`make_compression`: ``none``, ``fp16`` or ``hvd_qsgd.QSGD`` from the flags;
+* :func:`make_compression`: ``none``, ``fp16`` or the package's compressor from the flags;
 * :func:`schedule`, :func:`minibatches`, :func:`announce`, :func:`progress_bar`: the step count,
   the per-rank shuffling, rank 0's first line and progress bar;
 * :func:`checksum`: the digest of the parameters whose equality across ranks is checked;
-* :func:`bytes_sent`, :func:`results`, :func:`report`: the end of the run -- bytes per step from
-  the compressor's stats, the results dict (the JSON keys), the printed summary and the JSON file.
+* :func:`bytes_so_far`, :func:`bytes_sent`, :func:`results`, :func:`report`: the end of the run --
+  bytes sent (so far, and per step) from the compressor's stats, the results dict (the JSON keys),
+  the printed summary and the JSON file.
+
+Methods (``--method``, PyTorch only: the example passes ``methods=METHODS`` to :func:`parse_args`;
+the TensorFlow and Keras examples take no such flag and always run ``sgd``):
+
+* ``sgd``: ``hvd.DistributedOptimizer`` with ``--compression none|fp16|qsgd`` (the default);
+* ``dqsgd``: ``hvd.DistributedOptimizer`` with ``hvd_qsgd.DynamicQSGD(--budget-bits)``;
+* ``pqasgd``: ``hvd_qsgd.torch.PeriodicQuantizedAveraging`` over momentum SGD, every ``--period``
+  steps, ``hvd_qsgd.QSGD(--bits, default 2)``, ``--pqasgd-momentum local|average|reset``;
+* ``efsgdm``: ``hvd_qsgd.torch.EFSGDM`` with ``hvd_qsgd.BlockSign(--block-size)``
+  (scatter_allgather, worker and server error feedback: two-way compression).
+
+For a method other than ``sgd``, ``args.compression`` is set to what it sends (``dqsgd``, ``qsgd``
+or ``blocksign``); ``--compression`` itself is only for ``sgd``.
 
 What differs stays in each example: the model, the training step, Horovod's collectives, and how
 many bytes an uncompressed element costs (4 in PyTorch, 8 in TensorFlow, whose adapter sends the
@@ -32,18 +47,42 @@ from hvd_qsgd import protocol
 
 SPLIT_SEED = 0  # the train/test split is fixed, independent of --seed
 TEST_FRACTION = 0.25
+METHODS = ("sgd", "dqsgd", "pqasgd", "efsgdm")
+PQASGD_MOMENTUM = ("local", "average", "reset")
+# What a method other than sgd sends (args.compression, the JSON key "compression").
+METHOD_COMPRESSION = {"dqsgd": "dqsgd", "pqasgd": "qsgd", "efsgdm": "blocksign"}
 
 
-def parse_args(argv, description, threads_help):
-    """The examples' command line, parsed; ``threads_help`` is the framework's text for --threads."""
+def parse_args(argv, description, threads_help, methods=("sgd",)):
+    """The examples' command line, parsed; ``threads_help`` is the framework's text for --threads.
+
+    ``methods``: the training methods the example offers; with more than ``sgd`` (the PyTorch
+    example: ``METHODS``) the flags ``--method``, ``--budget-bits``, ``--period``,
+    ``--pqasgd-momentum`` and ``--block-size`` exist. Without them ``args.method`` is ``"sgd"``."""
     p = argparse.ArgumentParser(description=description)
-    p.add_argument("--compression", choices=("none", "fp16", "qsgd"), default="none")
-    p.add_argument("--bits", type=int, default=4, help="QSGD bits per element (default 4)")
+    if len(methods) > 1:
+        p.add_argument("--method", choices=methods, default="sgd",
+                       help="sgd: hvd.DistributedOptimizer with --compression (default); dqsgd: "
+                            "hvd.DistributedOptimizer with hvd_qsgd.DynamicQSGD(--budget-bits); pqasgd: "
+                            "PeriodicQuantizedAveraging, QSGD(--bits) every --period steps; efsgdm: EFSGDM "
+                            "with BlockSign(--block-size)")
+    p.add_argument("--compression", choices=("none", "fp16", "qsgd"), default=None,
+                   help="gradient compression of --method sgd (default none)")
+    p.add_argument("--bits", type=int, default=None,
+                   help="QSGD bits per element (default 4; 2 for --method pqasgd)")
     p.add_argument("--bucket-size", type=int, default=None,
                    help="QSGD bucket size (default: the compressor's, 512, or 128 for bits <= 2)")
     p.add_argument("--min-numel", type=int, default=10000,
                    help="QSGD leaves tensors with fewer elements uncompressed (default 10000)")
     p.add_argument("--error-feedback", action="store_true", help="QSGD with error feedback")
+    if len(methods) > 1:
+        p.add_argument("--budget-bits", type=float, default=3.0,
+                       help="dqsgd: average bits per quantized coordinate (default 3.0)")
+        p.add_argument("--period", type=int, default=4, help="pqasgd: local steps between syncs (default 4)")
+        p.add_argument("--pqasgd-momentum", choices=PQASGD_MOMENTUM, default="local",
+                       help="pqasgd: the momentum buffers at a sync (default local)")
+        p.add_argument("--block-size", type=int, default=512,
+                       help="efsgdm: BlockSign block size (default 512)")
     p.add_argument("--epochs", type=int, default=20)
     p.add_argument("--max-steps", type=int, default=None, metavar="N",
                    help="stop after N optimizer steps in total (for quick launch checks)")
@@ -61,7 +100,42 @@ def parse_args(argv, description, threads_help):
         p.error("--epochs must be at least 1")
     if args.max_steps is not None and args.max_steps < 1:
         p.error("--max-steps must be at least 1")
+    if len(methods) == 1:
+        args.method = methods[0]
+    if args.method == "sgd":
+        args.compression = args.compression or "none"
+    else:
+        if args.compression is not None:
+            p.error(f"--compression is for --method sgd; --method {args.method} sends "
+                    f"{METHOD_COMPRESSION[args.method]}")
+        args.compression = METHOD_COMPRESSION[args.method]
+        if args.period < 1:
+            p.error("--period must be at least 1")
+        if args.block_size < 1:
+            p.error("--block-size must be at least 1")
+    if args.bits is None:
+        args.bits = 2 if args.method == "pqasgd" else 4
     return args
+
+
+def method_label(args):
+    """A short name of what trains: ``none``, ``fp16``, ``qsgd4``, ``qsgd2+ef``, ``dqsgd3``,
+    ``pqasgd4-qsgd2``, ``efsgdm-blocksign512``."""
+    if args.method == "sgd":
+        if args.compression != "qsgd":
+            return args.compression
+        return f"qsgd{args.bits}" + ("+ef" if args.error_feedback else "")
+    if args.method == "dqsgd":
+        return f"dqsgd{args.budget_bits:g}" + ("+ef" if args.error_feedback else "")
+    if args.method == "pqasgd":
+        return f"pqasgd{args.period}-qsgd{args.bits}" + ("+ef" if args.error_feedback else "")
+    return f"efsgdm-blocksign{args.block_size}"
+
+
+def uses_compressor(args):
+    """Whether the run's gradients (or updates, or model differences) go through a compressor of
+    the package (which counts its bytes in ``stats``), rather than none or fp16."""
+    return args.compression not in ("none", "fp16")
 
 
 def load_data(rank, size):
@@ -91,11 +165,19 @@ def load_data(rank, size):
 
 def make_compression(args, compression, **qsgd_kwargs):
     """The compressor the flags ask for: ``compression`` is the framework's ``hvd.Compression``;
-    ``qsgd_kwargs`` go to ``hvd_qsgd.QSGD`` (PyTorch: ``named_parameters``)."""
+    ``qsgd_kwargs`` go to the package's compressor (PyTorch: ``named_parameters``).
+
+    ``sgd``: ``none``, ``fp16`` or ``hvd_qsgd.QSGD``; ``dqsgd``: ``hvd_qsgd.DynamicQSGD``;
+    ``pqasgd``: ``hvd_qsgd.QSGD`` (of the model differences); ``efsgdm``: ``hvd_qsgd.BlockSign``."""
     if args.compression == "none":
         return compression.none
     if args.compression == "fp16":
         return compression.fp16
+    if args.method == "dqsgd":
+        return hvd_qsgd.DynamicQSGD(args.budget_bits, bucket_size=args.bucket_size, min_numel=args.min_numel,
+                                    seed=args.seed, error_feedback=args.error_feedback, **qsgd_kwargs)
+    if args.method == "efsgdm":
+        return hvd_qsgd.BlockSign(block_size=args.block_size, min_numel=args.min_numel, **qsgd_kwargs)
     return hvd_qsgd.QSGD(args.bits, bucket_size=args.bucket_size, min_numel=args.min_numel,
                          seed=args.seed, error_feedback=args.error_feedback, **qsgd_kwargs)
 
@@ -131,8 +213,9 @@ def minibatches(rng, shard_len, batch_size, total_steps):
 
 def announce(args, compression, framework, size, n_train, shard_len, n_test, total_steps):
     """Rank 0's first line: the run's settings (``framework``: None for PyTorch, the original)."""
-    print(f"[digits] {framework + ' ' if framework else ''}np={size} compression={args.compression}"
-          + (f" {compression!r}" if args.compression == "qsgd" else "") + f" train={n_train} "
+    method = f"method={args.method} " if args.method != "sgd" else ""
+    print(f"[digits] {framework + ' ' if framework else ''}np={size} {method}compression={args.compression}"
+          + (f" {compression!r}" if uses_compressor(args) else "") + f" train={n_train} "
           f"(shard {shard_len}/rank) test={n_test} steps={total_steps}", flush=True)
 
 
@@ -142,7 +225,7 @@ def progress_bar(args, compression, total_steps):
         return None
     from tqdm import tqdm
     # Short enough for an 80-column terminal behind horovodrun's "[0]<stdout>:" prefix.
-    desc = f"qsgd{compression.settings.bits}" if args.compression == "qsgd" else args.compression
+    desc = method_label(args).split("+")[0]
     return tqdm(total=total_steps, desc=desc, mininterval=0.5, file=sys.stdout,
                 bar_format="{desc} {percentage:3.0f}%|{bar:16}| {n_fmt}/{total_fmt} "
                            "[{elapsed}<{remaining}]{postfix}")
@@ -158,8 +241,27 @@ def checksum(named_arrays):
 
 
 def compressor_stats(args, compression):
-    """The QSGD compressor's counters (``compression.stats``), None for ``none`` and ``fp16``."""
-    return compression.stats if args.compression == "qsgd" else None
+    """The compressor's counters (``compression.stats``), None for ``none`` and ``fp16``."""
+    return compression.stats if uses_compressor(args) else None
+
+
+def bytes_so_far(args, numel, stats, steps, raw_bytes=4):
+    """The bytes this rank has sent in the gradient exchange in its first ``steps`` steps, with
+    ``stats`` the compressor's counters then (:func:`compressor_stats`): ``4 * numel`` a step for
+    ``none``, ``2 * numel`` for ``fp16``; otherwise the compressor's payload bytes plus ``raw_bytes``
+    for every element it left uncompressed. For ``pqasgd`` that counts the syncs only (the local
+    steps send nothing); for ``efsgdm`` both phases of scatter_allgather (the chunks a rank sends
+    to the others, and its reduced chunk)."""
+    if args.compression == "none":
+        return 4 * numel * steps
+    if args.compression == "fp16":
+        return 2 * numel * steps
+    return stats["bytes_sent"] + raw_bytes * stats["raw_elements"]
+
+
+def _exact(total, steps):
+    """total / steps: an int where it divides, else a float."""
+    return total // steps if total % steps == 0 else total / steps
 
 
 def bytes_sent(args, numel, stats, steps, size, raw_bytes):
@@ -167,45 +269,56 @@ def bytes_sent(args, numel, stats, steps, size, raw_bytes):
 
     ``numel``: the number of gradient elements; ``stats``: :func:`compressor_stats`; ``size``: the
     number of ranks; ``raw_bytes``: what one element of an uncompressed tensor costs next to QSGD (4:
-    float32 in PyTorch, 8: float64 with the TensorFlow adapter). An error if the counters are not a
-    whole number of steps."""
-    if args.compression == "none":
-        return 4 * numel, 0
-    if args.compression == "fp16":
-        return 2 * numel, 0
-    total = stats["bytes_sent"] + raw_bytes * stats["raw_elements"]
+    float32 in PyTorch, 8: float64 with the TensorFlow adapter). With ``sgd`` and ``efsgdm`` every
+    step sends the same: an error if the counters are not a whole number of steps. ``dqsgd`` (bits
+    vary by step) and ``pqasgd`` (only syncs send) give the mean over the steps, a float where it
+    does not divide."""
+    if not uses_compressor(args):
+        return bytes_so_far(args, numel, stats, 1, raw_bytes), 0
+    total = bytes_so_far(args, numel, stats, steps, raw_bytes)
+    control = stats["tensors"] * 8 * protocol.control_length(size)
+    if args.method in ("dqsgd", "pqasgd"):
+        return _exact(total, steps), _exact(control, steps)
     if total % steps or stats["tensors"] % steps:
         raise SystemExit(f"[digits] error: the compressor's counters {stats} are not a multiple of "
                          f"{steps} steps")
-    control = stats["tensors"] // steps * 8 * protocol.control_length(size)
-    return total // steps, control
+    return total // steps, control // steps
 
 
 def results(args, compression, named_sizes, *, size, epochs, steps, test_accuracy, per_step,
             control_per_step, train_time, checksums, stats, framework=None,
-            raw_bytes_per_element=None, test_loss=None, first_step=None):
+            raw_bytes_per_element=None, test_loss=None, first_step=None, method_info=None,
+            bytes_total=None, curve=None):
     """Rank 0's results, in the order of the JSON keys.
 
     ``named_sizes``: ``(name, number of elements)`` of every parameter, in order; ``checksums``: the
     :func:`checksum` of every rank. The keys ``framework``, ``raw_bytes_per_element`` (None unless
     QSGD), ``test_loss`` and ``first_step_s`` are there only for the examples that give them (the
-    TensorFlow ones)."""
-    qsgd = args.compression == "qsgd"
+    TensorFlow ones); ``method`` with the method's settings (``method_info``), ``bytes_sent_total``
+    and ``curve`` (one point per epoch: epoch, step, bytes_sent_so_far, test_accuracy) only for the
+    PyTorch one. For ``dqsgd`` ``bits`` is None (they vary; ``budget_bits_per_coord`` is the
+    budget), and so is ``bucket_size`` unless --bucket-size fixes it."""
+    comp = uses_compressor(args)
     none_bytes = 4 * sum(n for _, n in named_sizes)
+    dynamic = args.method == "dqsgd"
     r = {}
     if framework is not None:
         r["framework"] = framework
+    if method_info is not None:
+        r["method"] = args.method
+        r.update(method_info)
     r.update(
         compression=args.compression,
-        compressor=repr(compression) if qsgd else None,
-        bits=compression.settings.bits if qsgd else None,
-        bucket_size=compression.settings.bucket_size if qsgd else None,
-        min_numel=compression.settings.min_numel if qsgd else None,
-        error_feedback=args.error_feedback if qsgd else None,
-        quantized=[name for name, n in named_sizes if n >= args.min_numel] if qsgd else [],
+        compressor=repr(compression) if comp else None,
+        bits=compression.settings.bits if comp and not dynamic else None,
+        bucket_size=(compression.settings.bucket_size
+                     if comp and not (dynamic and args.bucket_size is None) else None),
+        min_numel=compression.settings.min_numel if comp else None,
+        error_feedback=compression.settings.error_feedback if comp else None,
+        quantized=[name for name, n in named_sizes if n >= args.min_numel] if comp else [],
     )
     if raw_bytes_per_element is not None:
-        r["raw_bytes_per_element"] = raw_bytes_per_element if qsgd else None
+        r["raw_bytes_per_element"] = raw_bytes_per_element if comp else None
     r.update(np=size, epochs=epochs, batch_size=args.batch_size, lr=args.lr,
              momentum=args.momentum, seed=args.seed, steps=steps, test_accuracy=test_accuracy)
     if test_loss is not None:
@@ -213,26 +326,37 @@ def results(args, compression, named_sizes, *, size, epochs, steps, test_accurac
     r.update(bytes_per_step=per_step, bytes_per_step_none=none_bytes,
              ratio_vs_none=per_step / none_bytes, control_bytes_per_step=control_per_step,
              train_time_s=train_time)
+    if bytes_total is not None:
+        r["bytes_sent_total"] = bytes_total
     if first_step is not None:
         r["first_step_s"] = first_step
     r.update(params_identical=len(set(checksums)) == 1,
              param_checksums=[f"{s:016x}" for s in checksums], stats=stats)
+    if curve is not None:
+        r["curve"] = curve
     return r
+
+
+def _count(v):
+    """A byte count for the summary line: 1,234 (or 1,234.5 for a mean that is not whole)."""
+    return f"{v:,}" if isinstance(v, int) else f"{v:,.1f}"
 
 
 def report(args, r, what="parameters"):
     """Prints rank 0's summary of :func:`results` ``r``, writes it to --json, and fails (SystemExit)
     if the ranks' parameters differ. ``what``: the word for them ("weights" in Keras)."""
-    qsgd = args.compression == "qsgd"
+    comp = uses_compressor(args)
     loss = f" (loss {r['test_loss']:.4f})" if "test_loss" in r else ""
     # The TensorFlow examples say how their uncompressed tensors travel (float64).
     raw = (f"; uncompressed tensors as float{8 * r['raw_bytes_per_element']}"
-           if qsgd and r.get("raw_bytes_per_element") else "")
+           if comp and r.get("raw_bytes_per_element") else "")
     first = f" (first step {r['first_step_s']:.2f} s)" if "first_step_s" in r else ""
-    print(f"[digits] {args.compression}: test accuracy {r['test_accuracy']:.4f}{loss} after "
-          f"{r['steps']} steps, {r['bytes_per_step']:,} bytes sent per step by rank 0 "
+    label = args.compression if args.method == "sgd" else method_label(args)
+    mean = " (mean)" if args.method in ("dqsgd", "pqasgd") else ""
+    print(f"[digits] {label}: test accuracy {r['test_accuracy']:.4f}{loss} after "
+          f"{r['steps']} steps, {_count(r['bytes_per_step'])} bytes sent per step{mean} by rank 0 "
           f"({r['ratio_vs_none']:.3f} of float32"
-          + (f"{raw}; + {r['control_bytes_per_step']} control bytes" if qsgd else "")
+          + (f"{raw}; + {_count(r['control_bytes_per_step'])} control bytes" if comp else "")
           + f"), training {r['train_time_s']:.2f} s{first}, "
           f"{what} bit-identical on all {r['np']} ranks: {r['params_identical']}", flush=True)
     if args.json:
