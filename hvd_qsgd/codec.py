@@ -15,6 +15,20 @@ so E[Q(v)] = v (unbiased). With b >= 2 bits a coordinate carries a sign bit and 
 s = 2^(b-1) - 1 (QSGD(2) is ternary, QSGD(4) has s = 7, QSGD(8) has s = 127). QSGD(1) is the
 two-point quantizer Q(v_i) in {-scale, +scale} with P(+scale) = (1 + v_i / scale) / 2.
 
+norm="sign" (bits=1, coding="fixed" only) is not QSGD but the blockwise scaled sign compressor of
+dist-EF-SGDM (Zheng, Huang & Kwok, NeurIPS 2019): per bucket v of d elements (the last bucket may be
+shorter: d is its own length)
+
+    C(v) = (||v||_1 / d) * sign(v),   sign(v_i) = +1 for v_i >= 0 (+0 and -0 included), -1 below,
+
+deterministic (the seed is not used). The scale ||v||_1 / d, the mean |v_i|, is summed in float64 in
+a fixed order, divided by d in float64 and rounded to float32 (docs/wire-format.md), identically on
+CPU and CUDA. C is biased, with ||C(v) - v||_2^2 = ||v||_2^2 - ||v||_1^2 / d <= (1 - 1/d) ||v||_2^2
+(a contraction, the property error feedback needs); it is meant for error feedback, which keeps
+v - C(v) and adds it back at the next step. The payload is a QSGD(1) payload with the norm field 2,
+and decodes as one. A bucket holding a NaN decodes to NaN, one holding an Inf (and no NaN) to +Inf,
+as with the other norms.
+
 Variance (Lemma 3.1 of the paper, norm="l2", b >= 2): E||Q(v) - v||^2 <= min(d/s^2, sqrt(d)/s) ||v||^2
 per bucket of d elements. With norm="max" each coordinate's variance is at most (scale/s)^2 / 4.
 
@@ -36,7 +50,8 @@ import numpy as np
 from hvd_qsgd import _native
 
 CODINGS = {"fixed": 0, "elias": 1}
-NORMS = {"max": 0, "l2": 1}
+NORMS = {"max": 0, "l2": 1, "sign": 2}
+NORM_NAMES = ("max", "l2", "sign")
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 MAX_BUCKET = 0x7FFFFFFF
@@ -117,6 +132,11 @@ def make_config(bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fin
         norm=_check_choice("norm", norm, NORMS), dtype=_check_choice("dtype", dtype, DTYPES),
         bucket_size=_check_bucket(bucket_size), flags=FLAG_CHECKSUM if checksum else 0,
         seed=_check_u64("seed", seed), fingerprint=_check_u64("fingerprint", fingerprint))
+    if norm == "sign" and cfg.bits != 1:
+        raise ValueError(f"norm='sign' needs bits=1 (the scaled sign is one bit per coordinate), got bits={bits!r}")
+    if norm == "sign" and coding != "fixed":
+        raise ValueError(f"norm='sign' needs coding='fixed' (one bit per coordinate has nothing for the Elias "
+                         f"coding to skip), got coding={coding!r}")
     if coding == "elias" and cfg.bits < 2:
         raise ValueError("coding='elias' needs bits >= 2 (QSGD(1) has no zero level to skip)")
     return cfg
@@ -174,6 +194,8 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", finge
            checksum=True, name="tensor", source_dtype=None):
     """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
 
+    ``norm``: the bucket scale, "max" or "l2" (QSGD), or "sign" (with ``bits=1`` and the fixed coding:
+    the deterministic scaled sign, mean |v| * sign(v) per bucket; see the module docstring).
     ``seed`` selects the random stream (use a different seed per step and tensor); ``fingerprint``
     identifies the tensor (see ``tensor_fingerprint()``); ``checksum`` adds a checksum the decoder verifies.
     ``source_dtype`` ("float32", "float16" or "bfloat16") overrides the dtype recorded in the header,
@@ -216,7 +238,7 @@ def _raw_fields(p):
 def _header_from_c(h):
     return Header(
         version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
-        norm=("max", "l2")[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
+        norm=NORM_NAMES[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
         bucket_size=h.bucket_size, numel=h.numel, payload_len=h.payload_len,
         fingerprint=h.fingerprint, segment_buckets=h.segment_buckets, checksum=h.checksum)
 

@@ -10,6 +10,12 @@
  *   b == 1: the two-point quantizer Q(x) in {-scale, +scale}, P(+scale) = (1 + x/scale) / 2.
  *   scale is the bucket's max |x| (norm = QSGD_NORM_MAX, the QSGD paper's experiments) or its
  *   L2 norm (QSGD_NORM_L2, the paper's analysis).
+ * Scaled sign (norm = QSGD_NORM_SIGN; b == 1 and the fixed coding only): the blockwise scaled sign
+ *   compressor of dist-EF-SGDM (Zheng, Huang & Kwok, NeurIPS 2019), C(v) = ||v||_1 / |v| * sign(v)
+ *   per bucket v: scale = the bucket's mean |x| (qsgd_math.h states the summation order), and the
+ *   code of x is its sign, with no randomness (x >= 0, +0 and -0 included, decodes to +scale, x < 0
+ *   to -scale). The payload is laid out, and decodes, exactly as a QSGD(1) payload. Biased: meant to
+ *   be used with error feedback.
  *
  * Every function returns QSGD_OK (0) or a negative qsgd_status; none aborts, none reads or writes
  * outside the buffers whose sizes it is given.
@@ -24,20 +30,21 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 3
+#define QSGD_ABI_VERSION 4
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
 #define QSGD_MAX_BUCKET 0x7fffffffu
 
 enum qsgd_coding { QSGD_CODING_FIXED = 0, QSGD_CODING_ELIAS = 1 };
-enum qsgd_norm { QSGD_NORM_MAX = 0, QSGD_NORM_L2 = 1 };
+enum qsgd_norm { QSGD_NORM_MAX = 0, QSGD_NORM_L2 = 1, QSGD_NORM_SIGN = 2 /* bits 1, fixed coding */ };
 enum qsgd_dtype { QSGD_DTYPE_F32 = 0, QSGD_DTYPE_F16 = 1, QSGD_DTYPE_BF16 = 2 };
 enum qsgd_flags { QSGD_FLAG_CHECKSUM = 1 };
 
 typedef enum qsgd_status {
   QSGD_OK = 0,
-  QSGD_E_ARG = -1,            /* invalid argument (bits, bucket size, norm, coding, dtype, NULL) */
+  QSGD_E_ARG = -1,            /* invalid argument (bits, bucket size, norm, coding, dtype, NULL, or a
+                                 combination: norm QSGD_NORM_SIGN needs bits 1 and the fixed coding) */
   QSGD_E_CAPACITY = -2,       /* output buffer too small */
   QSGD_E_TRUNCATED = -3,      /* payload shorter than its header or its declared length */
   QSGD_E_MAGIC = -4,          /* not a hvd_qsgd payload */
@@ -63,7 +70,7 @@ typedef enum qsgd_status {
 typedef struct qsgd_config {
   int32_t bits;          /* 1..8 */
   int32_t coding;        /* qsgd_coding */
-  int32_t norm;          /* qsgd_norm */
+  int32_t norm;          /* qsgd_norm (QSGD_NORM_SIGN: bits == 1 and coding == QSGD_CODING_FIXED) */
   int32_t dtype;         /* qsgd_dtype of the source tensor (recorded; input is always fp32) */
   uint32_t bucket_size;  /* 1..QSGD_MAX_BUCKET elements per scale */
   uint32_t flags;        /* qsgd_flags */

@@ -43,21 +43,29 @@ float load_scale(const uint8_t* scales, uint64_t b) {
 }
 void store_scale(uint8_t* scales, uint64_t b, float v) { memcpy(scales + 4 * b, &v, 4); }
 
-float bucket_scale(const float* x, uint64_t n, int norm) {
-  uint32_t m = 0;
-  for (uint64_t k = 0; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
-  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
+/* The folded lane sum of qsgd_lane_term over a bucket (qsgd_math.h: 32 lanes, lane j holding
+ * elements j, j+32, ... in order, folded j += j+16, 8, 4, 2, 1). */
+template <int NORM>
+static double lane_sum(const float* x, uint64_t n) {
   double lane[QSGD_L2_LANES] = {0};
   const uint64_t full = n / QSGD_L2_LANES;
   for (uint64_t r = 0; r < full; ++r) {
     const float* p = x + r * QSGD_L2_LANES;
-    for (int j = 0; j < QSGD_L2_LANES; ++j) lane[j] += (double)p[j] * (double)p[j];
+    for (int j = 0; j < QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
   }
   const float* p = x + full * QSGD_L2_LANES;
-  for (uint64_t j = 0; j < n % QSGD_L2_LANES; ++j) lane[j] += (double)p[j] * (double)p[j];
+  for (uint64_t j = 0; j < n % QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
   for (int off = QSGD_L2_LANES / 2; off > 0; off /= 2)
     for (int j = 0; j < off; ++j) lane[j] = lane[j] + lane[j + off];
-  return qsgd_scale_from_sumsq(lane[0], m);
+  return lane[0];
+}
+
+float bucket_scale(const float* x, uint64_t n, int norm) {
+  uint32_t m = 0;
+  for (uint64_t k = 0; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
+  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
+  if (norm == QSGD_NORM_SIGN) return qsgd_scale_from_l1(lane_sum<QSGD_NORM_SIGN>(x, n), n, m);
+  return qsgd_scale_from_sumsq(lane_sum<QSGD_NORM_L2>(x, n), m);
 }
 
 template <int BITS>
@@ -83,6 +91,14 @@ void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float 
     dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, m, key, lo, scale, codes); });
     x += m, codes += m, i0 += m, n -= m;
   }
+}
+
+void sign_run(const float* __restrict x, uint64_t n, float scale, uint8_t* __restrict codes) {
+  if (!qsgd_scale_quantizes(scale)) {
+    memset(codes, 0, n);
+    return;
+  }
+  for (uint64_t k = 0; k < n; ++k) codes[k] = (uint8_t)qsgd_sign_code(x[k]);
 }
 
 int32_t check_scales(const uint8_t* scales, uint64_t nb) {
@@ -223,10 +239,11 @@ extern "C" int32_t qsgd_parse_header(const uint8_t* p, uint64_t len, qsgd_header
   h->checksum = qsgd_load_le(p + 48, 8);
   if (h->magic != QSGD_MAGIC) return QSGD_E_MAGIC;
   if (h->version != QSGD_WIRE_VERSION) return QSGD_E_VERSION;
-  if (h->coding > QSGD_CODING_ELIAS || h->bits < 1 || h->bits > 8 || h->norm > QSGD_NORM_L2 ||
+  if (h->coding > QSGD_CODING_ELIAS || h->bits < 1 || h->bits > 8 || h->norm > QSGD_NORM_SIGN ||
       h->dtype > QSGD_DTYPE_BF16 || (h->flags & ~QSGD_FLAG_CHECKSUM) || h->reserved0 ||
       h->reserved1 || h->bucket_size < 1 || h->bucket_size > QSGD_MAX_BUCKET ||
-      h->numel > (1ull << 56) || (h->coding == QSGD_CODING_ELIAS && h->bits < 2))
+      h->numel > (1ull << 56) || (h->coding == QSGD_CODING_ELIAS && h->bits < 2) ||
+      (h->norm == QSGD_NORM_SIGN && (h->bits != 1 || h->coding != QSGD_CODING_FIXED)))
     return QSGD_E_HEADER;
   if (h->coding == QSGD_CODING_FIXED) {
     if (h->segment_buckets != 0) return QSGD_E_HEADER;
@@ -288,7 +305,8 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       store_scale(scales, b, scale);
       for (uint64_t i = lo; i < hi;) {
         const uint64_t take = std::min(hi - i, kStage - staged);
-        quantize_run(x + i, take, i, cfg->seed, scale, bits, stage + staged);
+        if (cfg->norm == QSGD_NORM_SIGN) sign_run(x + i, take, scale, stage + staged);
+        else quantize_run(x + i, take, i, cfg->seed, scale, bits, stage + staged);
         staged += take, i += take;
         if (staged == kStage) {
           pack_bits(bits, stage, kStage, data + pos / 8 * bits);

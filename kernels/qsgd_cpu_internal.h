@@ -60,12 +60,16 @@ int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& 
   return status;
 }
 
-/* The bucket's stored scale (qsgd_math.h: max or L2). */
+/* The bucket's stored scale (qsgd_math.h: max, L2 or the sign norm's mean |x|). */
 float bucket_scale(const float* x, uint64_t n, int norm);
 
 /* codes[k] = quantized code of x[k], element index i0 + k, for one bucket's scale. */
 void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
                   uint8_t* codes);
+
+/* codes[k] = the sign norm's code of x[k] (qsgd_sign_code), all zero where the scale does not
+ * quantize. */
+void sign_run(const float* x, uint64_t n, float scale, uint8_t* codes);
 
 /* Scales are stored little-endian fp32 right after the header. */
 float load_scale(const uint8_t* scales, uint64_t b);

@@ -3,8 +3,8 @@
  * (qsgd_math.h), compiled with --fmad=false, so payloads are bit-identical to qsgd_encode_cpu and
  * decode_sum results to qsgd_decode_sum_cpu. Everything is stream-ordered on the caller's stream.
  *
- *   encode:     header kernel -> bucket scales (one warp per bucket, the L2 lane order of
- *               qsgd_math.h) -> quantize + pack (one thread per group of 8 elements, which owns
+ *   encode:     header kernel -> bucket scales (one warp per bucket, the L2 / L1 lane order of
+ *               qsgd_math.h) -> quantize (or the sign norm's sign) + pack (one thread per group of 8 elements, which owns
  *               exactly `bits` bytes of the stream) -> checksum (order-free integer sum).
  *   decode_sum: verify (checksums, scales, padding -> *d_status) -> decode-and-accumulate, one
  *               thread per group of 8 output elements, payloads summed in order p = 0, 1, ...
@@ -54,11 +54,12 @@ __global__ void scales_kernel(const float* __restrict__ x, uint64_t numel, uint3
   if (norm == QSGD_NORM_MAX) {
     scale = qsgd_scale_from_absmax_bits(m);
   } else {
+    /* lane j sums the terms (x^2, or |x| for the sign norm) of elements j, j+32, ... in order */
     double acc = 0.0;
-    for (uint64_t i = lo + lane; i < hi; i += 32) acc += (double)x[i] * (double)x[i];
+    for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(x[i], norm);
     /* lane j += lane j + off, off = 16, 8, 4, 2, 1: the fold of qsgd_math.h */
     for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-    scale = qsgd_scale_from_sumsq(acc, m);
+    scale = norm == QSGD_NORM_SIGN ? qsgd_scale_from_l1(acc, hi - lo, m) : qsgd_scale_from_sumsq(acc, m);
   }
   if (lane == 0) scales[b] = scale;
 }
@@ -88,7 +89,7 @@ __device__ __forceinline__ uint64_t load_group(const uint8_t* src) {
 /* One thread per group of 8 elements. data is 4-byte aligned (56 + 4 * nb bytes from a 4-byte
  * aligned payload), so the group stores of 1, 2, 4 and 8 bits are aligned. */
 template <int BITS>
-__global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
+__global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed, int norm,
                             const float* __restrict__ scales, uint8_t* __restrict__ data) {
   const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t i0 = 8 * g;
@@ -100,9 +101,10 @@ __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_
   for (int j = 0; j < n; ++j) {
     const uint64_t i = i0 + j;
     const float scale = scales[i / B];
-    const uint32_t code = qsgd_scale_quantizes(scale)
-                              ? qsgd_quantize(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS)
-                              : 0u;
+    uint32_t code = 0u;
+    if (qsgd_scale_quantizes(scale))
+      code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(x[i])
+                                    : qsgd_quantize(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS);
     v |= (uint64_t)code << (j * BITS);
   }
   uint8_t* dst = data + g * BITS;
@@ -210,10 +212,10 @@ inline unsigned blocks_for(uint64_t threads) {
 }
 
 template <int BITS>
-void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, const float* scales,
+void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int norm, const float* scales,
                  uint8_t* data, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
-  if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, scales, data);
+  if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, norm, scales, data);
 }
 
 template <int BITS>
@@ -268,7 +270,7 @@ extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_c
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
   QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len);
   if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
-  QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, scales, data, s);
+  QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
   if (cfg->flags & QSGD_FLAG_CHECKSUM) {
     unsigned long long* sum = nullptr;
     QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&sum), sizeof(*sum), s));

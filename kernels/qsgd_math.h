@@ -70,7 +70,12 @@ QSGD_HD int32_t qsgd_levels_of(int32_t bits) {
  * lane j sums elements j, j+32, j+64, ... of the bucket in increasing order -- and the 32 lane sums
  * folded pairwise (lane j += lane j+16, then j+8, j+4, j+2, j+1): one fixed order for both
  * libraries. Rounded to float; NaN if any element is NaN, else Inf if any is infinite. A NaN
- * scale is stored as the canonical quiet NaN 0x7fc00000. */
+ * scale is stored as the canonical quiet NaN 0x7fc00000.
+ * sign norm (the mean |x|): the L1 sum of |x| in double (each |x| exact), in the same 32 lanes and
+ * the same fold as the L2 sum, then divided in double by the bucket's own length n (exact in
+ * double: n < 2^31) and rounded to float: scale = (float)(l1 / (double)n). NaN if any element is
+ * NaN, else +Inf if any is infinite (as for the other norms); finite data gives a finite scale
+ * (the mean is at most max |x|). */
 #define QSGD_L2_LANES 32
 #define QSGD_CANONICAL_NAN_BITS 0x7FC00000u
 
@@ -99,6 +104,19 @@ QSGD_HD float qsgd_scale_from_sumsq(double sumsq, uint32_t absmax_bits) {
   return f > 3.40282347e38f ? qsgd_u2f(absmax_bits) : f;
 }
 
+/* The stored scale of the sign norm from the folded L1 sum, the bucket length n and the bucket's
+ * largest |x| bit pattern. */
+QSGD_HD float qsgd_scale_from_l1(double l1, uint64_t n, uint32_t absmax_bits) {
+  if (absmax_bits >= 0x7F800000u) return qsgd_scale_from_absmax_bits(absmax_bits); /* NaN / Inf */
+  return (float)(l1 / (double)n);
+}
+
+/* The lane term of a bucket's L2 (x^2) or L1 (|x|) sum, in double: exact either way. */
+QSGD_HD double qsgd_lane_term(float x, int norm) {
+  const double d = (double)x;
+  return norm == QSGD_NORM_SIGN ? (d < 0.0 ? -d : d) : d * d;
+}
+
 /* A scale is usable for quantizing when it is finite and positive; a zero bucket and a bucket with
  * a non-finite scale get all-zero codes (and decode to 0, respectively to NaN/Inf, since the decoder
  * multiplies by the scale). */
@@ -125,6 +143,11 @@ QSGD_HD uint32_t qsgd_quantize(float x, float scale, float s, uint32_t u24, int 
   const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
   return (neg << (bits - 1)) | l;
 }
+
+/* The sign norm's code of x: the sign alone, deterministic: 1 (decodes to -scale) iff x < 0, so
+ * +0 and -0 both give 0 (+scale). Like every code, only used where qsgd_scale_quantizes(scale);
+ * a bucket whose scale is 0, NaN or Inf gets all-zero codes. */
+QSGD_HD uint32_t qsgd_sign_code(float x) { return x < 0.0f ? 1u : 0u; }
 
 /* The decoded value of a code, given step = scale / s (computed once per bucket as scale / s). */
 QSGD_HD float qsgd_dequantize(uint32_t code, float step, int bits) {
@@ -196,8 +219,11 @@ QSGD_HD int32_t qsgd_check_config(const qsgd_config* cfg) {
   if (!cfg) return QSGD_E_ARG;
   if (cfg->bits < 1 || cfg->bits > 8) return QSGD_E_ARG;
   if (cfg->bucket_size < 1 || cfg->bucket_size > QSGD_MAX_BUCKET) return QSGD_E_ARG;
-  if (cfg->norm != QSGD_NORM_MAX && cfg->norm != QSGD_NORM_L2) return QSGD_E_ARG;
+  if (cfg->norm != QSGD_NORM_MAX && cfg->norm != QSGD_NORM_L2 && cfg->norm != QSGD_NORM_SIGN)
+    return QSGD_E_ARG;
   if (cfg->coding != QSGD_CODING_FIXED && cfg->coding != QSGD_CODING_ELIAS) return QSGD_E_ARG;
+  if (cfg->norm == QSGD_NORM_SIGN && (cfg->bits != 1 || cfg->coding != QSGD_CODING_FIXED))
+    return QSGD_E_ARG;
   if (cfg->coding == QSGD_CODING_ELIAS && cfg->bits < 2) return QSGD_E_ARG;
   if (cfg->dtype < QSGD_DTYPE_F32 || cfg->dtype > QSGD_DTYPE_BF16) return QSGD_E_ARG;
   if (cfg->flags & ~(uint32_t)QSGD_FLAG_CHECKSUM) return QSGD_E_ARG;

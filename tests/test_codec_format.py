@@ -278,3 +278,170 @@ def test_l2_scale_follows_the_documented_summation_order():
     assert documented_l2_scale(x) == np.float32(1.0) + np.finfo(np.float32).eps
     p = codec.encode(x, bits=4, bucket_size=32, norm="l2")
     assert p[56:60].view(np.float32)[0] == documented_l2_scale(x)
+
+
+# ---- norm="sign": the scaled sign of dist-EF-SGDM ------------------------------------------------
+def documented_sign_scales(x, bucket):
+    """The sign norm's bucket scales as docs/wire-format.md states them: sum |x| in float64 in 32 lanes
+    (lane j: elements j, j+32, ... of the bucket, in order), lanes folded j += j+16, 8, 4, 2, 1, the
+    sum divided in float64 by the bucket's own length and rounded to float32."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    out = []
+    for b in range(0, x.size, bucket):
+        v = np.abs(x[b:b + bucket].astype(np.float64))
+        rows = -(-v.size // 32)
+        a = np.zeros(rows * 32)  # zero padding adds +0.0: no change to a lane's sum
+        a[:v.size] = v
+        a = a.reshape(rows, 32)
+        lane = np.zeros(32)
+        for r in range(rows):  # in order, lane by lane
+            lane = lane + a[r]
+        off = 16
+        while off:
+            lane[:off] = lane[:off] + lane[off:2 * off]
+            off //= 2
+        if np.isnan(v).any():
+            out.append(np.float32(np.nan))
+        elif np.isinf(v).any():
+            out.append(np.float32(np.inf))
+        else:
+            out.append(np.float32(lane[0] / v.size))
+    return np.array(out, np.float32)
+
+
+def documented_sign_decode(x, bucket):
+    """decode(encode(x, bits=1, norm="sign")) re-stated: +scale where x >= 0 (+0 and -0 included),
+    -scale where x < 0; a bucket whose scale is 0, NaN or Inf has all-zero codes, decoding to +scale
+    (+0.0, NaN, +Inf) in every element."""
+    x = np.asarray(x, np.float32).reshape(-1)
+    s = np.repeat(documented_sign_scales(x, bucket), bucket)[:x.size]
+    quantizes = (s > 0) & np.isfinite(s)
+    return np.where(quantizes & (x < 0), -s, s).astype(np.float32)
+
+
+@pytest.mark.parametrize("numel", [0, 1, 7, 31, 32, 33, 1000, 4099])
+@pytest.mark.parametrize("bucket", [1, 3, 32, 100, 512])
+def test_sign_norm_is_the_documented_scaled_sign(numel, bucket):
+    x = _rand(numel, 30) * np.float32(3)
+    x[::17] = 0.0
+    x[5::23] = -0.0
+    p = codec.encode(x, bits=1, bucket_size=bucket, norm="sign", seed=3)
+    assert p.size == codec.payload_nbytes(numel, 1, bucket)
+    h = codec.read_header(p)
+    assert (h.norm, h.bits, h.coding, h.numel) == ("sign", 1, "fixed", numel)
+    assert p[7] == 2  # the header's norm field
+    nb = math.ceil(numel / bucket)
+    np.testing.assert_array_equal(p[56:56 + 4 * nb].view(np.float32), documented_sign_scales(x, bucket))
+    y = codec.decode(p)
+    want = documented_sign_decode(x, bucket)
+    np.testing.assert_array_equal(y, want)  # exact: scales and signs
+    assert not np.signbit(y[x >= 0]).any() and np.all(np.signbit(y[x < 0]) | (y[x < 0] == 0))
+
+
+def test_sign_norm_is_the_bucket_mean_of_abs_times_sign():
+    """The math, with a bucket length that is not a multiple of 32 and a short last bucket."""
+    x = _rand(1000, 31)
+    y = codec.decode(codec.encode(x, bits=1, bucket_size=300, norm="sign"))
+    for b in range(0, 1000, 300):
+        v = x[b:b + 300].astype(np.float64)
+        mean = np.abs(v).sum() / v.size  # last bucket: 100 elements, its own length
+        np.testing.assert_allclose(y[b:b + 300], np.where(v >= 0, mean, -mean), rtol=1e-6)
+
+
+def test_sign_norm_is_deterministic_and_ignores_the_seed():
+    x = _rand(300_001, 32)  # large enough for the parallel path
+    a = codec.encode(x, bits=1, norm="sign", seed=1)
+    np.testing.assert_array_equal(codec.encode(x, bits=1, norm="sign", seed=2**64 - 1), a)
+    before = codec.get_num_threads()
+    try:
+        codec.set_num_threads(1)
+        b = codec.encode(x, bits=1, norm="sign", seed=1)
+        codec.set_num_threads(3)
+        c = codec.encode(x, bits=1, norm="sign", seed=1)
+    finally:
+        codec.set_num_threads(before)
+    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(a, c)
+    np.testing.assert_array_equal(codec.decode(a), documented_sign_decode(x, 512))
+
+
+def test_sign_norm_zero_buckets_decode_to_positive_zero():
+    x = np.zeros(1100, np.float32)
+    x[512:1024] = -0.0
+    x[1030] = -2.0  # the short last bucket is not zero
+    y = codec.decode(codec.encode(x, bits=1, norm="sign"))
+    assert np.all(y[:1024] == 0) and not np.signbit(y[:1024]).any()
+    mean = np.float32(2.0 / 76)
+    assert y[1030] == -mean and np.all(np.delete(y[1024:], 6) == mean)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_sign_norm_non_finite_bucket_decodes_non_finite(bad):
+    """The contract of the other norms: a bucket holding a NaN decodes to NaN in every element, one
+    holding an Inf (and no NaN) to +Inf (the QSGD(1) decode of all-zero codes); no other bucket changes."""
+    x = _rand(2048, 33)
+    x[700] = bad  # bucket 1 of 4
+    p = codec.encode(x, bits=1, norm="sign")
+    y = codec.decode(p)
+    if bad != bad:
+        assert np.all(np.isnan(y[512:1024]))
+        assert p[56 + 4:56 + 8].view(np.uint32)[0] == 0x7FC00000  # the canonical NaN
+    else:
+        assert np.all(y[512:1024] == np.inf)
+    x2 = x.copy()
+    x2[512:1024] = 0
+    y2 = codec.decode(codec.encode(x2, bits=1, norm="sign"))
+    np.testing.assert_array_equal(np.delete(y, np.s_[512:1024]), np.delete(y2, np.s_[512:1024]))
+    np.testing.assert_array_equal(y, documented_sign_decode(x, 512))
+    both = x.copy()
+    both[701] = np.nan
+    assert np.all(np.isnan(codec.decode(codec.encode(both, bits=1, norm="sign"))[512:1024]))
+
+
+def test_sign_norm_huge_and_tiny_values():
+    x = np.full(512, 3e38, dtype=np.float32)
+    x[::2] *= -1
+    y = codec.decode(codec.encode(x, bits=1, norm="sign"))  # the L1 sum overflows fp32, not fp64
+    np.testing.assert_array_equal(y, x)
+    tiny = np.zeros(512, np.float32)
+    tiny[3] = -1e-45  # the mean, 1.4e-45 / 512, rounds to 0: a zero scale, decoding to +0.0
+    y = codec.decode(codec.encode(tiny, bits=1, norm="sign"))
+    assert np.all(y == 0) and not np.signbit(y).any()
+    y = codec.decode(codec.encode(tiny, bits=1, bucket_size=1, norm="sign"))
+    np.testing.assert_array_equal(y, tiny)  # a bucket of one: exact
+
+
+def test_sign_norm_payloads_sum_like_qsgd1_payloads():
+    xs = [_rand(5000, 40 + r) for r in range(3)]
+    ps = [codec.encode(x, bits=1, bucket_size=128, norm="sign") for x in xs]
+    acc = np.zeros(5000, np.float32)
+    for x in xs:
+        acc = (acc + documented_sign_decode(x, 128)).astype(np.float32)
+    np.testing.assert_array_equal(codec.decode_sum(ps, scale=1 / 3), np.float32(1 / 3) * acc)
+
+
+def l1_fold_order_bucket():
+    """A 32-element bucket whose sign-norm scale depends on the summation order of |x|.
+
+    |x| is 1 (element 0), 2^-24 (element 4) and eight of 2^-54 (elements 1, 5, ..., 29). Added one by
+    one in fp64 each 2^-54 is lost (a quarter ulp of 1), the sum is 1 + 2^-24, exactly the midpoint
+    between two floats once divided by 32, and the mean rounds to even: 1/32. In the documented order
+    the eight 2^-54 meet first (lanes 1, 5, 9, 13 after the first fold, then 1 and 5, then 1) and
+    survive as 2^-51, so the sum lies above the midpoint and the mean rounds up to (1 + 2^-23) / 32."""
+    x = np.zeros(32, np.float32)
+    x[0] = -1.0
+    x[[1, 5, 9, 13, 17, 21, 25, 29]] = np.float32(2.0 ** -54) * np.array([1, -1] * 4, np.float32)
+    x[4] = 2.0 ** -24
+    return x
+
+
+def test_sign_scale_follows_the_documented_summation_order():
+    x = l1_fold_order_bucket()
+    acc = 0.0
+    for v in x.astype(np.float64):
+        acc += abs(v)
+    assert np.float32(acc / 32) == np.float32(1 / 32)
+    want = np.float32((1 + 2.0 ** -23) / 32)
+    assert documented_sign_scales(x, 32)[0] == want
+    p = codec.encode(x, bits=1, bucket_size=32, norm="sign")
+    assert p[56:60].view(np.float32)[0] == want

@@ -153,3 +153,25 @@ def test_one_bit_variance_is_exact():
     # (Q-x)^2 is (S-x)^2 or (S+x)^2; its variance per coordinate is 4 x^2 (S^2 - x^2)
     se = math.sqrt((4 * x.astype(np.float64) ** 2 * var).sum() / Q.shape[0])
     assert abs(emp - var.sum()) <= 6 * se
+
+
+@pytest.mark.parametrize("bucket", [1, 100, 512])
+def test_scaled_sign_error_is_the_contraction_of_dist_ef_sgdm(bucket):
+    """norm="sign" (bits=1) is deterministic and biased: per bucket v of d elements, C(v) = mean|v| sign(v)
+    and ||C(v) - v||^2 = ||v||^2 - ||v||_1^2 / d <= (1 - 1/d) ||v||^2 exactly (Zheng, Huang & Kwok 2019);
+    the kernel's scale is that mean rounded to float32, so the identity holds to float32 rounding."""
+    x = _vector(4)
+    y = codec.decode(codec.encode(x, bits=1, bucket_size=bucket, norm="sign", seed=1)).astype(np.float64)
+    np.testing.assert_array_equal(y, codec.decode(codec.encode(x, bits=1, bucket_size=bucket, norm="sign", seed=2)))
+    for b in range(0, D, bucket):  # bucket 100: the last bucket has 48 elements, d is its own length
+        v, c = x[b:b + bucket].astype(np.float64), y[b:b + bucket]
+        d = v.size
+        err2, norm2 = ((c - v) ** 2).sum(), (v ** 2).sum()
+        identity = norm2 - np.abs(v).sum() ** 2 / d
+        # the mean minimizes ||m sign(v) - v||^2: its float32 rounding changes err2 only to second order
+        assert abs(err2 - identity) <= 1e-5 * err2 + 1e-9 * norm2, (b, err2, identity)
+        assert err2 <= (1 - 1 / d) * norm2 * (1 + 1e-6) + 1e-30
+    if bucket == 1:
+        np.testing.assert_array_equal(y, x)  # a bucket of one element is exact
+    else:
+        assert not np.allclose(y, x)  # biased: E[C(v)] = C(v) != v

@@ -1,5 +1,6 @@
 """The decoder checks every field: truncated, corrupted or mismatched payloads raise a ValueError
 (PayloadError) naming the problem, and nothing is read out of bounds (fuzzed with hypothesis)."""
+import ctypes
 import time
 
 import numpy as np
@@ -36,6 +37,11 @@ def _set(p, off, nbytes, value):
     (dict(seed=-1), "seed must be"), (dict(seed=2**64), "seed must be"),
     (dict(norm="l1"), "norm must be"), (dict(coding="huffman"), "coding must be"),
     (dict(fingerprint=-5), "fingerprint must be"),
+    (dict(norm="sign"), r"norm='sign' needs bits=1 .*got bits=4"),
+    (dict(norm="sign", bits=2), r"norm='sign' needs bits=1 .*got bits=2"),
+    (dict(norm="sign", bits=8), r"norm='sign' needs bits=1"),
+    (dict(norm="sign", bits=1, coding="elias"), r"norm='sign' needs coding='fixed'.*got coding='elias'"),
+    (dict(norm="sign", bits=3, coding="elias"), r"norm='sign' needs bits=1"),
 ])
 def test_invalid_parameters_name_the_parameter(kw, match):
     with pytest.raises(ValueError, match=match):
@@ -85,7 +91,8 @@ def test_trailing_bytes_are_refused():
     (5, 1, 3, "header"),          # coding
     (6, 1, 0, "header"),          # bits
     (6, 1, 9, "header"),
-    (7, 1, 2, "header"),          # norm
+    (7, 1, 2, "header"),          # norm: sign is only for bits 1 (this payload has 4)
+    (7, 1, 3, "header"),          # norm: no such norm
     (8, 1, 3, "header"),          # dtype
     (9, 1, 2, "header"),          # unknown flag
     (10, 2, 1, "header"),         # reserved
@@ -99,6 +106,32 @@ def test_trailing_bytes_are_refused():
 def test_header_fields_are_validated(off, nbytes, value, match):
     with pytest.raises(PayloadError, match=match):
         codec.decode(_set(_payload(), off, nbytes, value))
+
+
+def test_the_kernels_refuse_sign_with_other_bits_or_the_elias_coding():
+    lib = _native.load()
+    x = np.ones(100, np.float32)
+    out = np.empty(4096, np.uint8)
+    n = ctypes.c_uint64(0)
+    for bits, coding, norm, want in [(1, 0, 2, _native.OK), (2, 0, 2, _native.E_ARG), (8, 0, 2, _native.E_ARG),
+                                     (4, 1, 2, _native.E_ARG), (1, 0, 3, _native.E_ARG), (1, 0, -1, _native.E_ARG)]:
+        cfg = _native.Config(bits=bits, coding=coding, norm=norm, dtype=0, bucket_size=64, flags=1)
+        assert lib.qsgd_encode_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), out.ctypes.data, out.size,
+                                   ctypes.byref(n)) == want, (bits, coding, norm)
+
+
+@pytest.mark.parametrize("off,value", [(6, 2), (6, 8), (5, 1)])
+def test_a_sign_payload_claiming_other_bits_or_coding_is_refused(off, value):
+    p = _payload(bits=1, norm="sign")
+    assert codec.validate(p).norm == "sign"
+    with pytest.raises(PayloadError, match="header"):
+        codec.decode(_set(p, off, 1, value))
+
+
+def test_the_norm_field_does_not_change_decoding():
+    """The norm byte is informative: a QSGD(1) payload relabelled as norm 2 decodes to the same values."""
+    p = _payload(bits=1, norm="max")
+    np.testing.assert_array_equal(codec.decode(_set(p, 7, 1, 2)), codec.decode(p))
 
 
 def test_negative_scale_is_refused():
@@ -137,6 +170,11 @@ def test_decode_sum_refuses_payloads_of_different_tensors(field, kw):
         codec.decode_sum([base, other])
 
 
+def test_decode_sum_refuses_mixing_sign_and_qsgd1_payloads():
+    with pytest.raises(PayloadError, match="payload 1 of 2 has norm='max' but payload 0 has norm='sign'"):
+        codec.decode_sum([_payload(bits=1, norm="sign"), _payload(bits=1, norm="max")])
+
+
 def test_decode_sum_names_the_corrupt_payload_and_leaves_out_untouched():
     ps = [_payload(seed=i) for i in range(3)]
     ps[2] = ps[2].copy()
@@ -161,7 +199,8 @@ def test_split_payloads():
 # ---- fuzzing (bounded time) ----------------------------------------------------------------------
 SEEDS = [_payload(n, bits, coding, seed=n, bucket_size=b)
          for n, bits, coding, b in [(0, 4, "fixed", 512), (1, 1, "fixed", 3), (77, 3, "fixed", 8),
-                                    (1000, 8, "fixed", 100), (600, 2, "elias", 64), (2000, 5, "elias", 300)]]
+                                    (1000, 8, "fixed", 100), (600, 2, "elias", 64), (2000, 5, "elias", 300)]] + [
+    _payload(333, 1, "fixed", seed=3, bucket_size=40, norm="sign")]
 
 
 def _decode_or_error(p):

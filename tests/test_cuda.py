@@ -16,7 +16,7 @@ import pytest
 
 from hvd_qsgd import _native, codec
 from tests.conftest import ROOT
-from tests.test_codec_format import fold_order_bucket
+from tests.test_codec_format import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
 
 torch = pytest.importorskip("torch")
 
@@ -124,7 +124,7 @@ def _inputs(small):
 def test_encode_is_byte_identical_to_cpu(backend):
     emulated = isinstance(backend, EmulatedBackend)
     for bits in range(1, 9):
-        for norm in ("max", "l2"):
+        for norm in ("max", "l2", "sign") if bits == 1 else ("max", "l2"):
             for bucket in (1, 7, 128, 512, 4096):
                 for i, x in enumerate(_inputs(small=emulated)):
                     if emulated and bucket < 128 and x.size > 1000:
@@ -143,16 +143,43 @@ def test_l2_scale_summation_order_matches_cpu(backend):
     np.testing.assert_array_equal(backend.encode(x, bits=8, bucket_size=32, norm="l2"), cpu)
 
 
+def test_sign_scale_summation_order_matches_cpu(backend):
+    """The bucket whose sign-norm scale (mean |x|) exposes the order in which |x| is summed (see
+    tests/test_codec_format.py): the device must use the CPU's lanes and fold."""
+    x = np.concatenate([l1_fold_order_bucket(), -l1_fold_order_bucket()[::-1], l1_fold_order_bucket()[:20]])
+    cpu = codec.encode(x, bits=1, bucket_size=32, norm="sign")
+    assert cpu[56:60].view(np.float32)[0] == np.float32((1 + 2.0 ** -23) / 32)
+    np.testing.assert_array_equal(backend.encode(x, bits=1, bucket_size=32, norm="sign"), cpu)
+
+
+@pytest.mark.parametrize("bucket", [1, 32, 100, 512, 4096])
+def test_sign_norm_signs_zeros_and_non_finite_buckets_match_cpu(backend, bucket):
+    """-0, +0, zero buckets, NaN and Inf buckets, a short last bucket; any seed gives the same bytes."""
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal(5003).astype(np.float32)
+    x[::7], x[3::11] = 0.0, -0.0
+    x[1024:1536] = 0.0
+    x[2100], x[3000], x[3001] = np.nan, np.inf, -np.inf
+    x = x[:700] if isinstance(backend, EmulatedBackend) and bucket < 100 else x
+    cpu = codec.encode(x, bits=1, bucket_size=bucket, norm="sign", seed=5)
+    np.testing.assert_array_equal(backend.encode(x, bits=1, bucket_size=bucket, norm="sign", seed=77), cpu)
+    np.testing.assert_array_equal(backend.decode_sum([cpu], 1.0), documented_sign_decode(x, bucket))
+
+
 def test_decode_sum_is_bit_identical_to_cpu(backend):
     rng = np.random.default_rng(1)
     for bits in (1, 3, 4, 8):
         xs = [rng.standard_normal(20_001).astype(np.float32) for _ in range(5)]
         xs[2][100] = np.nan
         ps = [codec.encode(x, bits=bits, seed=k) for k, x in enumerate(xs)]
-        want = codec.decode_sum(ps, scale=0.2)
-        np.testing.assert_array_equal(backend.decode_sum(ps, 0.2), want)
+        if bits == 1:
+            ps += [codec.encode(x, bits=1, seed=k, norm="sign") for k, x in enumerate(xs)]
+        want = codec.decode_sum(ps[:5], scale=0.2)
+        if bits == 1:
+            np.testing.assert_array_equal(backend.decode_sum(ps[5:], 0.2), codec.decode_sum(ps[5:], scale=0.2))
+        np.testing.assert_array_equal(backend.decode_sum(ps[:5], 0.2), want)
         out = np.full(20_001, 3.0, np.float32)
-        backend.decode_sum(ps, 0.2, out=out, accumulate=True)
+        backend.decode_sum(ps[:5], 0.2, out=out, accumulate=True)
         np.testing.assert_array_equal(out, np.float32(3.0) + want)
 
 
