@@ -130,6 +130,10 @@ def load():
         lib.qsgd_reduce_chunk_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
                                               ctypes.POINTER(Config), _I32, _P, _U64, _P, _U64,
                                               ctypes.POINTER(_U64)]
+        lib.qsgd_reduce_chunk_ef_cpu.restype = _I32
+        lib.qsgd_reduce_chunk_ef_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
+                                                 ctypes.POINTER(Config), _I32, _P, _U64, _P, _U64,
+                                                 ctypes.POINTER(_U64), _P, _U64]
         lib.qsgd_decode_chunks_cpu.restype = _I32
         lib.qsgd_decode_chunks_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32, ctypes.c_float,
                                                _P, _U64, ctypes.c_uint32]

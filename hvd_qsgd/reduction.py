@@ -100,18 +100,38 @@ def _pointers(payloads):
         (ctypes.c_uint64 * len(ps))(*[p.size for p in ps])
 
 
-def reduce_chunk(payloads, j, settings, step_seed, fingerprint=0, source_dtype="float32", where="reduce_chunk"):
-    """The reduce step on rank j: re-quantize the sum of the ranks' chunk-j payloads (in rank order)."""
+def reduce_chunk(payloads, j, settings, step_seed, fingerprint=0, source_dtype="float32", where="reduce_chunk",
+                 residual=None):
+    """The reduce step on rank j: re-quantize the sum of the ranks' chunk-j payloads (in rank order).
+
+    With ``residual`` (a C-contiguous, writeable float32 NumPy array of the chunk's numel elements):
+    error feedback on the reducing rank (kernel ``qsgd_reduce_chunk_ef_cpu``). With S the fp32 sum of
+    the decoded payloads in rank order, v = S + residual (fp32), q = encode(v) with the seed of the
+    plain reduce step, and ``residual`` is updated in place to v - decode(q) wherever that is finite
+    (elsewhere -- v non-finite, its bucket decoded non-finite, or an overflow -- it keeps its value).
+    ``residual`` is left untouched when the step fails."""
     ps, ptrs, lens = _pointers(payloads)
     numel = codec.read_header(ps[0], f"{where}: payload 0").numel
+    if residual is not None and (not isinstance(residual, np.ndarray) or residual.dtype != np.float32
+                                 or residual.size != numel or not residual.flags.c_contiguous
+                                 or not residual.flags.writeable):
+        got = (f"{residual.dtype} with {residual.size} elements" if isinstance(residual, np.ndarray)
+               else type(residual).__name__)
+        raise ValueError(f"{where}: residual must be a C-contiguous, writeable float32 NumPy array of the chunk's "
+                         f"{numel} elements, got {got}")
     lib = _native.load()
     cfg = _config(settings, step_seed, fingerprint, source_dtype)
     scratch = np.empty(numel, dtype=np.float32)
     cap = codec.max_payload_nbytes(numel, cfg.bits, cfg.bucket_size, settings.coding)
     out = np.empty(cap, dtype=np.uint8)
     out_len = ctypes.c_uint64(0)
-    st = lib.qsgd_reduce_chunk_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data, numel,
-                                   out.ctypes.data, cap, ctypes.byref(out_len))
+    if residual is None:
+        st = lib.qsgd_reduce_chunk_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data, numel,
+                                       out.ctypes.data, cap, ctypes.byref(out_len))
+    else:
+        st = lib.qsgd_reduce_chunk_ef_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data,
+                                          numel, out.ctypes.data, cap, ctypes.byref(out_len),
+                                          residual.ctypes.data, residual.size)
     if st != _native.OK:
         _raise(st, where, ps)
     return out if out_len.value == cap else out[:out_len.value].copy()

@@ -169,6 +169,17 @@ int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config
 int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                               const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
                               uint8_t* out, uint64_t cap, uint64_t* out_len);
+/* qsgd_reduce_chunk_cpu with error feedback on the reducing rank: with S the fp32 sum of the count
+ * payloads (rank order, as qsgd_decode_sum_cpu) and r = residual[0:numel) (numel: the payloads'),
+ *   v = S + r  (fp32, element-wise);  q = encode(v) with the seed qsgd_chunk_seed(cfg->seed, j, 1);
+ *   residual[i] = v[i] - decode(q)[i]  where that is finite, else residual[i] keeps its value
+ * (so a NaN/Inf in v, a bucket decoded non-finite or an overflowing difference never enters the
+ * residual). residual_n must equal numel (QSGD_E_ARG otherwise) and scratch_n >= numel; residual is
+ * written only on success. */
+int32_t qsgd_reduce_chunk_ef_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
+                                 const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
+                                 uint8_t* out, uint64_t cap, uint64_t* out_len, float* residual,
+                                 uint64_t residual_n);
 /* out[chunk j] = alpha * decode(payload j) for the n reduced chunks of a numel-element tensor; a
  * payload whose numel is not its chunk's is QSGD_E_MISMATCH. out is unspecified on failure. */
 int32_t qsgd_decode_chunks_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t n, float alpha,

@@ -1,9 +1,11 @@
 // The chunk steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm):
 // one implementation for the NumPy/PyTorch binding (ctypes) and the TensorFlow ops. Each step is a
 // composition of the codec's encode and decode_sum over bucket-aligned chunks.
+#include <cmath>
 #include <vector>
 
 #include "qsgd.h"
+#include "qsgd_cpu_internal.h"
 
 namespace {
 
@@ -73,6 +75,36 @@ int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* le
   qsgd_config c = *cfg;
   c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
   return qsgd_encode_cpu(scratch, h.numel, &c, out, cap, out_len);
+}
+
+int32_t qsgd_reduce_chunk_ef_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
+                                 const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
+                                 uint8_t* out, uint64_t cap, uint64_t* out_len, float* residual,
+                                 uint64_t residual_n) {
+  if (!payloads || !lens || count < 1 || !cfg || j < 0 || !out || !out_len) return QSGD_E_ARG;
+  qsgd_header h;
+  int32_t st = qsgd_parse_header(payloads[0], lens[0], &h);
+  if (st != QSGD_OK) return st;
+  const uint64_t n = h.numel;
+  if (residual_n != n || (n && !residual)) return QSGD_E_ARG;
+  if (n > scratch_n || (n && !scratch)) return QSGD_E_CAPACITY;
+  qsgd_cpu::IeeeFpScope fp;  // the element-wise sums below with denormals, whatever the caller set
+  // scratch = S, then v = S + r
+  st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, n, 0);
+  if (st != QSGD_OK) return st;
+  for (uint64_t i = 0; i < n; ++i) scratch[i] = scratch[i] + residual[i];
+  qsgd_config c = *cfg;
+  c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
+  st = qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
+  if (st != QSGD_OK) return st;
+  // scratch = v + (-1) * decode(q) = v - decode(q), exactly (decode_sum's accumulate: out + alpha * sum)
+  const uint8_t* q = out;
+  const uint64_t qlen = *out_len;
+  st = qsgd_decode_sum_cpu(&q, &qlen, 1, -1.0f, scratch, n, 1);
+  if (st != QSGD_OK) return st;
+  for (uint64_t i = 0; i < n; ++i)
+    if (std::isfinite(scratch[i])) residual[i] = scratch[i];
+  return QSGD_OK;
 }
 
 int32_t qsgd_decode_chunks_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t n, float alpha,

@@ -120,3 +120,76 @@ def test_auto_chooses_by_the_cost_model():
     assert Settings.make(4, reduction="auto").exchange_reduction(4, 300000) == "scatter_allgather"
     with pytest.raises(ValueError, match="reduction must be one of"):
         Settings.make(4, reduction="ring")
+
+
+# ---- error feedback on the reducing rank (reduce_chunk(..., residual=r)) ---------------------------
+def _ef_restated(sent_j, j, s, seed, residual, fingerprint=0):
+    """v = sum(decode) + r (fp32, rank order); q = encode(v) with the plain reduce step's seed;
+    r' = v - decode(q) where finite, else r."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = (codec.decode_sum(sent_j, 1.0) + residual).astype(np.float32)
+        q = codec.encode(v, s.bits, s.bucket_size, s.norm, reduction.chunk_seed(seed, j, 1), s.coding, fingerprint)
+        diff = (v - codec.decode(q)).astype(np.float32)
+    return q, np.where(np.isfinite(diff), diff, residual).astype(np.float32)
+
+
+@pytest.mark.parametrize("bits,norm,bucket", [(1, "sign", 512), (1, "sign", 100), (4, "max", 512), (2, "l2", 256)])
+def test_reduce_chunk_with_a_residual_is_error_feedback(bits, norm, bucket):
+    n, numel = 3, 20011
+    s = Settings.make(bits, bucket_size=bucket, norm=norm)
+    rng = np.random.default_rng(9)
+    r0 = {j: (rng.standard_normal(e - b) * 0.1).astype(np.float32)
+          for j, (b, e) in enumerate(reduction.chunk_ranges(numel, bucket, n))}
+    res = {j: r.copy() for j, r in r0.items()}
+    for step in range(3):  # the residual carries over
+        xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+        sent = [reduction.split_by(*reduction.encode_chunks(x, s, 100 * step + r, n, 7)) for r, x in enumerate(xs)]
+        for j in range(n):
+            chunk = [sent[r][j] for r in range(n)]
+            want_q, want_r = _ef_restated(chunk, j, s, 5 + step, res[j], 7)
+            got_q = reduction.reduce_chunk(chunk, j, s, 5 + step, 7, residual=res[j])  # updated in place
+            np.testing.assert_array_equal(got_q, want_q)
+            np.testing.assert_array_equal(res[j], want_r)
+            if step == 0:
+                # without the residual: the plain step; with a zero residual: the same payload
+                plain = reduction.reduce_chunk(chunk, j, s, 5 + step, 7)
+                assert np.array_equal(plain, reduction.reduce_chunk(chunk, j, s, 5 + step, 7,
+                                                                    residual=np.zeros_like(res[j])))
+    assert not np.array_equal(res[0], r0[0])
+
+
+def test_error_feedback_residual_is_kept_where_the_sum_is_not_finite():
+    s = Settings.make(1, norm="sign", bucket_size=128)
+    xs = [np.random.default_rng(r).standard_normal(1000).astype(np.float32) for r in range(2)]
+    xs[1][5], xs[0][300] = np.nan, np.inf
+    xs[0][640:768] = xs[1][640:768] = 2e38  # finite inputs whose decoded sum overflows to +Inf
+    sent = [reduction.split_by(*reduction.encode_chunks(x, s, r, 1)) for r, x in enumerate(xs)]
+    r = np.full(1000, 0.25, np.float32)
+    chunk = [sent[0][0], sent[1][0]]
+    q = reduction.reduce_chunk(chunk, 0, s, 3, residual=r)
+    y = codec.decode(q)
+    # the non-finite buckets propagate ...
+    assert np.all(np.isnan(y[:128])) and np.all(y[256:384] == np.inf) and np.all(y[640:768] == np.inf)
+    # ... but do not enter the residual, which keeps its value there
+    bad = np.r_[0:128, 256:384, 640:768]
+    assert np.all(r[bad] == 0.25) and np.all(np.isfinite(r))
+    assert np.all(np.delete(r, bad) != 0.25)
+    want_q, want_r = _ef_restated(chunk, 0, s, 3, np.full(1000, 0.25, np.float32))
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(r, want_r)
+
+
+def test_error_feedback_residual_errors():
+    s = Settings.make(1, norm="sign")
+    sent = reduction.split_by(*reduction.encode_chunks(np.ones(1000, np.float32), s, 1, 2))
+    for bad in (np.zeros(999, np.float32), np.zeros(sent[0].size, np.float64), np.zeros((2, 1000), np.float32)[:, 0],
+                [0.0] * 512):
+        with pytest.raises(ValueError, match="residual must be a C-contiguous, writeable float32"):
+            reduction.reduce_chunk([sent[0]], 0, s, 1, residual=bad)
+    numel = codec.read_header(sent[0]).numel
+    r = np.full(numel, 2.0, np.float32)
+    corrupt = sent[0].copy()
+    corrupt[-1] ^= 0x40
+    with pytest.raises(PayloadError, match="payload 1"):
+        reduction.reduce_chunk([sent[0], corrupt], 0, s, 1, residual=r)
+    assert np.all(r == 2.0)  # untouched on failure
