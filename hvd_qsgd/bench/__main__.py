@@ -18,6 +18,8 @@ SUBCOMMANDS = {
     "torch": ("hvd_qsgd.bench.torch",
               "per-step time and bytes of Horovod PyTorch training: none, fp16, QSGD(b), at -np N"),
     "e2e": ("hvd_qsgd.bench.e2e", "step time and counted wire bytes over tbf-shaped links between network namespaces"),
+    "convergence": ("hvd_qsgd.bench.convergence",
+                    "test accuracy vs bytes sent of the PyTorch digits example, for every method, at -np N"),
 }
 
 

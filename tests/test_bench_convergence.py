@@ -1,0 +1,43 @@
+"""Smoke test of ``python -m hvd_qsgd.bench convergence``: a tiny 2-rank run of every method (6 steps
+each: PQASGD's period 4 then ends with its extra sync) prints a row per method, writes the PNG and
+the JSON, and the bytes it reports are the example's curves. Six horovodrun launches of ~10-20 s
+each on the 2-core development machine."""
+import json
+import sys
+
+from hvd_qsgd.bench.convergence import METHODS, TABLE_HEADER
+from tests.conftest import run_bounded
+
+STEPS = 6
+NUMEL = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
+
+
+def test_bench_convergence_tiny(tmp_path):
+    png, out = tmp_path / "conv.png", tmp_path / "conv.json"
+    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "convergence", "--np", "2", "--epochs", "1",
+           "--max-steps", str(STEPS), "--png", str(png), "--json", str(out), "--timeout", "150"]
+    returncode, stdout = run_bounded(cmd, 480)
+    assert returncode == 0, stdout[-5000:]
+
+    assert TABLE_HEADER in stdout, stdout[-3000:]
+    table = stdout[stdout.index(TABLE_HEADER):].splitlines()
+    for name, (label, _) in METHODS.items():
+        rows = [ln for ln in table if ln.startswith(f"| {label} | ")]
+        assert len(rows) == 1 and "FAILED" not in rows[0], (name, table)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    r = json.loads(out.read_text())
+    runs = {run["method"]: run for run in r["runs"]}
+    assert list(runs) == list(METHODS)
+    for name, run in runs.items():
+        res = run["result"]
+        assert run["status"] == 0 and res["np"] == 2 and res["steps"] == STEPS, name
+        assert res["params_identical"], name
+        (point,) = res["curve"]  # one epoch, cut to STEPS steps
+        assert point["step"] == STEPS and point["bytes_sent_so_far"] == res["bytes_sent_total"] > 0, name
+        assert point["test_accuracy"] == res["test_accuracy"], name
+    assert runs["none"]["result"]["bytes_sent_total"] == 4 * NUMEL * STEPS
+    for name in ("qsgd4", "qsgd2ef", "dqsgd", "pqasgd", "efsgdm"):
+        assert runs[name]["result"]["bytes_sent_total"] < 0.2 * 4 * NUMEL * STEPS, name
+    # PQASGD: syncs after steps 4 and 6 (the last one so that the ranks end alike)
+    assert runs["pqasgd"]["result"]["syncs"] == 2
