@@ -15,6 +15,14 @@ def check_qsgd_stats(s, quantized, raw, steps, payload):
     assert s["ratio"] == 4 * s["elements"] / s["bytes_sent"]
 
 
+def label(r):
+    """What a run's results say it trained with: QSGD(b), or the method of the PyTorch example's
+    ``--method`` and its compressor."""
+    if r.get("method", "sgd") == "sgd":
+        return f"QSGD({r['bits']})"
+    return f"{r['method']} ({r['compressor']})"
+
+
 def check_parity(none, compressed):
     """Each compressed run's test accuracy is within 3 sigma of the uncompressed run's.
 
@@ -37,6 +45,6 @@ def check_parity(none, compressed):
         sigma = math.sqrt(2 * p * (1 - p) / TEST_SAMPLES)
         gap = none["test_accuracy"] - r["test_accuracy"]
         assert gap <= 3 * sigma + 1e-9, (
-            f"QSGD({r['bits']}) test accuracy {r['test_accuracy']:.4f} vs uncompressed "
+            f"{label(r)} test accuracy {r['test_accuracy']:.4f} vs uncompressed "
             f"{none['test_accuracy']:.4f}: {gap:.4f} lower, more than 3 sigma = {3 * sigma:.4f}")
     assert none["test_accuracy"] > 0.95, none  # the baseline itself trained
