@@ -74,6 +74,18 @@ class _Exchange:
                  "started", "settings", "residual_key", "lr")
 
 
+def named_parameter_list(named_parameters, who):
+    """``named_parameters`` as a non-empty list of (name, parameter) pairs with unique names, or a
+    ValueError naming ``who``."""
+    named = list(named_parameters)
+    if not named or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+        raise ValueError(f"{who}: named_parameters must be a non-empty list of (name, parameter) pairs, "
+                         "as from model.named_parameters()")
+    if len({n for n, _ in named}) != len(named):
+        raise ValueError(f"{who}: parameter names must be unique")
+    return named
+
+
 class QSGD(Compressor):
     """QSGD compression for ``horovod.torch`` (see ``hvd_qsgd.QSGD`` for the parameters)."""
 

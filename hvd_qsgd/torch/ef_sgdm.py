@@ -38,6 +38,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
+from hvd_qsgd.torch.compressor import named_parameter_list
 
 
 class EFSGDM(torch.optim.Optimizer):
@@ -53,12 +54,7 @@ class EFSGDM(torch.optim.Optimizer):
 
     def __init__(self, named_parameters, lr, momentum=0.9, weight_decay=0.0, compression=None,
                  process_set=None):
-        named = list(named_parameters)
-        if not named or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
-            raise ValueError("EFSGDM: named_parameters must be a non-empty list of (name, parameter) pairs, "
-                             "as from model.named_parameters()")
-        if len({n for n, _ in named}) != len(named):
-            raise ValueError("EFSGDM: parameter names must be unique")
+        named = named_parameter_list(named_parameters, "EFSGDM")
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
                 raise ValueError(f"EFSGDM: {name} must be a number >= 0, got {value!r}")

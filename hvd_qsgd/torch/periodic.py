@@ -37,6 +37,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
+from hvd_qsgd.torch.compressor import named_parameter_list
 
 MOMENTUM_MODES = ("local", "average", "reset")
 
@@ -61,12 +62,7 @@ class PeriodicQuantizedAveraging:
                             "DistributedOptimizer: the local steps must not average gradients")
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"PeriodicQuantizedAveraging: expected a torch.optim.Optimizer, got {optimizer!r}")
-        named = list(named_parameters)
-        if not named or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
-            raise ValueError("PeriodicQuantizedAveraging: named_parameters must be a non-empty list of "
-                             "(name, parameter) pairs, as from model.named_parameters()")
-        if len({n for n, _ in named}) != len(named):
-            raise ValueError("PeriodicQuantizedAveraging: parameter names must be unique")
+        named = named_parameter_list(named_parameters, "PeriodicQuantizedAveraging")
         if isinstance(period, bool) or not isinstance(period, int) or period < 1:
             raise ValueError(f"PeriodicQuantizedAveraging: period must be an integer >= 1, got {period!r}")
         if momentum not in MOMENTUM_MODES:

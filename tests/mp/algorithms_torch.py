@@ -45,6 +45,16 @@ class Model(torch.nn.Module):
         return (self.w * torch.from_numpy(c)).sum() + (self.b * torch.from_numpy(d)).sum()
 
 
+def step(opt, model, rank, t, lr=None, scale=1.0):
+    """One training step of this rank (at learning rate ``lr``, if given)."""
+    if lr is not None:
+        for group in opt.param_groups:
+            group["lr"] = lr
+    opt.zero_grad()
+    model.loss(rank, t, scale).backward()
+    opt.step()
+
+
 def close(actual, expected, what, rtol=1e-5, atol=1e-6):
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
@@ -91,11 +101,7 @@ def scenario_error_feedback(n, rank):
     bound = G / (7 - rho) * (1 + 1e-6)
     for t in range(STEPS):
         lr = LRS[t]
-        for group in base.param_groups:
-            group["lr"] = lr
-        opt.zero_grad()
-        model.loss(rank, t).backward()
-        opt.step()
+        step(opt, model, rank, t, lr)
         payloads = []
         for r in range(n):
             v = grads(r, t)[0] + (e[r] * np.float32(made[r] / lr) if made[r] else e[r])
@@ -151,9 +157,7 @@ def scenario_dqsgd(n, rank):
     w = model.w.detach().numpy().astype(np.float32).copy()
     norms = []
     for t in range(STEPS):
-        opt.zero_grad()
-        model.loss(rank, t, SCALES[t]).backward()
-        opt.step()
+        step(opt, model, rank, t, scale=SCALES[t])
         b = dqsgd_bits(3.0, norms)[t]
         payloads = [qsgd_payload(grads(r, t, SCALES[t])[0], b, default_bucket_size(b),
                                  protocol.payload_seed(4, r, f"hvd_qsgd.{k}.p.w", t)) for r in range(n)]
@@ -195,11 +199,7 @@ def scenario_efsgdm(n, rank, reduction):
     server_e = np.zeros(NW)
     for t in range(STEPS):
         lr = LRS[t]
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad()
-        model.loss(rank, t).backward()
-        opt.step()
+        step(opt, model, rank, t, lr)
         sent, ub = [], []
         for r in range(n):
             c, d = (x.astype(np.float64) for x in grads(r, t))
@@ -241,18 +241,14 @@ def scenario_pqasgd(n, rank, momentum):
     buf = [[None, None] for _ in range(n)]
     syncs = 0
     for t in range(2 * period + 2):
-        opt.zero_grad()
-        model.loss(rank, t).backward()
-        opt.step()
+        step(opt, model, rank, t)
         for r in range(n):
             for i, g in enumerate(grads(r, t)):
                 buf[r][i] = g.copy() if buf[r][i] is None else (np.float32(mu) * buf[r][i] + g).astype(np.float32)
                 x[r][i] = (x[r][i] - np.float32(lr) * buf[r][i]).astype(np.float32)
         if (t + 1) % period == 0:
-            seed = protocol.payload_seed(9, 0, f"hvd_qsgd.{k}.s{syncs}", 0)
             payloads = [qsgd_payload(x[r][0] - anchor[0], 2, 128,
                                      protocol.payload_seed(9, r, f"hvd_qsgd.{k}.s{syncs}", 0)) for r in range(n)]
-            del seed
             anchor[0] = (anchor[0] + codec.decode_sum(payloads, 1.0 / n)).astype(np.float32)
             anchor[1] = (anchor[1] + np.mean([x[r][1] - anchor[1] for r in range(n)], axis=0)).astype(np.float32)
             for r in range(n):
