@@ -245,18 +245,19 @@ def compressor_stats(args, compression):
     return compression.stats if uses_compressor(args) else None
 
 
-def bytes_so_far(args, numel, stats, steps, raw_bytes=4):
+def bytes_so_far(args, numel, stats, steps, raw_bytes=4, extra=0):
     """The bytes this rank has sent in the gradient exchange in its first ``steps`` steps, with
     ``stats`` the compressor's counters then (:func:`compressor_stats`): ``4 * numel`` a step for
     ``none``, ``2 * numel`` for ``fp16``; otherwise the compressor's payload bytes plus ``raw_bytes``
     for every element it left uncompressed. For ``pqasgd`` that counts the syncs only (the local
     steps send nothing); for ``efsgdm`` both phases of scatter_allgather (the chunks a rank sends
-    to the others, and its reduced chunk)."""
+    to the others, and its reduced chunk). ``extra``: bytes sent outside the compressor (pqasgd's
+    fp32 allreduce of the momentum buffers at each sync with ``--pqasgd-momentum average``)."""
     if args.compression == "none":
-        return 4 * numel * steps
+        return 4 * numel * steps + extra
     if args.compression == "fp16":
-        return 2 * numel * steps
-    return stats["bytes_sent"] + raw_bytes * stats["raw_elements"]
+        return 2 * numel * steps + extra
+    return stats["bytes_sent"] + raw_bytes * stats["raw_elements"] + extra
 
 
 def _exact(total, steps):
@@ -264,7 +265,7 @@ def _exact(total, steps):
     return total // steps if total % steps == 0 else total / steps
 
 
-def bytes_sent(args, numel, stats, steps, size, raw_bytes):
+def bytes_sent(args, numel, stats, steps, size, raw_bytes, extra=0):
     """(bytes this rank sent per step, control-vector bytes per step) of the gradient exchange.
 
     ``numel``: the number of gradient elements; ``stats``: :func:`compressor_stats`; ``size``: the
@@ -272,10 +273,10 @@ def bytes_sent(args, numel, stats, steps, size, raw_bytes):
     float32 in PyTorch, 8: float64 with the TensorFlow adapter). With ``sgd`` and ``efsgdm`` every
     step sends the same: an error if the counters are not a whole number of steps. ``dqsgd`` (bits
     vary by step) and ``pqasgd`` (only syncs send) give the mean over the steps, a float where it
-    does not divide."""
+    does not divide. ``extra``: as for :func:`bytes_so_far`, over all the steps."""
     if not uses_compressor(args):
         return bytes_so_far(args, numel, stats, 1, raw_bytes), 0
-    total = bytes_so_far(args, numel, stats, steps, raw_bytes)
+    total = bytes_so_far(args, numel, stats, steps, raw_bytes, extra)
     control = stats["tensors"] * 8 * protocol.control_length(size)
     if args.method in ("dqsgd", "pqasgd"):
         return _exact(total, steps), _exact(control, steps)

@@ -47,7 +47,8 @@ Bytes sent per step is the size of this rank's own contribution to the
 gradient exchange: ``4 * numel`` of every gradient for ``none``, ``2 * numel`` for ``fp16``, and for
 ``qsgd`` (and the other methods) the compressor's payload bytes plus ``4 * numel`` of the tensors it
 left uncompressed, taken from ``compression.stats`` and divided by the number of steps (``pqasgd``
-sends at its syncs only; ``dqsgd``'s bits vary by step: for them it is a mean; ``efsgdm`` counts both
+sends at its syncs only, plus ``4 * numel`` a sync with ``--pqasgd-momentum average``, whose
+momentum buffers are averaged in fp32; ``dqsgd``'s bits vary by step: for them it is a mean; ``efsgdm`` counts both
 phases of scatter_allgather). It is not link traffic: a ring
 allreduce moves about 2 (n - 1) / n times its input through each rank's link, an allgather about
 (n - 1) times each rank's payload. The QSGD control vectors (a few float64 per compressed tensor,
@@ -151,6 +152,14 @@ def accuracy(model, data, params=None):
     return float((logits.argmax(dim=1) == y).float().mean())
 
 
+def state_bytes(args, opt, numel):
+    """Bytes this rank sent outside the compressor so far: with ``--pqasgd-momentum average``, the
+    fp32 allreduce of SGD's momentum buffers (one per parameter) at every sync."""
+    if args.method == "pqasgd" and args.pqasgd_momentum == "average" and args.momentum > 0:
+        return 4 * numel * opt.syncs
+    return 0
+
+
 def evaluated_params(args, opt):
     """What the curve evaluates: the parameters, or for pqasgd the last synchronized model (x^, the
     same on every rank; between syncs each rank's own parameters have moved apart)."""
@@ -196,7 +205,8 @@ def main(argv=None):
             opt.synchronize()  # end on a sync: the ranks' parameters are then bit-identical
         if end and rank == 0:  # the curve: rank 0's bytes so far, and the test accuracy (not timed)
             t_eval = time.perf_counter()
-            sent = common.bytes_so_far(args, numel, common.compressor_stats(args, compression), step)
+            sent = common.bytes_so_far(args, numel, common.compressor_stats(args, compression), step,
+                                       extra=state_bytes(args, opt, numel))
             curve.append(dict(epoch=epoch + 1, step=step, bytes_sent_so_far=sent,
                               test_accuracy=accuracy(model, test, evaluated_params(args, opt))))
             eval_time += time.perf_counter() - t_eval
@@ -215,14 +225,15 @@ def main(argv=None):
     named_sizes = [(n, p.numel()) for n, p in model.named_parameters()]
     stats = common.compressor_stats(args, compression)
     # Uncompressed tensors travel as float32 here: 4 bytes an element.
-    per_step, control_per_step = common.bytes_sent(args, numel, stats, step, size, raw_bytes=4)
+    extra = state_bytes(args, opt, numel)
+    per_step, control_per_step = common.bytes_sent(args, numel, stats, step, size, raw_bytes=4, extra=extra)
     result = None
     if rank == 0:
         result = common.results(
             args, compression, named_sizes, size=size, epochs=epochs, steps=step,
             test_accuracy=accuracy(model, test), per_step=per_step,
             control_per_step=control_per_step, train_time=train_time, checksums=sums, stats=stats,
-            method_info=method_info(args, opt), bytes_total=common.bytes_so_far(args, numel, stats, step),
+            method_info=method_info(args, opt), bytes_total=common.bytes_so_far(args, numel, stats, step, extra=extra),
             curve=curve)
         common.report(args, result)
     hvd.shutdown()
