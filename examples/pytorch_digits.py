@@ -38,21 +38,21 @@ and optimizer state are broadcast to all ranks (``hvd.broadcast_parameters``,
 ``hvd.broadcast_optimizer_state``); ranks initialise differently on purpose, so the broadcast is what
 makes them start alike.
 
-Rank 0 shows a progress bar (``--no-progress``: none) and prints, and with ``--json`` writes, the test
-accuracy, the bytes this rank sends per step, the wall time of the training loop, and whether all
-ranks end with bit-identical parameters (a checksum of the parameters gathered from every rank; a
-mismatch is an error), and a curve: after every epoch the epoch, the step, the bytes rank 0 has sent so
-far and the test accuracy (the JSON key ``curve``; ``bytes_sent_total`` is the last point's bytes).
-Bytes sent per step is the size of this rank's own contribution to the
-gradient exchange: ``4 * numel`` of every gradient for ``none``, ``2 * numel`` for ``fp16``, and for
-``qsgd`` (and the other methods) the compressor's payload bytes plus ``4 * numel`` of the tensors it
-left uncompressed, taken from ``compression.stats`` and divided by the number of steps (``pqasgd``
-sends at its syncs only, plus ``4 * numel`` a sync with ``--pqasgd-momentum average``, whose
-momentum buffers are averaged in fp32; ``dqsgd``'s bits vary by step: for them it is a mean; ``efsgdm`` counts both
-phases of scatter_allgather). It is not link traffic: a ring
-allreduce moves about 2 (n - 1) / n times its input through each rank's link, an allgather about
-(n - 1) times each rank's payload. The QSGD control vectors (a few float64 per compressed tensor,
-reduced by Horovod's allreduce) are reported apart as ``control_bytes_per_step``.
+Rank 0 shows a progress bar (``--no-progress``: none) and prints, and with ``--json`` writes, the
+test accuracy, the bytes this rank sends per step, the wall time of the training loop, and whether
+all ranks end with bit-identical parameters (a checksum of the parameters gathered from every rank;
+a mismatch is an error), and a curve: after every epoch the epoch, the step, the bytes rank 0 has
+sent so far and the test accuracy (the JSON key ``curve``; ``bytes_sent_total`` is the last point's
+bytes). Bytes sent per step is the size of this rank's own contribution to the gradient exchange:
+``4 * numel`` of every gradient for ``none``, ``2 * numel`` for ``fp16``, and for ``qsgd`` (and the
+other methods) the compressor's payload bytes plus ``4 * numel`` of the tensors it left
+uncompressed, taken from ``compression.stats`` and divided by the number of steps (``pqasgd`` sends
+at its syncs only, plus ``4 * numel`` a sync with ``--pqasgd-momentum average``, whose momentum
+buffers are averaged in fp32; ``dqsgd``'s bits vary by step: for them it is a mean; ``efsgdm``
+counts both phases of scatter_allgather). It is not link traffic: a ring allreduce moves about
+2 (n - 1) / n times its input through each rank's link, an allgather about (n - 1) times each rank's
+payload. The QSGD control vectors (a few float64 per compressed tensor, reduced by Horovod's
+allreduce) are reported apart as ``control_bytes_per_step``.
 
 The flags, the data split and shards, and the end-of-run reporting (bytes per step, summary line,
 JSON results) are shared with the TensorFlow and Keras examples in ``examples/digits_common.py``.
