@@ -163,6 +163,11 @@ def notes(rows, args, info):
            "(rank 0, evaluations excluded)",
            f"machine: {info['cpu']}, {info['usable_cores']} usable cores"
            + (f"; {args.np} ranks oversubscribe them" if args.np > info["usable_cores"] else "")]
+    load = (info["load_avg_1min"], info.get("load_avg_1min_end", info["load_avg_1min"]))
+    if max(load) > 0.5 * info["usable_cores"]:
+        out.append(f"warning: other processes were using the CPUs (1-min load average {load[0]:.2f} at the start, "
+                   f"{load[1]:.2f} at the end, on {info['usable_cores']} cores): the times are shared with them; "
+                   "accuracies and bytes do not depend on it (fixed seeds)")
     bad = [r["label"] for r in rows if r["result"] is not None and not r["result"]["params_identical"]]
     if bad:
         out.append("CHECK FAILED: parameters differ across ranks: " + ", ".join(bad))
@@ -189,7 +194,9 @@ def plot(rows, path, args):
     ax.set_ylabel("test accuracy (450 samples)")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
-    ax.set_title(f"hvd_qsgd: digits MLP, {args.np} ranks (Horovod Gloo), one marker per epoch", fontsize=10)
+    epochs = f"{args.epochs} epochs" + (f" (at most {args.max_steps} steps)" if args.max_steps else "")
+    ax.set_title(f"hvd_qsgd: digits MLP, {args.np} ranks (Horovod Gloo), {epochs}, one marker per epoch",
+                 fontsize=10)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     fig.savefig(path, dpi=110)
