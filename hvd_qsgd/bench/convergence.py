@@ -166,8 +166,7 @@ def notes(rows, args, info):
     load = (info["load_avg_1min"], info.get("load_avg_1min_end", info["load_avg_1min"]))
     if max(load) > 0.5 * info["usable_cores"]:
         out.append(f"warning: other processes were using the CPUs (1-min load average {load[0]:.2f} at the start, "
-                   f"{load[1]:.2f} at the end, on {info['usable_cores']} cores): the times are shared with them; "
-                   "accuracies and bytes do not depend on it (fixed seeds)")
+                   f"{load[1]:.2f} at the end, on {info['usable_cores']} cores): the times are shared with them")
     bad = [r["label"] for r in rows if r["result"] is not None and not r["result"]["params_identical"]]
     if bad:
         out.append("CHECK FAILED: parameters differ across ranks: " + ", ".join(bad))
