@@ -26,22 +26,22 @@ def label(r):
 def check_parity(none, compressed):
     """Each compressed run's test accuracy is within 3 sigma of the uncompressed run's.
 
-    Tolerance. Each run's test accuracy estimates its model's true accuracy p from n = 450
-    samples, with binomial standard error sqrt(p (1 - p) / n). If QSGD reaches the uncompressed
-    accuracy (the claim under test), the difference of the two estimates has a standard deviation
-    of at most sigma = sqrt(2 p (1 - p) / n): that is its value for independent test sets, and a
-    shared test set correlates the two positively, which only shrinks it. p is pooled over both
-    runs (the two-proportion z-test), and the test is one-sided at 3 sigma: QSGD fails only if it
-    is worse by more than evaluation noise explains with probability 1 - 0.0013. At p = 0.975,
-    sigma = 0.0104 and the bound is 0.031, 14 of 450 test samples. Training noise is inside it:
-    uncompressed 4-rank runs of 10 epochs with seeds 1..4 scored 436..440 of 450 (PyTorch),
-    435..443 (TensorFlow, Keras). The runs are seeded but not bit-reproducible: Horovod's tensor
-    fusion groups the fp32 allreduces as tensors become ready, which changes the order of their
-    float sums between reruns (PyTorch example: two reruns at the defaults ended with different
-    parameters, two with HOROVOD_FUSION_THRESHOLD=0 bit-identical), so an accuracy may move by a
-    sample or two, far inside the bound. Expectation: the QSGD paper (Alistarh et al., NeurIPS
-    2017, section 5) found 8-bit QSGD with bucket size 512 recovered (or improved on) full-precision accuracy in
-    every experiment; 4 bits (s = 7 levels, same buckets) is held to the same bound, not a looser one.
+    Tolerance. Each run's test accuracy estimates its model's true accuracy p from n = 450 samples,
+    with binomial standard error sqrt(p (1 - p) / n). If QSGD reaches the uncompressed accuracy (the
+    claim under test), the difference of the two estimates has a standard deviation of at most sigma
+    = sqrt(2 p (1 - p) / n): that is its value for independent test sets, and a shared test set
+    correlates the two positively, which only shrinks it. p is pooled over both runs (the
+    two-proportion z-test), and the test is one-sided at 3 sigma: QSGD fails only if it is worse by
+    more than evaluation noise explains with probability 1 - 0.0013. At p = 0.975, sigma = 0.0104
+    and the bound is 0.031, 14 of 450 test samples. Training noise is inside it: uncompressed 4-rank
+    runs of 10 epochs with seeds 1..4 scored 436..440 of 450 (PyTorch), 435..443 (TensorFlow,
+    Keras). The runs are seeded but not bit-reproducible: Horovod's tensor fusion groups the fp32
+    allreduces as tensors become ready, which changes the order of their float sums between reruns
+    (PyTorch example: two reruns at the defaults ended with different parameters, two with
+    HOROVOD_FUSION_THRESHOLD=0 bit-identical), so an accuracy may move by a sample or two, far
+    inside the bound. Expectation: the QSGD paper (Alistarh et al., NeurIPS 2017, section 5) found
+    8-bit QSGD with bucket size 512 recovered (or improved on) full-precision accuracy in every
+    experiment; 4 bits (s = 7 levels, same buckets) is held to the same bound, not a looser one.
     """
     for r in compressed:
         p = (none["test_accuracy"] + r["test_accuracy"]) / 2

@@ -12,19 +12,18 @@
 each against the uncompressed run (``--compression none``, run once for the module).
 
 Tolerance: the one of tests/test_demo.py (``tests.digits_checks.check_parity``). A run's test
-accuracy estimates its model's accuracy p from n = 450 test samples, binomial standard error
-sqrt(p (1 - p) / n); if the method reaches the uncompressed accuracy (the claim under test), the
-difference of the two estimates has a standard deviation of at most sigma = sqrt(2 p (1 - p) / n),
-p pooled over both runs (the two-proportion standard error; a shared test set correlates the two
-estimates positively, which only shrinks it). A method fails if it is worse by more than 3 sigma,
-one-sided: at p = 0.975 that is 0.031, 14 of 450 samples. Training noise is inside it: uncompressed
-4-rank runs of 10 epochs with seeds 1..4 scored 436..440 of 450. The runs are seeded but not
-bit-reproducible: Horovod fuses the fp32 allreduces (the biases and fc3, and all of none) as the
-tensors become ready, which changes the order of their float sums from run to run (two none runs at
-seed 42 ended with different parameter checksums, both at 440/450; with HOROVOD_FUSION_THRESHOLD=0
-reruns end bit-identical), so an accuracy may move by a
-sample or two between reruns, far inside the bound. Measured at seed 42 (none: 440/450): QSGD(2)+EF
-440, DQSGD 440, PQASGD 439, EFSGDM 440.
+accuracy estimates its model's accuracy p from n = 450 test samples, binomial standard error sqrt(p
+(1 - p) / n); if the method reaches the uncompressed accuracy (the claim under test), the difference
+of the two estimates has a standard deviation of at most sigma = sqrt(2 p (1 - p) / n), p pooled
+over both runs (the two-proportion standard error; a shared test set correlates the two estimates
+positively, which only shrinks it). A method fails if it is worse by more than 3 sigma, one-sided:
+at p = 0.975 that is 0.031, 14 of 450 samples. Training noise is inside it: uncompressed 4-rank runs
+of 10 epochs with seeds 1..4 scored 436..440 of 450. The runs are seeded but not bit-reproducible:
+Horovod fuses the fp32 allreduces (the biases and fc3, and all of none) as the tensors become ready,
+which changes the order of their float sums from run to run (two none runs at seed 42 ended with
+different parameter checksums, both at 440/450; with HOROVOD_FUSION_THRESHOLD=0 reruns end
+bit-identical), so an accuracy may move by a sample or two between reruns, far inside the bound.
+Measured at seed 42 (none: 440/450): QSGD(2)+EF 440, DQSGD 440, PQASGD 439, EFSGDM 440.
 
 Time: 141 s for the file on the 2-core development machine shared with other jobs (load average
 ~5): five launches of 20-45 s each, mostly horovodrun's and Python's start-up; 10 epochs, as in
