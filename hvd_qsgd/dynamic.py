@@ -150,6 +150,13 @@ class DynamicQSGD(QSGD):
                          norm, coding, min_numel, seed, error_feedback, checksum, reduction, named_parameters,
                          process_set, server_error_feedback)
 
+    def __repr__(self):
+        a, s = self.schedule_args, self.settings
+        return (f"hvd_qsgd.DynamicQSGD(budget_bits_per_coord={a['budget']}, min_bits={a['min_bits']}, "
+                f"max_bits={a['max_bits']}, discount={a['discount']}, total_steps={a['total_steps']}, "
+                f"bucket_size={self.fixed_bucket_size}, norm={s.norm!r}, min_numel={s.min_numel}, "
+                f"error_feedback={s.error_feedback}, reduction={s.reduction!r})")
+
     def _adapter_options(self):
         return {"schedule_args": self.schedule_args, "fixed_bucket_size": self.fixed_bucket_size}
 
