@@ -2,6 +2,7 @@
 // one implementation for the NumPy/PyTorch binding (ctypes) and the TensorFlow ops. Each step is a
 // composition of the codec's encode and decode_sum over bucket-aligned chunks.
 #include <cmath>
+#include <optional>
 #include <vector>
 
 #include "qsgd.h"
@@ -10,6 +11,40 @@
 namespace {
 
 uint64_t buckets(uint64_t numel, uint32_t bucket_size) { return (numel + bucket_size - 1) / bucket_size; }
+
+// The reduce step of both qsgd_reduce_chunk_cpu and, with feedback, qsgd_reduce_chunk_ef_cpu (qsgd.h):
+// scratch = S, the fp32 sum of the payloads in rank order; with feedback v = S + residual; q = encode
+// with the chunk's phase-1 seed; with feedback residual = v - decode(q) where that is finite.
+int32_t reduce_chunk(const uint8_t* const* payloads, const uint64_t* lens, int32_t count, const qsgd_config* cfg,
+                     int32_t j, float* scratch, uint64_t scratch_n, uint8_t* out, uint64_t cap, uint64_t* out_len,
+                     bool feedback, float* residual, uint64_t residual_n) {
+  if (!payloads || !lens || count < 1 || !cfg || j < 0 || !out || !out_len) return QSGD_E_ARG;
+  qsgd_header h;
+  int32_t st = qsgd_parse_header(payloads[0], lens[0], &h);
+  if (st != QSGD_OK) return st;
+  const uint64_t n = h.numel;
+  if (feedback && (residual_n != n || (n && !residual))) return QSGD_E_ARG;
+  if (n > scratch_n || (n && !scratch)) return QSGD_E_CAPACITY;
+  // the element-wise sums below with denormals, whatever the caller set
+  std::optional<qsgd_cpu::IeeeFpScope> fp;
+  if (feedback) fp.emplace();
+  st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, n, 0);
+  if (st != QSGD_OK) return st;
+  if (feedback)
+    for (uint64_t i = 0; i < n; ++i) scratch[i] = scratch[i] + residual[i];
+  qsgd_config c = *cfg;
+  c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
+  st = qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
+  if (st != QSGD_OK || !feedback) return st;
+  // scratch = v + (-1) * decode(q) = v - decode(q), exactly (decode_sum's accumulate: out + alpha * sum)
+  const uint8_t* q = out;
+  const uint64_t qlen = *out_len;
+  st = qsgd_decode_sum_cpu(&q, &qlen, 1, -1.0f, scratch, n, 1);
+  if (st != QSGD_OK) return st;
+  for (uint64_t i = 0; i < n; ++i)
+    if (std::isfinite(scratch[i])) residual[i] = scratch[i];
+  return QSGD_OK;
+}
 
 }  // namespace
 
@@ -65,46 +100,15 @@ int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config
 int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                               const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
                               uint8_t* out, uint64_t cap, uint64_t* out_len) {
-  if (!payloads || !lens || count < 1 || !cfg || j < 0 || !out || !out_len) return QSGD_E_ARG;
-  qsgd_header h;
-  int32_t st = qsgd_parse_header(payloads[0], lens[0], &h);
-  if (st != QSGD_OK) return st;
-  if (h.numel > scratch_n || (h.numel && !scratch)) return QSGD_E_CAPACITY;
-  st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, h.numel, 0);
-  if (st != QSGD_OK) return st;
-  qsgd_config c = *cfg;
-  c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
-  return qsgd_encode_cpu(scratch, h.numel, &c, out, cap, out_len);
+  return reduce_chunk(payloads, lens, count, cfg, j, scratch, scratch_n, out, cap, out_len, false, nullptr, 0);
 }
 
 int32_t qsgd_reduce_chunk_ef_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                                  const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
                                  uint8_t* out, uint64_t cap, uint64_t* out_len, float* residual,
                                  uint64_t residual_n) {
-  if (!payloads || !lens || count < 1 || !cfg || j < 0 || !out || !out_len) return QSGD_E_ARG;
-  qsgd_header h;
-  int32_t st = qsgd_parse_header(payloads[0], lens[0], &h);
-  if (st != QSGD_OK) return st;
-  const uint64_t n = h.numel;
-  if (residual_n != n || (n && !residual)) return QSGD_E_ARG;
-  if (n > scratch_n || (n && !scratch)) return QSGD_E_CAPACITY;
-  qsgd_cpu::IeeeFpScope fp;  // the element-wise sums below with denormals, whatever the caller set
-  // scratch = S, then v = S + r
-  st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, n, 0);
-  if (st != QSGD_OK) return st;
-  for (uint64_t i = 0; i < n; ++i) scratch[i] = scratch[i] + residual[i];
-  qsgd_config c = *cfg;
-  c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
-  st = qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
-  if (st != QSGD_OK) return st;
-  // scratch = v + (-1) * decode(q) = v - decode(q), exactly (decode_sum's accumulate: out + alpha * sum)
-  const uint8_t* q = out;
-  const uint64_t qlen = *out_len;
-  st = qsgd_decode_sum_cpu(&q, &qlen, 1, -1.0f, scratch, n, 1);
-  if (st != QSGD_OK) return st;
-  for (uint64_t i = 0; i < n; ++i)
-    if (std::isfinite(scratch[i])) residual[i] = scratch[i];
-  return QSGD_OK;
+  return reduce_chunk(payloads, lens, count, cfg, j, scratch, scratch_n, out, cap, out_len, true, residual,
+                      residual_n);
 }
 
 int32_t qsgd_decode_chunks_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t n, float alpha,
