@@ -50,8 +50,8 @@ import numpy as np
 from hvd_qsgd import _native
 
 CODINGS = {"fixed": 0, "elias": 1}
-NORMS = {"max": 0, "l2": 1, "sign": 2}
 NORM_NAMES = ("max", "l2", "sign")
+NORMS = {name: code for code, name in enumerate(NORM_NAMES)}
 DTYPE_NAMES = ("float32", "float16", "bfloat16")
 DTYPES = {name: code for code, name in enumerate(DTYPE_NAMES)}
 MAX_BUCKET = 0x7FFFFFFF
