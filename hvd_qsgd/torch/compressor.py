@@ -74,13 +74,13 @@ class _Exchange:
                  "started", "settings", "residual_key", "lr")
 
 
-def named_parameter_list(named_parameters, who):
-    """``named_parameters`` as a non-empty list of (name, parameter) pairs with unique names, or a
-    ValueError naming ``who``."""
+def named_parameter_list(named_parameters, who, empty_ok=False):
+    """``named_parameters`` as a list of (name, parameter) pairs with unique names (non-empty unless
+    ``empty_ok``), or a ValueError naming ``who``."""
     named = list(named_parameters)
-    if not named or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
-        raise ValueError(f"{who}: named_parameters must be a non-empty list of (name, parameter) pairs, "
-                         "as from model.named_parameters()")
+    if (not named and not empty_ok) or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+        raise ValueError(f"{who}: named_parameters must be a {'' if empty_ok else 'non-empty '}list of (name, "
+                         "parameter) pairs, as from model.named_parameters()")
     if len({n for n, _ in named}) != len(named):
         raise ValueError(f"{who}: parameter names must be unique")
     return named
@@ -117,13 +117,7 @@ class QSGD(Compressor):
 
     def bind(self, named_parameters):
         """Match payloads by parameter name (the pairs given to Horovod's optimizer)."""
-        params = list(named_parameters)
-        if any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in params):
-            raise ValueError("named_parameters must be (name, parameter) pairs, as from "
-                             "model.named_parameters()")
-        names = [n for n, _ in params]
-        if len(set(names)) != len(names):
-            raise ValueError("named_parameters: parameter names must be unique")
+        params = named_parameter_list(named_parameters, "hvd_qsgd.torch.QSGD.bind", empty_ok=True)
         with self._lock:
             self._params = params
             self._grad_names = {}
@@ -413,14 +407,21 @@ class QSGD(Compressor):
 
     def _group_learning_rate(self, optimizer):
         """key -> the lr of the parameter group holding that parameter (by name), or for position
-        keys the lr every group shares."""
+        keys the lr every group shares. Which group holds which name is worked out once, again only
+        when the groups or the bound parameters change."""
+        cache = {"of": None, "by_name": {}}
+
         def lr(key):
             groups = optimizer.param_groups
             if isinstance(key, str) and self._params is not None:
-                param = dict(self._params).get(key)
-                for g in groups:
-                    if any(p is param for p in g["params"]):
-                        return float(g["lr"])
+                of = (id(groups), tuple(len(g["params"]) for g in groups), id(self._params))
+                if cache["of"] != of:
+                    holder = {id(p): g for g in groups for p in g["params"]}
+                    cache["by_name"] = {n: holder.get(id(p)) for n, p in self._params}
+                    cache["of"] = of
+                group = cache["by_name"].get(key)
+                if group is not None:
+                    return float(group["lr"])
             rates = {float(g["lr"]) for g in groups}
             if len(rates) == 1:
                 return rates.pop()

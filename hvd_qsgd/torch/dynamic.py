@@ -21,6 +21,7 @@ class DynamicQSGD(QSGD):
         self._schedule_args = dict(schedule_args)
         self._fixed_bucket_size = fixed_bucket_size
         self._schedules = {}
+        self._settings_of_bits = {}
         self.bits_history = []     # (key, bits) of every exchange, in compress order
 
     def __repr__(self):
@@ -35,10 +36,11 @@ class DynamicQSGD(QSGD):
             self.bits_history.append((residual_key, bits))
             if len(self.bits_history) > 100000:
                 del self.bits_history[:50000]
-        bucket = self._fixed_bucket_size or default_bucket_size(bits)
-        if bits == self.settings.bits and bucket == self.settings.bucket_size:
-            return self.settings
-        return self.settings.replace(bits=bits, bucket_size=bucket)
+        settings = self._settings_of_bits.get(bits)
+        if settings is None:  # made (and checked) once per bit width
+            bucket = self._fixed_bucket_size or default_bucket_size(bits)
+            settings = self._settings_of_bits[bits] = self.settings.replace(bits=bits, bucket_size=bucket)
+        return settings
 
     def _decoded(self, ctx, out):
         x = out.detach().reshape(-1).cpu().numpy().astype(np.float64)
