@@ -98,8 +98,8 @@ class _Raw:
 class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
-    __slots__ = ("lr", "residual_lr", "name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
-                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot")
+    __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
+                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot", "lr", "residual_lr")
 
 
 class QSGD(Compressor):
