@@ -187,50 +187,37 @@ def summary(r):
             f"pymalloc blocks {r['blocks']}; malloc in use {r['malloc']}")
 
 
-def run_torch(extra=(), timeout=240):
-    out = launch(2, "gloo", [TORCH_WORKER] + TORCH_PHASES + ["--warmup", str(TORCH_WARMUP)] + list(extra),
-                 timeout=timeout)
+# per framework: worker, phases, extra arguments, the rules, default timeout, what to print per phase
+FRAMEWORKS = {
+    "torch": (TORCH_WORKER, TORCH_PHASES, ["--warmup", str(TORCH_WARMUP)], torch_violations, 240, summary),
+    "tf": (TF_WORKER, TF_PHASES, [], tf_violations, 180, lambda r: f"{summary(r)} {r['after']}"),
+}
+
+
+def soak(framework, extra=(), timeout=None):
+    """Run the framework's phases on 2 ranks; return {(phase, rank): violations} of those that break
+    a rule (every phase must report on both ranks)."""
+    worker, phase_args, fixed, violations, default_timeout, show = FRAMEWORKS[framework]
+    out = launch(2, "gloo", [worker] + phase_args + fixed + list(extra), timeout=timeout or default_timeout)
     found = results(out)
-    phases = [p.split(":")[0] for p in TORCH_PHASES]
+    phases = [p.split(":")[0] for p in phase_args]
     assert sorted(found) == sorted((p, r) for p in phases for r in range(2)), out[-3000:]
-    return found
-
-
-def torch_report(found):
-    failures = {}
-    for (phase, rank), r in sorted(found.items()):
-        print(summary(r))
-        v = torch_violations(r)
-        if v:
-            failures[(phase, rank)] = v
-    return failures
-
-
-def run_tf(extra=(), timeout=180):
-    out = launch(2, "gloo", [TF_WORKER] + TF_PHASES + list(extra), timeout=timeout)
-    found = results(out)
-    phases = [p.split(":")[0] for p in TF_PHASES]
-    assert sorted(found) == sorted((p, r) for p in phases for r in range(2)), out[-3000:]
-    return found
-
-
-def tf_report(found):
     failures = {}
     for key, r in sorted(found.items()):
-        print(summary(r), r["after"])
-        v = tf_violations(r)
+        print(show(r))
+        v = violations(r)
         if v:
             failures[key] = v
     return failures
 
 
 def test_torch_training_steps_leave_nothing_growing():
-    failures = torch_report(run_torch())
+    failures = soak("torch")
     assert not failures, json.dumps({f"{p} rank {r}": v for (p, r), v in failures.items()}, indent=1)
 
 
 def test_tensorflow_training_steps_leave_nothing_growing():
-    failures = tf_report(run_tf())
+    failures = soak("tf")
     assert not failures, json.dumps({f"{p} rank {r}": v for (p, r), v in failures.items()}, indent=1)
 
 
@@ -250,13 +237,13 @@ INJECTED = {
 def test_rules_catch_injected_leaks(kind):
     args, rule = INJECTED[kind]
     if kind.startswith("torch"):
-        failures = torch_report(run_torch(args, timeout=400))
+        failures = soak("torch", args, timeout=400)
         caught = {p for (p, _), v in failures.items() if any(rule in x for x in v)}
         expected = {"unnamed", "allreduce"}
         if kind != "torch-names":
             expected |= {"named-allgather", "named-scatter"}
     else:
-        failures = tf_report(run_tf(args, timeout=400))
+        failures = soak("tf", args, timeout=400)
         caught = {p for (p, _), v in failures.items() if any(rule in x for x in v)}
         expected = {"tape"} if kind == "tf-retrace" else {"tape", "eager"}
     assert caught == expected, failures

@@ -129,14 +129,19 @@ print("RESULT " + json.dumps(cases))
 '''
 
 
+def snippet_cases(code):
+    """Run ``code`` in a fresh interpreter (one process per TensorFlow snippet); the cases it prints
+    after ``RESULT ``."""
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=mp_env(), capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.split("RESULT ", 1)[1])
+
 def test_tensorflow_ops_and_the_torch_binding_produce_identical_payloads():
     """Same input (converted to each framework's fp32/fp16/bf16), bits, bucket, coding and seed: the
     TensorFlow op's payload equals the PyTorch path's (codec.encode of the torch tensor) byte for
     byte, and QsgdDecodeSum equals codec.decode_sum exactly."""
-    proc = subprocess.run([sys.executable, "-c", IDENTITY], cwd=ROOT, env=mp_env(), capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    cases = snippet_cases(IDENTITY)
     assert len(cases) == 6
     for c in cases:
         assert c["same_bytes"] and c["same_sum"], c
@@ -204,10 +209,7 @@ def test_chunk_ops_equal_the_reduction_module_and_report_failures_without_raisin
     payload makes QsgdReduceChunk return an empty payload and its reason (no error raised), and
     QsgdDecodeChunks then fails naming the rank with the empty slot and this rank's reason; the
     phase-1 length is static for the fixed coding."""
-    proc = subprocess.run([sys.executable, "-c", CHUNK_OPS], cwd=ROOT, env=mp_env(), capture_output=True,
-                          text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    cases = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    cases = snippet_cases(CHUNK_OPS)
     assert len(cases) == 4
     for c in cases:
         assert c["ok"], c
