@@ -1,7 +1,7 @@
 """Worker for tests/test_soak.py: thousands of PyTorch training steps through hvd_qsgd under
 horovodrun, recording whatever could grow. tests/test_soak.py applies the rules.
 
-Phases, ``PHASE[:STEPS]`` in the order given, each with its own model, compressor and optimizer in
+Phases, ``PHASE[:STEPS[:WARMUP]]`` in the order given, each with its own model, compressor and optimizer in
 the same processes (three weights above min_numel: 12,800, 20,000 and 10,000 elements; five
 tensors below):
 
@@ -13,9 +13,10 @@ tensors below):
   position);
 * ``allreduce``: no optimizer; each step ``hvd.allreduce(a, compression=c)`` and
   ``hvd.grouped_allreduce([a, b], compression=c)`` without names (c = ``hvd_qsgd.QSGD(4)``; three
-  numbered exchanges a step, two of them in flight at once).
+  numbered exchanges a step, two of them in flight at once);
+* ``allreduce-none``: the same calls with ``hvd.Compression.none`` (its control).
 
-After ``--warmup`` steps, every step records into preallocated arrays (recording keeps nothing
+After the warm-up steps (``--warmup``, or a phase's own), every step records into preallocated arrays (recording keeps nothing
 per step) this process's RSS (psutil), the size of ``horovod.torch.mpi_ops._handle_map`` and the
 adapter's per-name and per-exchange state; every ``SAMPLE`` steps the open file descriptors and the
 threads; at the start, the middle and the end of the measured steps (after a full garbage
@@ -49,7 +50,8 @@ from tests.mp.soak_memory import malloc_in_use, window_medians
 
 SAMPLE = 100          # steps between descriptor and thread counts
 ALLREDUCE_NUMEL = (20000, 12000)   # the allreduce phase's tensors
-PHASES = ("none", "named-allgather", "named-scatter", "unnamed", "allreduce")
+PHASES = ("none", "named-allgather", "named-scatter", "unnamed", "allreduce-none", "allreduce")
+CONTROLS = ("none", "allreduce-none")   # the phases without hvd_qsgd
 
 
 class Net(nn.Module):
@@ -109,7 +111,7 @@ def run_phase(phase, steps, warmup, inject):
     torch.manual_seed(0)
     model = Net()
     named = phase.startswith("named")
-    if phase == "none":
+    if phase in CONTROLS:
         c = hvd.Compression.none
     elif phase == "allreduce":
         c = hvd_qsgd.QSGD(4)
@@ -117,13 +119,13 @@ def run_phase(phase, steps, warmup, inject):
         c = hvd_qsgd.QSGD(4, error_feedback=True,
                           reduction="scatter_allgather" if phase == "named-scatter" else "allgather",
                           named_parameters=model.named_parameters() if named else None)
-    opt = None if phase == "allreduce" else hvd.DistributedOptimizer(
+    opt = None if phase.startswith("allreduce") else hvd.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.01),
         named_parameters=model.named_parameters() if named or phase == "none" else None, compression=c)
     g = torch.Generator().manual_seed(rank)
     batches = [(torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)) for _ in range(8)]
     a, b = (torch.randn(k, generator=g) for k in ALLREDUCE_NUMEL)
-    inject = inject if phase != "none" else None
+    inject = inject if phase not in CONTROLS else None
     kept = []
 
     def step(i):
@@ -144,7 +146,7 @@ def run_phase(phase, steps, warmup, inject):
 
     t0 = time.perf_counter()
     step(0)
-    adapter = None if phase == "none" else c._adapters["torch"]
+    adapter = None if phase in CONTROLS else c._adapters["torch"]
     if inject == "names":
         adapter._numbered = _NeverFreed(adapter._numbered)
     for i in range(1, warmup):
@@ -216,20 +218,20 @@ def run_phase(phase, steps, warmup, inject):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("phases", nargs="+", help="PHASE[:STEPS], PHASE one of " + ", ".join(PHASES))
+    p.add_argument("phases", nargs="+", help="PHASE[:STEPS[:WARMUP]], PHASE one of " + ", ".join(PHASES))
     p.add_argument("--steps", type=int, default=1000, help="steps of a phase given without a count")
-    p.add_argument("--warmup", type=int, default=150)
+    p.add_argument("--warmup", type=int, default=150, help="warm-up steps of a phase given without them")
     p.add_argument("--inject", choices=["rss", "handles", "objects", "names"])
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
     record_collective_names()
     for spec in args.phases:
-        phase, _, count = spec.partition(":")
+        phase, count, warmup = (spec.split(":") + [None, None])[:3]
         if phase not in PHASES:
             raise SystemExit(f"unknown phase {phase}")
         NAMES.clear()
-        run_phase(phase, int(count) if count else args.steps, args.warmup, args.inject)
+        run_phase(phase, int(count or args.steps), int(warmup or args.warmup), args.inject)
 
 
 if __name__ == "__main__":
