@@ -242,8 +242,7 @@ extern "C" int32_t qsgd_parse_header(const uint8_t* p, uint64_t len, qsgd_header
   if (h->coding > QSGD_CODING_ELIAS || h->bits < 1 || h->bits > 8 || h->norm > QSGD_NORM_SIGN ||
       h->dtype > QSGD_DTYPE_BF16 || (h->flags & ~QSGD_FLAG_CHECKSUM) || h->reserved0 ||
       h->reserved1 || h->bucket_size < 1 || h->bucket_size > QSGD_MAX_BUCKET ||
-      h->numel > (1ull << 56) || (h->coding == QSGD_CODING_ELIAS && h->bits < 2) ||
-      (h->norm == QSGD_NORM_SIGN && (h->bits != 1 || h->coding != QSGD_CODING_FIXED)))
+      h->numel > (1ull << 56) || !qsgd_combination_ok(h->bits, h->coding, h->norm))
     return QSGD_E_HEADER;
   if (h->coding == QSGD_CODING_FIXED) {
     if (h->segment_buckets != 0) return QSGD_E_HEADER;

@@ -214,6 +214,15 @@ QSGD_HD void qsgd_write_header(uint8_t* out, const qsgd_config* cfg, uint64_t nu
   qsgd_store_le(out + 48, 0, 8);
 }
 
+/* The combinations of bits, coding and norm the format defines, beyond each field's own range:
+ * the Elias coding needs bits >= 2 (QSGD(1) has no zero level to skip), the sign norm bits == 1
+ * and the fixed coding. Configs (qsgd_check_config) and headers (qsgd_parse_header) both obey it. */
+QSGD_HD int qsgd_combination_ok(int32_t bits, int32_t coding, int32_t norm) {
+  if (coding == QSGD_CODING_ELIAS && bits < 2) return 0;
+  if (norm == QSGD_NORM_SIGN && (bits != 1 || coding != QSGD_CODING_FIXED)) return 0;
+  return 1;
+}
+
 /* Check an encoder configuration. */
 QSGD_HD int32_t qsgd_check_config(const qsgd_config* cfg) {
   if (!cfg) return QSGD_E_ARG;
@@ -222,9 +231,7 @@ QSGD_HD int32_t qsgd_check_config(const qsgd_config* cfg) {
   if (cfg->norm != QSGD_NORM_MAX && cfg->norm != QSGD_NORM_L2 && cfg->norm != QSGD_NORM_SIGN)
     return QSGD_E_ARG;
   if (cfg->coding != QSGD_CODING_FIXED && cfg->coding != QSGD_CODING_ELIAS) return QSGD_E_ARG;
-  if (cfg->norm == QSGD_NORM_SIGN && (cfg->bits != 1 || cfg->coding != QSGD_CODING_FIXED))
-    return QSGD_E_ARG;
-  if (cfg->coding == QSGD_CODING_ELIAS && cfg->bits < 2) return QSGD_E_ARG;
+  if (!qsgd_combination_ok(cfg->bits, cfg->coding, cfg->norm)) return QSGD_E_ARG;
   if (cfg->dtype < QSGD_DTYPE_F32 || cfg->dtype > QSGD_DTYPE_BF16) return QSGD_E_ARG;
   if (cfg->flags & ~(uint32_t)QSGD_FLAG_CHECKSUM) return QSGD_E_ARG;
   return QSGD_OK;
