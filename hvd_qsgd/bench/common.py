@@ -1,8 +1,17 @@
-"""What the benchmark subcommands share: argument types and the description of the machine."""
+"""What the benchmark subcommands share: argument types, the description of the machine, and the
+entry point of a subcommand module run on its own."""
 import argparse
 import os
 import platform
 import statistics
+
+
+def module_main(module, add_arguments, run, argv=None):
+    """``python -m hvd_qsgd.bench.<module>``: parse the subcommand's arguments and run it, as
+    ``python -m hvd_qsgd.bench <module>`` does (the torch and e2e benchmarks start their workers so)."""
+    parser = argparse.ArgumentParser(prog=f"python -m hvd_qsgd.bench.{module}")
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
 
 
 def int_at_least(low):

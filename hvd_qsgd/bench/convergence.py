@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from hvd_qsgd.bench.common import machine_info, positive_int
+from hvd_qsgd.bench.common import machine_info, module_main, positive_int
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join("examples", "pytorch_digits.py")
@@ -250,13 +250,5 @@ def run(args):
     return 1 if failed else 0
 
 
-def main(argv=None):
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m hvd_qsgd.bench.convergence")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main("convergence", add_arguments, run))

@@ -111,7 +111,7 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import machine_info, ms_quartiles, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import machine_info, module_main, ms_quartiles, nonnegative_int, positive_int
 from hvd_qsgd.bench.netns import parse_rate
 
 DEFAULT_OUT = os.path.join("bench_out", "e2e")
@@ -953,11 +953,5 @@ def run(args):
     return 1 if failures or bad else 0
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hvd_qsgd.bench.e2e")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main("e2e", add_arguments, run))

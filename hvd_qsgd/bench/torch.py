@@ -62,7 +62,7 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import bit_widths, machine_info, ms_quartiles, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import bit_widths, machine_info, module_main, ms_quartiles, nonnegative_int, positive_int
 
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
@@ -466,11 +466,5 @@ def run(args):
     return 1 if failures or not checks_ok else 0
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m hvd_qsgd.bench.torch")
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(module_main("torch", add_arguments, run))
