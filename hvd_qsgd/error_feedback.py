@@ -46,6 +46,6 @@ def usable_rate(lr):
 def rescale_factor(lr_made, lr_now):
     """The factor a residual made at ``lr_made`` is multiplied by when used at ``lr_now`` (1 when
     either is unknown or unusable)."""
-    if lr_made is None or lr_now is None or not usable_rate(lr_made) or not usable_rate(lr_now):
+    if not (usable_rate(lr_made) and usable_rate(lr_now)):
         return 1.0
     return float(lr_made) / float(lr_now)
