@@ -86,6 +86,21 @@ def named_parameter_list(named_parameters, who, empty_ok=False):
     return named
 
 
+def average_named(compression, named_tensors, prefix, process_set):
+    """[(name, average over the process set of that tensor)] in the order given: each tensor goes
+    through ``compression`` (compress, ``hvd.allreduce_async_`` with op Average as ``<prefix>.<name>``,
+    decompress), all exchanges started before the first is waited on; each average has its tensor's
+    shape and dtype. What the optimizers that average their own updates share (``EFSGDM``,
+    ``PeriodicQuantizedAveraging``)."""
+    pending = []
+    for name, t in named_tensors:
+        compressed, ctx = compression.compress(t)
+        handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"{prefix}.{name}", process_set=process_set)
+        pending.append((name, t, handle, ctx))
+    return [(name, compression.decompress(hvd.synchronize(handle), ctx).view_as(t).to(t.dtype))
+            for name, t, handle, ctx in pending]
+
+
 class QSGD(Compressor):
     """QSGD compression for ``horovod.torch`` (see ``hvd_qsgd.QSGD`` for the parameters)."""
 

@@ -38,7 +38,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
-from hvd_qsgd.torch.compressor import named_parameter_list
+from hvd_qsgd.torch.compressor import average_named, named_parameter_list
 
 
 class EFSGDM(torch.optim.Optimizer):
@@ -79,7 +79,7 @@ class EFSGDM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        pending = []
+        params, updates = [], []
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]
             for p in group["params"]:
@@ -93,14 +93,11 @@ class EFSGDM(torch.optim.Optimizer):
                 state = self.state[p]
                 m = state.get("momentum_buffer")
                 m = state["momentum_buffer"] = g.clone() if m is None else m.mul_(mu).add_(g)
-                update = (g + mu * m) * lr          # eta_t (mu m_t + g_t); e_t is added by the compressor
-                compressed, ctx = self.compression.compress(update)
-                handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"hvd_qsgd.efsgdm.{name}",
-                                              process_set=self.process_set)
-                pending.append((p, handle, ctx))
-        for p, handle, ctx in pending:
-            delta = self.compression.decompress(hvd.synchronize(handle), ctx)
-            p.sub_(delta.view_as(p).to(p.dtype))
+                params.append(p)
+                updates.append((name, (g + mu * m) * lr))   # eta_t (mu m_t + g_t); e_t is added by the compressor
+        for p, (_, delta) in zip(params, average_named(self.compression, updates, "hvd_qsgd.efsgdm",
+                                                       self.process_set)):
+            p.sub_(delta)
         return loss
 
     def state_dict(self):

@@ -37,7 +37,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
-from hvd_qsgd.torch.compressor import named_parameter_list
+from hvd_qsgd.torch.compressor import average_named, named_parameter_list
 
 MOMENTUM_MODES = ("local", "average", "reset")
 
@@ -105,16 +105,10 @@ class PeriodicQuantizedAveraging:
     @torch.no_grad()
     def synchronize(self):
         """x^ <- x^ + (1/M) sum_i Q(x_i - x^); x_i <- x^; then the optimizer state per ``momentum``."""
-        pending = []
-        for name, p in self.named_parameters:
-            diff = p.detach() - self.anchor[name]
-            compressed, ctx = self.compression.compress(diff)
-            handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"hvd_qsgd.pqasgd.{name}",
-                                          process_set=self.process_set)
-            pending.append((name, p, handle, ctx))
-        for name, p, handle, ctx in pending:
-            average = self.compression.decompress(hvd.synchronize(handle), ctx)
-            self.anchor[name].add_(average.view_as(p).to(p.dtype))
+        diffs = [(name, p.detach() - self.anchor[name]) for name, p in self.named_parameters]
+        averages = average_named(self.compression, diffs, "hvd_qsgd.pqasgd", self.process_set)
+        for (name, p), (_, average) in zip(self.named_parameters, averages):
+            self.anchor[name].add_(average)
             p.copy_(self.anchor[name])
         self._sync_state()
         self.syncs += 1
