@@ -3,7 +3,13 @@ entry point of a subcommand module run on its own."""
 import argparse
 import os
 import platform
+import signal
 import statistics
+import subprocess
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def module_main(module, add_arguments, run, argv=None):
@@ -12,6 +18,35 @@ def module_main(module, add_arguments, run, argv=None):
     parser = argparse.ArgumentParser(prog=f"python -m hvd_qsgd.bench.{module}")
     add_arguments(parser)
     return run(parser.parse_args(argv))
+
+
+def job_env():
+    """The environment of a benchmark's horovodrun job: this checkout first on PYTHONPATH, this
+    Python's bin (horovodrun) first on PATH, one OpenMP thread per rank, unbuffered output, Open MPI
+    allowed to run as root."""
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def launch_job(cmd, timeout, cwd=None):
+    """Run ``cmd`` (a horovodrun job) in its own session with ``job_env()``; (exit status, output,
+    seconds). Past ``timeout`` seconds the whole session is killed and the status is 124."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, cwd=cwd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        status = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        out = (out or "") + f"\n[timed out after {timeout}s; the job was killed]"
+        status = 124
+    return status, out, time.perf_counter() - t0
 
 
 def int_at_least(low):

@@ -39,15 +39,12 @@ Outputs: the PNG (``--png``, default ``convergence.png``) and, with ``--json PAT
 """
 import json
 import os
-import signal
-import subprocess
 import sys
 import tempfile
 import time
 
-from hvd_qsgd.bench.common import machine_info, module_main, positive_int
+from hvd_qsgd.bench.common import launch_job, machine_info, module_main, positive_int, REPO_ROOT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXAMPLE = os.path.join("examples", "pytorch_digits.py")
 
 # name -> (label, the example's flags)
@@ -88,15 +85,6 @@ def add_arguments(p):
 
 
 # ---- launching -----------------------------------------------------------------------------------
-def _env():
-    env = dict(os.environ)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
-    return env
-
-
 def command(method, args, json_path):
     """The horovodrun command line of one method's job."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -105,22 +93,6 @@ def command(method, args, json_path):
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]
     return cmd + METHODS[method][1]
-
-
-def launch(cmd, timeout):
-    """Run one job from the repository root; (exit status, output, seconds)."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-        status = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out = (out or "") + f"\n[timed out after {timeout}s; the job was killed]"
-        status = 124
-    return status, out, time.perf_counter() - t0
 
 
 # ---- reporting -----------------------------------------------------------------------------------
@@ -203,8 +175,8 @@ def plot(rows, path, args):
 
 
 def run(args):
-    if not os.path.exists(os.path.join(ROOT, EXAMPLE)):
-        print(f"the example {EXAMPLE} is not under {ROOT}: run from a checkout of the repository", file=sys.stderr)
+    if not os.path.exists(os.path.join(REPO_ROOT, EXAMPLE)):
+        print(f"the example {EXAMPLE} is not under {REPO_ROOT}: run from a checkout of the repository", file=sys.stderr)
         return 2
     info = machine_info()
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); "
@@ -217,7 +189,7 @@ def run(args):
             path = os.path.join(tmp, f"{method}.json")
             cmd = command(method, args, path)
             print(f"running {label}: horovodrun {' '.join(cmd[1:6])} python {' '.join(cmd[7:])}", flush=True)
-            status, out, seconds = launch(cmd, args.timeout)
+            status, out, seconds = launch_job(cmd, args.timeout, cwd=REPO_ROOT)
             result = None
             if status == 0 and os.path.exists(path):
                 with open(path) as f:

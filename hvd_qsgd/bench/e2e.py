@@ -111,7 +111,8 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import machine_info, module_main, ms_quartiles, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import (job_env, machine_info, module_main, ms_quartiles,
+                                    nonnegative_int, positive_int)
 from hvd_qsgd.bench.netns import parse_rate
 
 DEFAULT_OUT = os.path.join("bench_out", "e2e")
@@ -511,11 +512,10 @@ def _worker_argv(args, json_path):
 def run_job(topo, rate, args, json_path, log_dir):
     """One job of topo.n ranks at ``rate`` (the links already shaped); raises JobFailed."""
     from hvd_qsgd.bench.netns import IFACE, IP
-    from hvd_qsgd.bench.torch import _env
 
     n = topo.n
     deadline = time.monotonic() + args.timeout
-    env = _env()
+    env = job_env()
     tag = f"np{n}_{rate}"
     try:
         hosts = ",".join(f"{ns}:1" for ns in topo.ranks)

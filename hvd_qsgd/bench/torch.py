@@ -56,13 +56,12 @@ the definitions and the machine), ``table.md`` (the table printed on stdout) and
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import bit_widths, machine_info, module_main, ms_quartiles, nonnegative_int, positive_int
+from hvd_qsgd.bench.common import (bit_widths, launch_job, machine_info, module_main,
+                                    ms_quartiles, nonnegative_int, positive_int)
 
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
@@ -277,17 +276,6 @@ def run_worker(args):
 
 
 # ---- launcher ------------------------------------------------------------------------------------
-def _env():
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
-               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
-    bindir = os.path.dirname(sys.executable)
-    env["PATH"] = bindir + os.pathsep + env.get("PATH", "")
-    return env
-
-
 def _launch(n, args, json_path):
     """Run one horovodrun job of n ranks; (exit status, output, seconds)."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
@@ -295,18 +283,7 @@ def _launch(n, args, json_path):
            "hvd_qsgd.bench.torch", "--worker", "--json", json_path, "--bits", ",".join(map(str, args.bits)),
            "--hidden", str(args.hidden), "--batch", str(args.batch), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--seed", str(args.seed)]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=args.timeout)
-        status = proc.returncode
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        out = (out or "") + f"\n[timed out after {args.timeout}s; the job was killed]"
-        status = 124
-    return status, out, time.perf_counter() - t0
+    return launch_job(cmd, args.timeout)
 
 
 def _mb(nbytes):
