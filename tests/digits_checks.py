@@ -1,8 +1,32 @@
-"""Checks shared by the digits examples' tests (tests/test_demo.py, tests/test_tf_examples.py):
-the compressor's counters after a QSGD run, and accuracy parity with the uncompressed run."""
+"""What the digits examples' tests share (tests/test_demo.py, tests/test_tf_examples.py,
+tests/test_algorithms_convergence.py, tests/test_elastic.py): the model's layout and the step count,
+a run of an example, the compressor's counters after a QSGD run, and accuracy parity with the
+uncompressed run."""
+import json
 import math
 
-TEST_SAMPLES = 450  # the fixed 25% stratified test split of the 1,797 digits
+from tests.conftest import launch
+
+TEST_SAMPLES = 450   # the fixed 25% stratified test split of the 1,797 digits
+TRAIN_SAMPLES = 1347
+
+# 64-512-512-10 MLP: fc1.weight and fc2.weight (PyTorch's names) reach min_numel=10000 and are
+# quantized; the biases and fc3 (512 + 512 + 5120 + 10 elements) go through Horovod uncompressed.
+QUANTIZED = {"fc1.weight": 64 * 512, "fc2.weight": 512 * 512}
+RAW = 512 + 512 + 512 * 10 + 10
+ALL = sum(QUANTIZED.values()) + RAW
+
+
+def steps(np_, epochs, batch=32):
+    """Optimizer steps of a run: each rank's shard of the training set in batches, every epoch."""
+    return epochs * math.ceil(TRAIN_SAMPLES // np_ / batch)
+
+
+def run_example(tmp_path, np_, script, tag, args, controller="gloo", timeout=180):
+    """Run a digits example on ``np_`` ranks; its JSON results."""
+    out = tmp_path / f"{tag}.json"
+    launch(np_, controller, [script, "--no-progress", "--json", str(out)] + args, timeout=timeout)
+    return json.loads(out.read_text())
 
 
 def check_qsgd_stats(s, quantized, raw, steps, payload):

@@ -29,30 +29,20 @@ Time: 141 s for the file on the 2-core development machine shared with other job
 ~5): five launches of 20-45 s each, mostly horovodrun's and Python's start-up; 10 epochs, as in
 tests/test_demo.py, where the uncompressed run's accuracy has levelled off (0.971-0.978 from
 epoch 6 on)."""
-import json
-import math
-
 import pytest
 
 from hvd_qsgd import codec, protocol
-from tests.conftest import launch
-from tests.digits_checks import check_parity
+from tests.digits_checks import ALL, QUANTIZED, RAW, check_parity, run_example, steps
 
 SCRIPT = "examples/pytorch_digits.py"
 NP = 4
 EPOCHS = 10
-STEPS = EPOCHS * math.ceil(1347 // NP / 32)   # 110: 336 samples per rank, batch 32
+STEPS = steps(NP, EPOCHS)   # 110: 336 samples per rank, batch 32
 COMMON = ["--epochs", str(EPOCHS), "--seed", "42"]
-
-QUANTIZED = {"fc1.weight": 64 * 512, "fc2.weight": 512 * 512}
-RAW = 512 + 512 + 512 * 10 + 10
-ALL = sum(QUANTIZED.values()) + RAW
 
 
 def run(tmp_path, tag, args, timeout=240):
-    out = tmp_path / f"{tag}.json"
-    launch(NP, "gloo", [SCRIPT, "--no-progress", "--json", str(out)] + COMMON + args, timeout=timeout)
-    return json.loads(out.read_text())
+    return run_example(tmp_path, NP, SCRIPT, tag, COMMON + args, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

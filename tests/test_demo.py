@@ -1,26 +1,15 @@
 """The demo's training script (examples/pytorch_digits.py) under horovodrun, with the stock
 ``hvd.DistributedOptimizer(compression=hvd_qsgd.QSGD(...))``: byte accounting, training parity with
 the uncompressed run, and a 16-rank launch on this machine."""
-import json
-import math
-
 from hvd_qsgd import codec
-from tests.conftest import launch
-from tests.digits_checks import check_parity, check_qsgd_stats
+from tests.digits_checks import (ALL, QUANTIZED, RAW, check_parity, check_qsgd_stats, run_example,
+                                 steps as digits_steps)
 
 SCRIPT = "examples/pytorch_digits.py"
 
-# 64-512-512-10 MLP: fc1.weight and fc2.weight reach min_numel=10000 and are quantized; the biases
-# and fc3 (512 + 512 + 5120 + 10 elements) go through Horovod's float32 allreduce.
-QUANTIZED = {"fc1.weight": 64 * 512, "fc2.weight": 512 * 512}
-RAW = 512 + 512 + 512 * 10 + 10
-ALL = sum(QUANTIZED.values()) + RAW
-
 
 def run(tmp_path, np_, tag, args, timeout=180):
-    out = tmp_path / f"{tag}.json"
-    launch(np_, "gloo", [SCRIPT, "--no-progress", "--json", str(out)] + args, timeout=timeout)
-    return json.loads(out.read_text())
+    return run_example(tmp_path, np_, SCRIPT, tag, args, timeout=timeout)
 
 
 def test_qsgd_bytes_match_the_payload_sizes(tmp_path):
@@ -29,7 +18,7 @@ def test_qsgd_bytes_match_the_payload_sizes(tmp_path):
     assert (r["bits"], r["bucket_size"], r["min_numel"]) == (4, 512, 10000)
     assert r["quantized"] == list(QUANTIZED)
     steps = r["steps"]
-    assert steps == 3 * math.ceil(1347 // 2 / 32)
+    assert steps == digits_steps(2, 3)
 
     payload = sum(codec.payload_nbytes(n, 4, 512) for n in QUANTIZED.values())
     assert r["bytes_per_step"] == payload + 4 * RAW
@@ -48,7 +37,7 @@ def test_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
     q4 = run(tmp_path, 4, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
     for r in (none, q8, q4):
         assert r["params_identical"], r
-        assert r["steps"] == none["steps"] == 10 * math.ceil(1347 // 4 / 32)
+        assert r["steps"] == none["steps"] == digits_steps(4, 10)
     assert none["bytes_per_step"] == none["bytes_per_step_none"] == 4 * ALL
     for r in (q8, q4):
         # QSGD was really in the loop: its stochastic rounding moved the trajectory off float32's.

@@ -37,14 +37,12 @@ import time
 import pytest
 
 from tests.conftest import BIN, ROOT, mp_env, run_bounded
-from tests.digits_checks import check_parity
+from tests.digits_checks import QUANTIZED, RAW, check_parity
 
 WORKER = os.path.join(ROOT, "tests", "mp", "elastic_worker.py")
 DISCOVER = os.path.join(ROOT, "tests", "mp", "discover_hosts.sh")
 KILL_STEP, COMMIT_EVERY, REJOIN_STEP, EPOCHS = 23, 5, 40, 6
 STEPS = 14 * EPOCHS  # 1,347 training samples: 14 global batches of 96 an epoch
-QUANTIZED = {"fc1.weight": 64 * 512, "fc2.weight": 512 * 512}  # the gradients of >= 10,000 elements
-RAW = 512 + 512 + 512 * 10 + 10                                  # the biases and fc3.weight
 CLEAN = ("start", "reset", "commit", "waiting", "final")          # events between steps
 
 

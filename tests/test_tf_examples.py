@@ -7,37 +7,20 @@ sizes, bit-identical replicas, and training parity with the uncompressed run.
 Measured on the 2-core development machine: 154 s for the file when it had the machine to itself
 (7 launches of 14-35 s, most of it horovodrun's and TensorFlow's start-up and tracing), 264 s beside
 another test suite (load average ~9)."""
-import json
-import math
-
 import pytest
 
 from hvd_qsgd import codec, protocol
-from tests.conftest import launch
-from tests.digits_checks import check_parity, check_qsgd_stats
+from tests.digits_checks import RAW, check_parity, check_qsgd_stats, run_example as run, steps
 
 TF2 = "examples/tensorflow2_digits.py"
 KERAS = "examples/keras_digits.py"
-TRAIN_SAMPLES = 1347
-
 # 64-512-512-10 MLP: fc1/kernel and fc2/kernel reach min_numel=10000 and are quantized; the biases
 # and fc3 (512 + 512 + 5120 + 10 elements) go through Horovod's allreduce uncompressed -- as float64
 # with the TensorFlow adapter (so that a grouped allreduce can hold them with the float64 control
 # vectors), hence 8 bytes per element in the examples' byte counts.
-QUANTIZED = {"fc1/kernel": 64 * 512, "fc2/kernel": 512 * 512}
-RAW = 512 + 512 + 512 * 10 + 10
+QUANTIZED = {"fc1/kernel": 64 * 512, "fc2/kernel": 512 * 512}   # TensorFlow's names of the layers
 RAW_BYTES = 8
 ALL = sum(QUANTIZED.values()) + RAW
-
-
-def run(tmp_path, np_, script, tag, args, controller="gloo", timeout=180):
-    out = tmp_path / f"{tag}.json"
-    launch(np_, controller, [script, "--no-progress", "--json", str(out)] + args, timeout=timeout)
-    return json.loads(out.read_text())
-
-
-def steps(np_, epochs, batch=32):
-    return epochs * math.ceil(TRAIN_SAMPLES // np_ / batch)
 
 
 @pytest.mark.parametrize("script, controller, bits, bucket_args, bucket", [
