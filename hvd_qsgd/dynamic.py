@@ -51,7 +51,8 @@ change length with the bits; the reductions take variable-length payloads alread
 import math
 
 from hvd_qsgd import codec
-from hvd_qsgd.compressor import QSGD, default_bucket_size
+from hvd_qsgd.compressor import QSGD
+from hvd_qsgd.settings import default_bucket_size
 
 
 class Schedule:

@@ -25,7 +25,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from hvd_qsgd import codec, protocol, reduction as chunks
-from hvd_qsgd.compressor import Settings, Stats
+from hvd_qsgd.settings import Settings, Stats
 
 _REDUCTION_CODES = {"allgather": 1, "scatter_allgather": 2}
 _FLOATS = ("float32", "float16", "bfloat16")
@@ -35,7 +35,7 @@ class QSGDReducer:
     """QSGD allreduce of NumPy arrays among the ranks of an mpi4py communicator.
 
     Parameters as ``hvd_qsgd.QSGD`` (bits, bucket_size, norm, coding, min_numel, seed, checksum,
-    reduction). ``stats`` counts like the Horovod adapters (``hvd_qsgd.compressor.Stats``)."""
+    reduction). ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
 
     def __init__(self, comm=None, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
                  checksum=True, reduction="allgather"):

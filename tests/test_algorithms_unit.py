@@ -7,7 +7,7 @@ import pytest
 
 import hvd_qsgd
 from hvd_qsgd import error_feedback
-from hvd_qsgd.compressor import Settings
+from hvd_qsgd.settings import Settings
 from hvd_qsgd.dynamic import Schedule
 
 

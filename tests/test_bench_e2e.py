@@ -35,7 +35,7 @@ def test_model_parts():
 
 
 def test_unavailable_reduction_is_reported(monkeypatch):
-    from hvd_qsgd import compressor
+    from hvd_qsgd import settings as compressor
 
     monkeypatch.setattr(compressor, "REDUCTIONS", ("allgather",))
     gone = e2e.unavailable_modes(["none", "fp16", "qsgd4-allgather", "qsgd4-scatter"])

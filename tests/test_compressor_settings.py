@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import hvd_qsgd
-from hvd_qsgd.compressor import Settings, Stats
+from hvd_qsgd.settings import Settings, Stats
 
 
 def test_defaults_follow_the_paper():

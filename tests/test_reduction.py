@@ -8,7 +8,7 @@ import pytest
 
 from hvd_qsgd import _native, codec, cost_model, reduction
 from hvd_qsgd.codec import PayloadError
-from hvd_qsgd.compressor import Settings
+from hvd_qsgd.settings import Settings
 
 
 def step_seed(base, k):

@@ -18,7 +18,7 @@ import pytest
 
 import hvd_qsgd
 from hvd_qsgd import codec, reduction
-from hvd_qsgd.compressor import Settings
+from hvd_qsgd.settings import Settings
 
 # index -> value; with buckets of 512: NaN in bucket 0, +Inf in 2, -Inf and +Inf in 5, -Inf and NaN in 7
 BAD = {100: np.nan, 1500: np.inf, 2600: -np.inf, 2700: np.inf, 3601: -np.inf, 3602: np.nan}

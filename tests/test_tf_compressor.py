@@ -153,7 +153,7 @@ import json
 import numpy as np
 import tensorflow as tf
 from hvd_qsgd import codec, protocol, reduction
-from hvd_qsgd.compressor import Settings
+from hvd_qsgd.settings import Settings
 from hvd_qsgd.tensorflow import ops
 o = ops.load()
 cases = []

@@ -29,7 +29,7 @@ weights, each under ``hvd.DistributedOptimizer(SGD, named_parameters=..., compre
     fp16                hvd.Compression.fp16: allreduce of fp16 gradients
     qsgd<b>-allgather   hvd_qsgd.QSGD(b, reduction="allgather")
     qsgd<b>-scatter     hvd_qsgd.QSGD(b, reduction="scatter_allgather"), reported as unavailable
-                        (not run) while hvd_qsgd.compressor.REDUCTIONS lacks "scatter_allgather"
+                        (not run) while hvd_qsgd.settings.REDUCTIONS lacks "scatter_allgather"
 
 and one more copy, ``compute``, with a local optimizer and no exchange. The modes are stepped in
 turn, one step of each per round: ``--warmup`` untimed rounds, then ``--steps`` timed rounds, so they
@@ -205,14 +205,14 @@ def mode_label(mode):
 
 def unavailable_modes(modes):
     """{mode: why} for modes this installation cannot run."""
-    from hvd_qsgd import compressor
+    from hvd_qsgd import settings as compressor
 
     out = {}
     for m in modes:
         red = mode_reduction(m)
         if red is not None and red not in compressor.REDUCTIONS:
             out[m] = (f"reduction {red!r} is not implemented by this hvd_qsgd "
-                      f"(hvd_qsgd.compressor.REDUCTIONS = {tuple(compressor.REDUCTIONS)})")
+                      f"(hvd_qsgd.settings.REDUCTIONS = {tuple(compressor.REDUCTIONS)})")
     return out
 
 
@@ -226,7 +226,7 @@ def param_shapes(width, depth):
 
 def qsgd_settings(bits):
     """(bucket_size, min_numel): the compressor's defaults for ``bits``."""
-    from hvd_qsgd.compressor import Settings, default_bucket_size
+    from hvd_qsgd.settings import Settings, default_bucket_size
 
     return default_bucket_size(bits), Settings().min_numel
 

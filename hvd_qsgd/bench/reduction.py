@@ -105,7 +105,7 @@ def _launch(n, args, path):
 
 def _table(rows):
     from hvd_qsgd import codec
-    from hvd_qsgd.compressor import default_bucket_size
+    from hvd_qsgd.settings import default_bucket_size
 
     lines = ["| n | bits | reduction | recv B/rank/step (counted) | target 2(n-1)/n·d·b/8 | counted/target "
              "| model | sent B/rank/step | s/exchange |",

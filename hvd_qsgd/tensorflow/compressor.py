@@ -73,7 +73,7 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_qsgd import codec, protocol
-from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
+from hvd_qsgd.settings import Stats, init_adapter, set_ranks as process_set_ranks
 from hvd_qsgd.tensorflow import ops as qops
 
 _SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
@@ -377,7 +377,7 @@ class QSGD(Compressor):
 
     @property
     def stats(self):
-        """Cumulative counters (see ``hvd_qsgd.compressor.Stats``): numbers when executing eagerly,
+        """Cumulative counters (see ``hvd_qsgd.settings.Stats``): numbers when executing eagerly,
         the counter tensors otherwise (evaluate them in a session)."""
         counters = self._counter_vars()
         if not tf.executing_eagerly():

@@ -60,7 +60,7 @@ from horovod.torch.compression import Compressor
 import numpy as np
 
 from hvd_qsgd import codec, cuda, error_feedback, protocol, reduction
-from hvd_qsgd.compressor import Stats, init_adapter, set_ranks as process_set_ranks
+from hvd_qsgd.settings import Stats, init_adapter, set_ranks as process_set_ranks
 
 _SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 

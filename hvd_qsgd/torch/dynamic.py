@@ -8,7 +8,7 @@ the same bits for the next exchange of the tensor without exchanging anything.
 """
 import numpy as np
 
-from hvd_qsgd.compressor import default_bucket_size
+from hvd_qsgd.settings import default_bucket_size
 from hvd_qsgd.dynamic import Schedule
 from hvd_qsgd.torch.compressor import QSGD
 

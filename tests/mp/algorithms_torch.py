@@ -20,7 +20,7 @@ import horovod.torch as hvd
 import hvd_qsgd
 import hvd_qsgd.torch
 from hvd_qsgd import codec, protocol
-from hvd_qsgd.compressor import default_bucket_size
+from hvd_qsgd.settings import default_bucket_size
 
 NW, NB = 12000, 100
 MIN_NUMEL = 1000

@@ -22,7 +22,7 @@ from horovod.torch.compression import Compressor
 import hvd_qsgd
 import hvd_qsgd.torch
 from hvd_qsgd import codec, cost_model, protocol, reduction
-from hvd_qsgd.compressor import Settings
+from hvd_qsgd.settings import Settings
 
 SEED = 7
 

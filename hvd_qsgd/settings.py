@@ -1,0 +1,146 @@
+"""What every adapter shares that is no framework's API: the compressor ``Settings`` (the one place
+the settings parameters are spelled out, with their defaults and checks), the per-rank ``Stats``
+counters, the creation index that names a compressor's exchanges, and a process set's ranks.
+
+Defaults follow the QSGD paper's experiments (section 5): max-norm scaling, bucket size 512 for
+4 and 8 bits and 128 for 2 bits or fewer, and tensors of fewer than 10,000 elements left
+unquantized (they go through Horovod's own allreduce, with the same Sum/Average semantics).
+"""
+import itertools
+import threading
+from dataclasses import asdict, dataclass
+
+from hvd_qsgd import codec, cost_model, protocol
+
+REDUCTIONS = ("allgather", "scatter_allgather", "auto")
+_creation_counter = itertools.count()
+_creation_lock = threading.Lock()
+
+
+def next_creation_index():
+    """Compressors are numbered in creation order; the number is part of their exchange names, so
+    every rank must create its compressors in the same order (a mismatch is detected, not hung on)."""
+    with _creation_lock:
+        return next(_creation_counter)
+
+
+def set_ranks(process_set, world_size):
+    """The global ranks of a Horovod process set, ascending (the global set: all ``world_size``)."""
+    if process_set.process_set_id == 0:
+        return list(range(world_size))
+    if process_set.ranks is None:
+        raise ValueError("hvd_qsgd: the compressor's process set was not registered with Horovod "
+                         "(hvd.init(process_sets=...) or hvd.add_process_set)")
+    return sorted(process_set.ranks)
+
+
+def init_adapter(adapter, settings, settings_args, creation_index, process_set, global_process_set):
+    """The state every framework adapter starts with: its settings (given, or made from the
+    constructor's arguments), creation index, process set, settings tag and lock."""
+    adapter.settings = settings or Settings.make(*settings_args)
+    adapter._creation_index = next_creation_index() if creation_index is None else creation_index
+    adapter._process_set = process_set if process_set is not None else global_process_set
+    adapter._lock = threading.Lock()
+
+
+def default_bucket_size(bits):
+    return 128 if bits <= 2 else 512
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum``,
+    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice."""
+
+    bits: int = 4
+    bucket_size: int = 512
+    norm: str = "max"
+    coding: str = "fixed"
+    min_numel: int = 10000
+    seed: int = 0
+    error_feedback: bool = False
+    checksum: bool = True
+    reduction: str = "allgather"
+    server_error_feedback: bool = False
+
+    @classmethod
+    def make(cls, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
+             error_feedback=False, checksum=True, reduction="allgather", server_error_feedback=False):
+        """Settings with every parameter checked (ValueError naming the parameter)."""
+        if bucket_size is None:
+            bucket_size = default_bucket_size(codec._check_bits(bits))
+        codec.make_config(bits, bucket_size, norm, seed, coding)  # checks bits, bucket, norm, coding, seed
+        if not codec.is_integer(min_numel) or min_numel < 1:
+            raise ValueError(f"min_numel must be a positive integer, got {min_numel!r}")
+        if not isinstance(reduction, str) or reduction not in REDUCTIONS:
+            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+        for name, flag in (("error_feedback", error_feedback), ("checksum", checksum),
+                           ("server_error_feedback", server_error_feedback)):
+            if not codec.is_bool(flag):
+                raise ValueError(f"{name} must be True or False, got {flag!r}")
+        return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
+                   bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback))
+
+    def replace(self, **changes):
+        """These settings with some fields changed (checked as ``make`` checks them)."""
+        return Settings.make(**{**asdict(self), **changes})
+
+    def tag(self, reduction=None):
+        """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
+        reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
+        differently are told apart too."""
+        return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
+                                   f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}")
+
+    def exchange_reduction(self, n, numel):
+        """The reduction of one exchange of a numel-element tensor among n ranks: the setting, or for
+        "auto" the faster by ``cost_model.choose`` (the same on every rank: it depends on n, numel and
+        the settings only)."""
+        if self.reduction == "auto":
+            return cost_model.choose(n, numel, self.bits, self.bucket_size)
+        return self.reduction
+
+    def as_dict(self):
+        return asdict(self)
+
+
+class Stats:
+    """Cumulative counters of one rank, safe to update from several threads.
+
+    elements:       elements of the tensors this rank compressed
+    bytes_sent:     payload bytes this rank put on the wire (its own payloads)
+    bytes_received: payload bytes this rank took off the wire (the other ranks' payloads)
+    ratio:          4 * elements / bytes_sent, the size of fp32 over what was sent
+    tensors:        compressed exchanges; raw_elements / raw_tensors: those sent uncompressed
+    """
+
+    FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors")
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._values = dict.fromkeys(self.FIELDS, 0)
+
+    def add(self, **counts):
+        with self._lock:
+            for k, v in counts.items():
+                self._values[k] += int(v)
+
+    def as_dict(self):
+        with self._lock:
+            d = dict(self._values)
+        d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
+        return d
+
+    def load(self, values):
+        with self._lock:
+            for k in self.FIELDS:
+                self._values[k] = int(values.get(k, 0))
+
+    @staticmethod
+    def merge(dicts):
+        total = dict.fromkeys(Stats.FIELDS, 0)
+        for d in dicts:
+            for k in Stats.FIELDS:
+                total[k] += d[k]
+        total["ratio"] = protocol.ratio(total["elements"], total["bytes_sent"])
+        return total
