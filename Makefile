@@ -19,7 +19,7 @@ demo: setup
 	bash scripts/demo.sh $(NP)
 
 bench: setup
-	$(PY) -m hvd_qsgd.bench kernels
+	$(PY) -m benchmarks kernels
 
 clean:
 	rm -rf build *.egg-info hvd_qsgd/*.so .pytest_cache

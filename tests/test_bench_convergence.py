@@ -1,11 +1,11 @@
-"""Smoke test of ``python -m hvd_qsgd.bench convergence``: a tiny 2-rank run of every method (6 steps
+"""Smoke test of ``python -m benchmarks convergence``: a tiny 2-rank run of every method (6 steps
 each: PQASGD's period 4 then ends with its extra sync) prints a row per method, writes the PNG and
 the JSON, and the bytes it reports are the example's curves. Six horovodrun launches of ~10-20 s
 each on the 2-core development machine."""
 import json
 import sys
 
-from hvd_qsgd.bench.convergence import METHODS, TABLE_HEADER
+from benchmarks.convergence import METHODS, TABLE_HEADER
 from tests.conftest import run_bounded
 
 STEPS = 6
@@ -14,7 +14,7 @@ NUMEL = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10
 
 def test_bench_convergence_tiny(tmp_path):
     png, out = tmp_path / "conv.png", tmp_path / "conv.json"
-    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "convergence", "--np", "2", "--epochs", "1",
+    cmd = [sys.executable, "-m", "benchmarks", "convergence", "--np", "2", "--epochs", "1",
            "--max-steps", str(STEPS), "--png", str(png), "--json", str(out), "--timeout", "150"]
     returncode, stdout = run_bounded(cmd, 480)
     assert returncode == 0, stdout[-5000:]

@@ -1,4 +1,4 @@
-"""``python -m hvd_qsgd.bench e2e``: the model-only projection and its files, and a tiny real run over
+"""``python -m benchmarks e2e``: the model-only projection and its files, and a tiny real run over
 shaped links between network namespaces whose counted bytes are checked against the ring and
 allgather byte counts (skipped, with the reason, where namespaces cannot be made)."""
 import json
@@ -13,14 +13,14 @@ import time
 import pytest
 
 from hvd_qsgd import codec, cost_model, protocol
-from hvd_qsgd.bench import e2e, netns
+from benchmarks import e2e, netns
 from tests.conftest import ROOT, mp_env, run_bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
 def _bench(argv, timeout):
-    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "e2e"] + argv
+    cmd = [sys.executable, "-m", "benchmarks", "e2e"] + argv
     returncode, out = run_bounded(cmd, timeout, stop_signal=signal.SIGTERM)  # SIGTERM: it deletes its namespaces
     assert returncode == 0, out[-6000:]
     return out
@@ -139,7 +139,7 @@ def test_sigterm_kills_ranks_and_deletes_namespaces(tmp_path):
     if reason:
         pytest.skip(f"network namespaces cannot be made here: {reason}")
     out_dir = tmp_path / "e2e"
-    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "e2e", "--np", "2", "--rates", "10mbit", "--width", "256",
+    cmd = [sys.executable, "-m", "benchmarks", "e2e", "--np", "2", "--rates", "10mbit", "--width", "256",
            "--depth", "1", "--steps", "100000", "--modes", "none", "--timeout", "120", "--out", str(out_dir)]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)

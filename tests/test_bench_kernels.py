@@ -10,7 +10,7 @@ from tests.conftest import ROOT
 
 def test_kernel_benchmark_writes_every_measurement(tmp_path):
     out = tmp_path / "k.json"
-    proc = subprocess.run([sys.executable, "-m", "hvd_qsgd.bench", "kernels", "--sizes", "64K", "--bits", "2,4",
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--sizes", "64K", "--bits", "2,4",
                            "--repeats", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -24,6 +24,6 @@ def test_kernel_benchmark_writes_every_measurement(tmp_path):
 
 
 def test_kernel_benchmark_rejects_bad_arguments():
-    proc = subprocess.run([sys.executable, "-m", "hvd_qsgd.bench", "kernels", "--bits", "9"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--bits", "9"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "bits must be integers in 2..8" in proc.stderr

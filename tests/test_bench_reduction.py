@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m hvd_qsgd.bench reduction``: at 2 and 3 ranks the counted bytes per rank
+"""Smoke test of ``python -m benchmarks reduction``: at 2 and 3 ranks the counted bytes per rank
 are those of the payloads (allgather: (n-1) P exactly) and scatter_allgather stays within 1.2x of
 2 (n-1)/n * d * b/8 while allgather's ratio grows with n."""
 import json
@@ -10,7 +10,7 @@ from tests.conftest import run_bounded
 
 def test_bench_reduction_tiny(tmp_path):
     d = 200000
-    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "reduction", "--np", "2", "3", "--numel", str(d), "--steps", "2",
+    cmd = [sys.executable, "-m", "benchmarks", "reduction", "--np", "2", "3", "--numel", str(d), "--steps", "2",
            "--out", str(tmp_path), "--timeout", "100"]
     returncode, stdout = run_bounded(cmd, 150)
     assert returncode == 0, stdout[-5000:]

@@ -1,4 +1,4 @@
-"""Smoke test of ``python -m hvd_qsgd.bench torch``: a tiny 2-rank run writes its table, JSON and
+"""Smoke test of ``python -m benchmarks torch``: a tiny 2-rank run writes its table, JSON and
 plot, and the bytes it reports are the codec's payload sizes of the model's quantized tensors."""
 import json
 import sys
@@ -16,7 +16,7 @@ MIN_NUMEL = 10000                      # its default: smaller tensors are allred
 
 def test_bench_torch_tiny(tmp_path):
     out_dir = tmp_path / "torch"
-    cmd = [sys.executable, "-m", "hvd_qsgd.bench", "torch", "--np", "2", "--steps", "2", "--warmup", "1",
+    cmd = [sys.executable, "-m", "benchmarks", "torch", "--np", "2", "--steps", "2", "--warmup", "1",
            "--hidden", "256", "--batch", "8", "--out", str(out_dir), "--timeout", "100"]
     returncode, stdout = run_bounded(cmd, 120)
     assert returncode == 0, stdout[-5000:]

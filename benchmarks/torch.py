@@ -1,8 +1,8 @@
-"""``python -m hvd_qsgd.bench torch``: per-step time and bytes of a PyTorch training step under
+"""``python -m benchmarks torch``: per-step time and bytes of a PyTorch training step under
 Horovod with no compression, fp16 and ``hvd_qsgd.QSGD(b)``.
 
 What runs. For each rank count n of ``--np`` the command launches one job,
-``horovodrun -np n -H localhost:n --gloo <python> -m hvd_qsgd.bench.torch --worker ...``. Each rank
+``horovodrun -np n -H localhost:n --gloo <python> -m benchmarks.torch --worker ...``. Each rank
 builds one copy of an MLP per compression mode (same initial weights on every rank; its own
 synthetic batch per rank, so the ranks' gradients differ), wraps it in ``hvd.DistributedOptimizer``
 (SGD with momentum) with ``compression=`` the mode, and steps all the modes in turn, one step of each
@@ -60,8 +60,8 @@ import statistics
 import sys
 import time
 
-from hvd_qsgd.bench.common import (bit_widths, launch_job, machine_info, module_main,
-                                    ms_quartiles, nonnegative_int, positive_int)
+from benchmarks.common import (bit_widths, launch_job, machine_info, module_main,
+                               ms_quartiles, nonnegative_int, positive_int)
 
 MODES_FIXED = ("none", "fp16")
 DEFAULT_OUT = os.path.join("bench_out", "torch")
@@ -280,7 +280,7 @@ def _launch(n, args, json_path):
     """Run one horovodrun job of n ranks; (exit status, output, seconds)."""
     horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
     cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, "-m",
-           "hvd_qsgd.bench.torch", "--worker", "--json", json_path, "--bits", ",".join(map(str, args.bits)),
+           "benchmarks.torch", "--worker", "--json", json_path, "--bits", ",".join(map(str, args.bits)),
            "--hidden", str(args.hidden), "--batch", str(args.batch), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--seed", str(args.seed)]
     return launch_job(cmd, args.timeout)

@@ -1,4 +1,4 @@
-"""Network namespaces joined by rate-shaped links, for ``python -m hvd_qsgd.bench e2e``.
+"""Network namespaces joined by rate-shaped links, for ``python -m benchmarks e2e``.
 
 ``Topology(n)`` builds n "hosts" and one "switch" out of Linux network namespaces, all named with
 the prefix ``hq<pid>`` (``hq<pid>s`` the switch, ``hq<pid>r<i>`` rank i):

@@ -1,4 +1,4 @@
-"""Command line of the benchmarks: ``python -m hvd_qsgd.bench <subcommand> [options]``.
+"""Command line of the benchmarks: ``python -m benchmarks <subcommand> [options]``.
 
 A subcommand is a module of this package with ``add_arguments(parser)`` and ``run(args)`` (returning
 an exit status or None). To add one (``torch``, ``e2e``, ``convergence``, ...), write the module and
@@ -11,20 +11,20 @@ import sys
 
 # name -> (module, one-line help)
 SUBCOMMANDS = {
-    "kernels": ("hvd_qsgd.bench.kernels",
+    "kernels": ("benchmarks.kernels",
                 "codec encode/decode throughput vs memcpy and NumPy / PyTorch baselines"),
-    "reduction": ("hvd_qsgd.bench.reduction",
+    "reduction": ("benchmarks.reduction",
                   "bytes per rank of QSGD's allgather and scatter_allgather reductions as n grows"),
-    "torch": ("hvd_qsgd.bench.torch",
+    "torch": ("benchmarks.torch",
               "per-step time and bytes of Horovod PyTorch training: none, fp16, QSGD(b), at -np N"),
-    "e2e": ("hvd_qsgd.bench.e2e", "step time and counted wire bytes over tbf-shaped links between network namespaces"),
-    "convergence": ("hvd_qsgd.bench.convergence",
+    "e2e": ("benchmarks.e2e", "step time and counted wire bytes over tbf-shaped links between network namespaces"),
+    "convergence": ("benchmarks.convergence",
                     "test accuracy vs bytes sent of the PyTorch digits example, for every method, at -np N"),
 }
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m hvd_qsgd.bench",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks",
                                      description="Benchmarks of the hvd_qsgd codec.")
     sub = parser.add_subparsers(dest="command", metavar="SUBCOMMAND", required=True)
     for name, (module, help_text) in SUBCOMMANDS.items():

@@ -1,4 +1,4 @@
-"""``python -m hvd_qsgd.bench convergence``: test accuracy against bytes sent, for every
+"""``python -m benchmarks convergence``: test accuracy against bytes sent, for every
 communication method of the package, on the PyTorch digits example.
 
 What runs. For each method of ``--methods`` the command launches one job,
@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from hvd_qsgd.bench.common import launch_job, machine_info, module_main, positive_int, REPO_ROOT
+from benchmarks.common import launch_job, machine_info, module_main, positive_int, REPO_ROOT
 
 EXAMPLE = os.path.join("examples", "pytorch_digits.py")
 

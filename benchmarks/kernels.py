@@ -1,4 +1,4 @@
-"""``python -m hvd_qsgd.bench kernels``: codec throughput against memcpy and hand-written baselines.
+"""``python -m benchmarks kernels``: codec throughput against memcpy and hand-written baselines.
 
 For each size and bit width, side by side in one run: np.copyto of a same-size float32 array (the
 memory-bandwidth reference), hvd_qsgd encode, decode and encode+decode (with and without the payload
@@ -20,9 +20,9 @@ import time
 import numpy as np
 
 from hvd_qsgd import _native, codec
-from hvd_qsgd.bench import baselines as bl
-from hvd_qsgd.bench import common
-from hvd_qsgd.bench.common import bit_widths, positive_int
+from benchmarks import baselines as bl
+from benchmarks import common
+from benchmarks.common import bit_widths, positive_int
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 _CHECK_TRIALS = 200  # encodes per implementation in the unbiasedness check

@@ -1,4 +1,4 @@
-"""``python -m hvd_qsgd.bench reduction``: bytes per rank of QSGD's two reductions as n grows.
+"""``python -m benchmarks reduction``: bytes per rank of QSGD's two reductions as n grows.
 
 What runs. For each rank count n of ``--np`` one job, ``horovodrun -np n -H localhost:n --gloo``;
 every rank allreduces one float32 tensor of ``--numel`` elements (its own random values) through
@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import bit_widths, machine_info, nonnegative_int, positive_int
+from benchmarks.common import bit_widths, job_env, machine_info, nonnegative_int, positive_int
 
 REDUCTIONS = ("allgather", "scatter_allgather")
 DEFAULT_OUT = os.path.join("bench_out", "reduction")
@@ -91,11 +91,10 @@ def run_worker(args):
 
 def _launch(n, args, path):
     cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(n), "-H", f"localhost:{n}",
-           "--gloo", sys.executable, "-m", "hvd_qsgd.bench", "reduction", "--worker", "--json", path,
+           "--gloo", sys.executable, "-m", "benchmarks", "reduction", "--worker", "--json", path,
            "--numel", str(args.numel), "--bits", ",".join(map(str, args.bits)), "--steps", str(args.steps),
            "--warmup", str(args.warmup)]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.run(cmd, env=job_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=args.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stdout[-4000:]}")

@@ -9,13 +9,13 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def module_main(module, add_arguments, run, argv=None):
-    """``python -m hvd_qsgd.bench.<module>``: parse the subcommand's arguments and run it, as
-    ``python -m hvd_qsgd.bench <module>`` does (the torch and e2e benchmarks start their workers so)."""
-    parser = argparse.ArgumentParser(prog=f"python -m hvd_qsgd.bench.{module}")
+    """``python -m benchmarks.<module>``: parse the subcommand's arguments and run it, as
+    ``python -m benchmarks <module>`` does (the torch and e2e benchmarks start their workers so)."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.{module}")
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

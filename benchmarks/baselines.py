@@ -16,7 +16,7 @@ codes and returns sign * level * (scale / s) in fp32.
   spirit of torch.distributed's ``quantization_hooks``, but bucketed and bit-packed).
 
 A result is a ``Quantized``: the per-bucket scales, the packed bytes (exactly ceil(n * b / 8) of
-them) and what is needed to undo the packing. They are baselines for ``python -m hvd_qsgd.bench
+them) and what is needed to undo the packing. They are baselines for ``python -m benchmarks
 kernels``; finite inputs are assumed (no special handling of NaN or Inf scales).
 """
 from typing import Any, NamedTuple

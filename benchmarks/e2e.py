@@ -1,11 +1,11 @@
-"""``python -m hvd_qsgd.bench e2e``: step time and counted wire bytes of Horovod PyTorch training
+"""``python -m benchmarks e2e``: step time and counted wire bytes of Horovod PyTorch training
 over rate-limited links between network namespaces, with none, fp16 and ``hvd_qsgd.QSGD``; and the
 cost model's prediction of every measured point and its projection to 16 ranks.
 
 The network. For each rank count n of ``--np`` the command builds n network namespaces, one per
 rank, each joined by a veth pair to a Linux bridge in one more namespace (the switch); every link
 end is shaped with ``tc ... tbf rate R`` on its egress, so each rank has a full-duplex R link into
-a switch (``hvd_qsgd.bench.netns``: names, addresses, token-bucket parameters). The root namespace's
+a switch (``benchmarks.netns``: names, addresses, token-bucket parameters). The root namespace's
 interfaces and routes are not touched, and everything created is deleted at the end (on SIGINT
 or SIGTERM too: the ranks are killed, the namespaces deleted, and the command exits with status
 130); namespaces of this naming scheme left by a run that was killed outright are deleted at the
@@ -13,7 +13,7 @@ start of the next. For each rate of ``--rates`` the links are re-shaped and one 
 
 The job. Horovod's Gloo rendezvous server runs in the switch namespace (a helper process started
 with ``ip netns exec``, listening on the bridge's address); each rank is started directly with
-``ip netns exec <rank namespace> <python> -m hvd_qsgd.bench.e2e --worker ...`` and the environment a
+``ip netns exec <rank namespace> <python> -m benchmarks.e2e --worker ...`` and the environment a
 Gloo worker needs (HOROVOD_CONTROLLER=gloo, HOROVOD_CPU_OPERATIONS=gloo, rendezvous address and
 port, HOROVOD_GLOO_IFACE=veth0, its rank, size, local and cross ranks; every namespace is a host of
 its own: local size 1, cross size n; see ``netns`` for the host name each namespace resolves). No
@@ -111,9 +111,9 @@ import subprocess
 import sys
 import time
 
-from hvd_qsgd.bench.common import (job_env, machine_info, module_main, ms_quartiles,
-                                    nonnegative_int, positive_int)
-from hvd_qsgd.bench.netns import parse_rate
+from benchmarks.common import (job_env, machine_info, module_main, ms_quartiles,
+                               nonnegative_int, positive_int)
+from benchmarks.netns import parse_rate
 
 DEFAULT_OUT = os.path.join("bench_out", "e2e")
 DEFAULT_MODES = "none,fp16,qsgd4-allgather,qsgd4-scatter"
@@ -337,8 +337,8 @@ def run_worker(args):
 
     import hvd_qsgd
     from hvd_qsgd import codec
-    from hvd_qsgd.bench.netns import read_counters
-    from hvd_qsgd.bench.torch import _Counting, _param_digest
+    from benchmarks.netns import read_counters
+    from benchmarks.torch import _Counting, _param_digest
 
     hvd.init()
     n, rank = hvd.size(), hvd.rank()
@@ -504,14 +504,14 @@ def _tail(path, chars=3000):
 
 
 def _worker_argv(args, json_path):
-    return ["-m", "hvd_qsgd.bench.e2e", "--worker", "--json", json_path, "--modes", ",".join(args.run_modes),
+    return ["-m", "benchmarks.e2e", "--worker", "--json", json_path, "--modes", ",".join(args.run_modes),
             "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
 
 
 def run_job(topo, rate, args, json_path, log_dir):
     """One job of topo.n ranks at ``rate`` (the links already shaped); raises JobFailed."""
-    from hvd_qsgd.bench.netns import IFACE, IP
+    from benchmarks.netns import IFACE, IP
 
     n = topo.n
     deadline = time.monotonic() + args.timeout
@@ -521,7 +521,7 @@ def run_job(topo, rate, args, json_path, log_dir):
         hosts = ",".join(f"{ns}:1" for ns in topo.ranks)
         rdv_log = os.path.join(log_dir, f"{tag}_rendezvous.log")
         with open(rdv_log, "w") as err:
-            rdv = subprocess.Popen([IP, "netns", "exec", topo.switch, sys.executable, "-m", "hvd_qsgd.bench.e2e",
+            rdv = subprocess.Popen([IP, "netns", "exec", topo.switch, sys.executable, "-m", "benchmarks.e2e",
                                     "--rendezvous", hosts], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                    stderr=err, text=True, start_new_session=True)
         _children.append(rdv)
@@ -767,7 +767,7 @@ def run(args):
         return run_worker(args)
 
     from hvd_qsgd import cost_model
-    from hvd_qsgd.bench import netns
+    from benchmarks import netns
 
     os.makedirs(args.out, exist_ok=True)
     info = machine_info()
