@@ -1,0 +1,236 @@
+"""The model's side of ``python -m benchmarks e2e``: the compression modes, the MLP every rank
+trains, the timing of its compute and codec parts, and the cost model's price of a step
+(``hvd_qsgd.cost_model``): the link efficiency fitted on a job's none point, the predictions of the
+measured points and the projection to other rank counts and rates. The definitions are in the
+docstring of ``benchmarks.e2e``."""
+import re
+import statistics
+import time
+
+from benchmarks.netns import parse_rate
+
+CLASSES = 10
+PROJECT_N = 16
+PROJECT_RATES = ("10gbit", "25gbit", "100gbit")
+REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather"}
+MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter))$")
+
+
+# ---- modes and the model's view of them ----------------------------------------------------------
+def mode_bits(mode):
+    m = MODE.match(mode)
+    return int(m.group(2)) if m and m.group(2) else None
+
+
+def mode_reduction(mode):
+    """The reduction of a QSGD mode ("allgather" / "scatter_allgather"), None for none and fp16."""
+    m = MODE.match(mode)
+    return REDUCTION_OF[m.group(3)] if m and m.group(3) else None
+
+
+def mode_label(mode):
+    if mode_bits(mode) is None:
+        return mode
+    return f"QSGD({mode_bits(mode)}) {mode_reduction(mode)}"
+
+
+def unavailable_modes(modes):
+    """{mode: why} for modes this installation cannot run."""
+    from hvd_qsgd import settings
+
+    out = {}
+    for m in modes:
+        red = mode_reduction(m)
+        if red is not None and red not in settings.REDUCTIONS:
+            out[m] = (f"reduction {red!r} is not implemented by this hvd_qsgd "
+                      f"(hvd_qsgd.settings.REDUCTIONS = {tuple(settings.REDUCTIONS)})")
+    return out
+
+
+def param_shapes(width, depth):
+    """(name, numel) of the MLP's parameters, in named_parameters() order."""
+    shapes = []
+    for i in range(depth):
+        shapes += [(f"{2 * i}.weight", width * width), (f"{2 * i}.bias", width)]
+    return shapes + [(f"{2 * depth}.weight", CLASSES * width), (f"{2 * depth}.bias", CLASSES)]
+
+
+def qsgd_settings(bits):
+    """(bucket_size, min_numel): the compressor's defaults for ``bits``."""
+    from hvd_qsgd.settings import Settings, default_bucket_size
+
+    return default_bucket_size(bits), Settings().min_numel
+
+
+def exchanges(mode, n, shapes):
+    """[(reduction, bytes per rank)] of one step: the collectives the cost model prices."""
+    from hvd_qsgd import codec, protocol
+
+    bits = mode_bits(mode)
+    if bits is None:
+        per = 4 if mode == "none" else 2
+        return [("allreduce", per * d) for _, d in shapes]
+    bucket, min_numel = qsgd_settings(bits)
+    control = 8 * protocol.control_length(n)
+    out = []
+    for _, d in shapes:
+        if d >= min_numel:
+            out += [(mode_reduction(mode), codec.payload_nbytes(d, bits, bucket)), ("allreduce", control)]
+        else:
+            out.append(("allreduce", 4 * d))
+    return out
+
+
+def model_wire_bytes(mode, n, shapes):
+    from hvd_qsgd import cost_model
+
+    return sum(cost_model.received_bytes(r, n, b) for r, b in exchanges(mode, n, shapes))
+
+
+def model_messages(mode, n, shapes):
+    return sum((n - 1) if r == "allgather" else 2 * (n - 1) for r, _ in exchanges(mode, n, shapes))
+
+
+def model_comm_seconds(mode, n, shapes, alpha, rate_bps):
+    from hvd_qsgd import cost_model
+
+    return sum(cost_model.seconds(r, n, b, alpha, rate_bps / 8) for r, b in exchanges(mode, n, shapes))
+
+
+def compute_seconds(mode, n, comp):
+    """compute(mode) from the measured parts (see the module docstring)."""
+    t = comp["compute_s"]
+    bits = mode_bits(mode)
+    if mode == "fp16":
+        return t + comp["cast_s"]
+    if bits is None:
+        return t
+    enc, dec1 = comp["encode_s"][str(bits)], comp["decode1_s"][str(bits)]
+    if mode_reduction(mode) == "allgather":
+        return t + enc + n * dec1
+    return t + enc * (1 + 1 / n) + 2 * dec1
+
+
+# ---- compute and codec timing (in the workers, and in the launcher for the projection) -----------
+def time_codec(grads, bits_list, copies, want_cast):
+    """Seconds of encoding every gradient of >= min_numel elements with QSGD(b), of decoding one
+    payload of each (decode_sum of ``copies`` payloads, / copies), and of casting every gradient to
+    fp16 and back."""
+    import numpy as np
+    import torch
+    from hvd_qsgd import codec
+
+    out = dict(encode_s={}, decode1_s={})
+    for bits in bits_list:
+        bucket, min_numel = qsgd_settings(bits)
+        enc = dec = 0.0
+        for g in grads:
+            if g.numel() < min_numel:
+                continue
+            x = g.detach().reshape(-1).numpy()
+            t0 = time.perf_counter()
+            p = codec.encode(x, bits, bucket, seed=1)
+            t1 = time.perf_counter()
+            codec.decode_sum([p] * copies, 1.0 / copies, out=np.empty(x.size, dtype=np.float32))
+            t2 = time.perf_counter()
+            enc += t1 - t0
+            dec += (t2 - t1) / copies
+        out["encode_s"][str(bits)] = enc
+        out["decode1_s"][str(bits)] = dec
+    if want_cast:
+        t0 = time.perf_counter()
+        for g in grads:
+            g.to(torch.float16).to(torch.float32)
+        out["cast_s"] = time.perf_counter() - t0
+    else:
+        out["cast_s"] = 0.0
+    return out
+
+
+def make_model(width, depth, seed):
+    import torch
+    from torch import nn
+
+    torch.manual_seed(seed)
+    layers = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    return nn.Sequential(*layers, nn.Linear(width, CLASSES))
+
+
+def local_compute(args, modes):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(1)
+    model = make_model(args.width, args.depth, args.seed)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(args.seed)
+    x = torch.randn(args.batch, args.width, generator=gen)
+    y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
+    bits_list = sorted({mode_bits(m) for m in modes if mode_bits(m) is not None})
+    steps, codec_rounds = [], []
+    for r in range(max(1, args.warmup) + args.steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if r >= max(1, args.warmup):
+            steps.append(time.perf_counter() - t0)
+            codec_rounds.append(time_codec([p.grad for p in model.parameters()], bits_list, 2, "fp16" in modes))
+    med = lambda key, sub=None: statistics.median(c[key] if sub is None else c[key][sub] for c in codec_rounds)
+    return dict(compute_s=statistics.median(steps), cast_s=med("cast_s"),
+                encode_s={str(b): med("encode_s", str(b)) for b in bits_list},
+                decode1_s={str(b): med("decode1_s", str(b)) for b in bits_list}, decode_copies=2)
+
+
+# ---- model: fit, predictions, projection ----------------------------------------------------------
+def fit_efficiency(job, shapes):
+    """The link efficiency e of a job, from its none point (see the module docstring), in (0, 1]."""
+    from hvd_qsgd import cost_model
+
+    n, rate_bps = job["np"], parse_rate(job["rate"])
+    measured = next(r["step_s_median"] for r in job["rows"] if r["mode"] == "none")
+    transfer = model_comm_seconds("none", n, shapes, 0.0, rate_bps)
+    rest = (measured - compute_seconds("none", n, job["compute"])
+            - model_messages("none", n, shapes) * cost_model.LATENCY_S)
+    return 1.0 if rest <= transfer else transfer / rest
+
+
+def predict(mode, n, rate_bps, shapes, comp, efficiency=1.0):
+    """compute(mode) + the cost model's communication at beta = efficiency * rate / 8 and its default
+    latency; seconds."""
+    from hvd_qsgd import cost_model
+
+    c = compute_seconds(mode, n, comp)
+    comm = model_comm_seconds(mode, n, shapes, cost_model.LATENCY_S, efficiency * rate_bps)
+    return dict(compute_s=c, comm_s=comm, step_s=c + comm)
+
+
+def projection(modes, shapes, comp, rates, n_list, efficiency=None):
+    """Predicted steps at every (n, rate) at the nominal rates, and the speedups at ``efficiency``."""
+    rows = []
+    for n in n_list:
+        for rate in rates:
+            bps = parse_rate(rate)
+            preds = {m: predict(m, n, bps, shapes, comp) for m in modes}
+            for m in modes:
+                row = dict(np=n, rate=rate, mode=m, wire_bytes=model_wire_bytes(m, n, shapes),
+                           speedup=preds["none"]["step_s"] / preds[m]["step_s"], **preds[m])
+                if efficiency is not None:
+                    eff = {k: predict(k, n, bps, shapes, comp, efficiency)["step_s"] for k in ("none", m)}
+                    row["speedup_at_efficiency"] = eff["none"] / eff[m]
+                rows.append(row)
+    return rows
+
+
+def prediction_rows(jobs, shapes):
+    rows = []
+    for job in jobs:
+        for r in job["rows"]:
+            if r["mode"] != "compute":
+                p = predict(r["mode"], job["np"], parse_rate(job["rate"]), shapes, job["compute"], job["efficiency"])
+                rows.append(dict(np=job["np"], rate=job["rate"], mode=r["mode"], efficiency=job["efficiency"],
+                                 measured_s=r["step_s_median"], ratio=r["step_s_median"] / p["step_s"],
+                                 model_wire_bytes=model_wire_bytes(r["mode"], job["np"], shapes), **p))
+    return rows
