@@ -9,7 +9,9 @@ adapters are thin bindings on top.
 ``hvd_qsgd.DynamicQSGD`` (DQSGD: bits chosen per step under a budget) and ``hvd_qsgd.BlockSign``
 (dist-EF-SGDM's blockwise scaled sign). ``hvd_qsgd.torch.EFSGDM`` (dist-EF-SGDM) and
 ``hvd_qsgd.torch.PeriodicQuantizedAveraging`` (PQASGD) are optimizers; ``hvd_qsgd.error_feedback``
-states the error-feedback rules they share. docs/algorithms.md says what runs where.
+states the error-feedback rules they share. docs/algorithms.md says what runs where;
+docs/architecture.md how the package is layered. Every error about payloads and exchanges derives
+from ``hvd_qsgd.Error``.
 """
 __version__ = "0.1.0"
 
@@ -23,7 +25,7 @@ from hvd_qsgd.codec import (  # noqa: F401
     read_header,
     split_payloads,
 )
-from hvd_qsgd.compressor import QSGD, Settings  # noqa: F401,E402
+from hvd_qsgd.errors import EncodeError, Error, MismatchError, PayloadError  # noqa: F401,E402
+from hvd_qsgd.settings import Settings  # noqa: F401,E402
+from hvd_qsgd.compressor import DynamicQSGD, QSGD  # noqa: F401,E402
 from hvd_qsgd.block_sign import BlockSign  # noqa: F401,E402
-from hvd_qsgd.dynamic import DynamicQSGD  # noqa: F401,E402
-from hvd_qsgd.protocol import MismatchError  # noqa: F401,E402

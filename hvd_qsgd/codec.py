@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from hvd_qsgd import _native
+from hvd_qsgd.errors import EncodeError, PayloadError  # noqa: F401  (PayloadError: part of this module's API)
 
 CODINGS = {"fixed": 0, "elias": 1}
 NORM_NAMES = ("max", "l2", "sign")
@@ -58,14 +59,6 @@ MAX_BUCKET = 0x7FFFFFFF
 MAX_SEED = 2**64 - 1
 HEADER_BYTES = _native.HEADER_BYTES
 FLAG_CHECKSUM = 1
-
-
-class PayloadError(ValueError):
-    """A payload failed validation; ``status`` is the kernels' qsgd_status code."""
-
-    def __init__(self, message, status):
-        super().__init__(message)
-        self.status = status
 
 
 @dataclass(frozen=True)
@@ -213,7 +206,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", finge
     st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
                                         ctypes.byref(out_len))
     if st != _native.OK:
-        raise RuntimeError(f"{name}: encode failed: {_native.status_string(st)}")
+        raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if out_len.value != cap:
         out = out[: out_len.value].copy()
     return out

@@ -5,12 +5,15 @@ It holds the settings, checks them once, and hands each tensor to the adapter of
 below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top of the package.
 """
 import threading
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple
 
-from hvd_qsgd.settings import (  # noqa: F401  (Settings, Stats: part of this module's API)
+from hvd_qsgd.dynamic import check_schedule_args
+from hvd_qsgd.policy import FixedBits, ScheduledBits
+from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
     REDUCTIONS, Settings, Stats, default_bucket_size, next_creation_index)
 
 
-def _framework(tensor):
+def _framework(tensor: Any) -> str:
     module = type(tensor).__module__ or ""
     if module.startswith("torch"):
         return "torch"
@@ -24,6 +27,8 @@ class QSGD:
     """QSGD gradient compression for Horovod (Alistarh et al., NeurIPS 2017).
 
     ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.QSGD(4))``.
+
+    The settings (``hvd_qsgd.settings.Settings.make``, positionally in this order or by name):
 
     bits:            bits per coordinate b (1..8); s = 2^(b-1) - 1 levels for b >= 2
     bucket_size:     elements per bucket (default 512, or 128 for bits <= 2)
@@ -39,77 +44,73 @@ class QSGD:
                      (alltoall of chunks, reduce, allgather of the re-quantized chunks: 2 (n-1)/n P
                      bytes, flat in n; see ``hvd_qsgd.reduction``) or "auto" (per tensor, the faster
                      by the latency/bandwidth model of ``hvd_qsgd.cost_model``)
-    named_parameters: (name, parameter) pairs, as given to Horovod's optimizer: payloads are then
-                     matched by parameter name, so ranks may hand gradients over in any order
-    process_set:     Horovod process set of the reduction (default: all ranks)
     server_error_feedback: with scatter_allgather, the rank that reduces chunk j keeps the residual
                      of its re-quantization and adds it to chunk j's sum next time (two-way error
                      feedback, as dist-EF-SGDM's server; ``hvd_qsgd.error_feedback``)
 
-    ``stats`` is a dict of cumulative counters (see ``Stats``).
+    and, by name only:
+
+    named_parameters: (name, parameter) pairs, as given to Horovod's optimizer: payloads are then
+                     matched by parameter name, so ranks may hand gradients over in any order
+    process_set:     Horovod process set of the reduction (default: all ranks)
+
+    ``stats`` is a dict of cumulative counters (see ``hvd_qsgd.settings.Stats``).
     """
 
-    def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-                 error_feedback=False, checksum=True, reduction="allgather", named_parameters=None,
-                 process_set=None, server_error_feedback=False):
-        self.settings = Settings.make(bits, bucket_size, norm, coding, min_numel, seed, error_feedback,
-                                      checksum, reduction, server_error_feedback)
+    def __init__(self, *args: Any, named_parameters: Optional[Iterable[Tuple[str, Any]]] = None,
+                 process_set: Any = None, **kwargs: Any):
+        self._setup(Settings.from_arguments(f"hvd_qsgd.{type(self).__name__}", args, kwargs), named_parameters,
+                    process_set)
+
+    def _setup(self, settings: Settings, named_parameters: Any, process_set: Any) -> None:
+        self.settings = settings
         self._named_parameters = None if named_parameters is None else list(named_parameters)
         self._process_set = process_set
         self._creation_index = next_creation_index()
-        self._adapters = {}
+        self._adapters: Dict[str, Any] = {}
         self._lock = threading.Lock()
         self._learning_rate = None
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         s = self.settings
         return (f"hvd_qsgd.{type(self).__name__}(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
                 f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback})")
 
-    def _adapter_options(self):
-        """Keyword arguments a subclass adds to its framework adapters."""
-        return {}
+    def _policy(self, framework: str) -> FixedBits:
+        """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""
+        return FixedBits(self.settings)
 
-    def _torch_adapter_class(self):
-        from hvd_qsgd.torch import QSGD as TorchQSGD
-        return TorchQSGD
-
-    def _tensorflow_adapter_class(self):
-        from hvd_qsgd.tensorflow import QSGD as TensorFlowQSGD
-        return TensorFlowQSGD
-
-    def _adapter(self, framework):
+    def _adapter(self, framework: str) -> Any:
         with self._lock:
             adapter = self._adapters.get(framework)
             if adapter is None:
+                common = dict(settings=self.settings, policy=self._policy(framework), process_set=self._process_set,
+                              creation_index=self._creation_index)
                 if framework == "torch":
-                    adapter = self._torch_adapter_class()(
-                        settings=self.settings, named_parameters=self._named_parameters,
-                        process_set=self._process_set, creation_index=self._creation_index,
-                        **self._adapter_options())
+                    from hvd_qsgd.adapters.torch import QSGD as TorchQSGD
+                    adapter = TorchQSGD(named_parameters=self._named_parameters, **common)
                 else:
                     if self._named_parameters is not None:
                         raise ValueError(f"hvd_qsgd.{type(self).__name__}: named_parameters are PyTorch "
                                          "parameters; TensorFlow gradients are matched in the order they "
                                          "are traced")
-                    adapter = self._tensorflow_adapter_class()(
-                        settings=self.settings, process_set=self._process_set,
-                        creation_index=self._creation_index, **self._adapter_options())
+                    from hvd_qsgd.adapters.tensorflow import QSGD as TensorFlowQSGD
+                    adapter = TensorFlowQSGD(**common)
                 if self._learning_rate is not None:
                     adapter.follow_learning_rate(self._learning_rate)
                 self._adapters[framework] = adapter
             return adapter
 
-    def compress(self, tensor):
+    def compress(self, tensor: Any) -> Tuple[Any, Any]:
         return self._adapter(_framework(tensor)).compress(tensor)
 
-    def decompress(self, tensor, ctx):
+    def decompress(self, tensor: Any, ctx: Any) -> Any:
         if ctx is None:
             return tensor
         return self._adapter(_framework(tensor)).decompress(tensor, ctx)
 
-    def bind(self, named_parameters):
+    def bind(self, named_parameters: Iterable[Tuple[str, Any]]) -> "QSGD":
         """Match payloads by these parameter names (see ``named_parameters``); returns self."""
         self._named_parameters = list(named_parameters)
         for adapter in self._adapters.values():
@@ -117,7 +118,7 @@ class QSGD:
         return self
 
     @property
-    def stats(self):
+    def stats(self) -> Dict[str, Any]:
         with self._lock:
             adapters = list(self._adapters.values())
         if not adapters:
@@ -126,7 +127,7 @@ class QSGD:
             return adapters[0].stats
         return Stats.merge(a.stats for a in adapters)
 
-    def follow_learning_rate(self, optimizer):
+    def follow_learning_rate(self, optimizer: Any) -> "QSGD":
         """Rescale error-feedback residuals when the learning rate changes (see
         ``hvd_qsgd.error_feedback``). ``optimizer``: the framework's optimizer (a
         ``torch.optim.Optimizer``, the one wrapped by Horovod, or a Keras optimizer), or a function
@@ -139,18 +140,65 @@ class QSGD:
             adapter.follow_learning_rate(optimizer)
         return self
 
-    def rescale_residuals(self, factor):
+    def rescale_residuals(self, factor: float) -> None:
         """Multiply every error-feedback residual by ``factor`` (e.g. old_lr / new_lr)."""
         with self._lock:
             adapters = list(self._adapters.values())
         for adapter in adapters:
             adapter.rescale_residuals(factor)
 
-    def state_dict(self):
+    def state_dict(self) -> Dict[str, Any]:
         """Error-feedback residuals and statistics of each framework adapter."""
         with self._lock:
             return {fw: a.state_dict() for fw, a in self._adapters.items()}
 
-    def load_state_dict(self, state):
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
         for fw, sub in state.items():
             self._adapter(fw).load_state_dict(sub)
+
+
+QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)
+
+
+class DynamicQSGD(QSGD):
+    """DQSGD: QSGD whose bits per coordinate are chosen per step and tensor from the error bound
+    under a budget (``hvd_qsgd.dynamic`` states the rule; ``hvd_qsgd.policy.ScheduledBits`` runs it).
+
+    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.DynamicQSGD(3.0))``
+
+    budget_bits_per_coord: b_bar, the average bits per quantized coordinate (in [min_bits, max_bits])
+    min_bits, max_bits:    the range of a step's bits (default 2..8)
+    discount, total_steps: 1 - alpha mu and T of the bound's horizon term (default 1: none)
+    bucket_size:           elements per bucket; None (default): the QSGD paper's 128 for 2 bits and
+                           512 for more, per step
+    The other parameters are QSGD's, by name. PyTorch only (the TensorFlow ops take their bits as
+    graph attributes). ``bits_history`` of the torch adapter lists the bits each exchange used.
+    """
+
+    def __init__(self, budget_bits_per_coord: float = 4.0, min_bits: int = 2, max_bits: int = 8,
+                 discount: float = 1.0, total_steps: Optional[int] = None, bucket_size: Optional[int] = None,
+                 *, named_parameters: Any = None, process_set: Any = None, **kwargs: Any):
+        check_schedule_args(budget_bits_per_coord, min_bits, max_bits, discount, total_steps)
+        if "bits" in kwargs:
+            raise TypeError("hvd_qsgd.DynamicQSGD: the bits are chosen per step; set budget_bits_per_coord, "
+                            "min_bits and max_bits instead of bits")
+        self.schedule_args = dict(budget=float(budget_bits_per_coord), min_bits=int(min_bits),
+                                  max_bits=int(max_bits), discount=float(discount), total_steps=total_steps)
+        self.fixed_bucket_size = bucket_size
+        start_bits = int(min(max_bits, max(min_bits, round(budget_bits_per_coord))))
+        kwargs.update(bits=start_bits,
+                      bucket_size=bucket_size if bucket_size is not None else default_bucket_size(start_bits))
+        self._setup(Settings.from_arguments("hvd_qsgd.DynamicQSGD", (), kwargs), named_parameters, process_set)
+
+    def __repr__(self) -> str:
+        a, s = self.schedule_args, self.settings
+        return (f"hvd_qsgd.DynamicQSGD(budget_bits_per_coord={a['budget']}, min_bits={a['min_bits']}, "
+                f"max_bits={a['max_bits']}, discount={a['discount']}, total_steps={a['total_steps']}, "
+                f"bucket_size={self.fixed_bucket_size}, norm={s.norm!r}, min_numel={s.min_numel}, "
+                f"error_feedback={s.error_feedback}, reduction={s.reduction!r})")
+
+    def _policy(self, framework: str) -> ScheduledBits:
+        if framework != "torch":
+            raise TypeError("hvd_qsgd.DynamicQSGD compresses PyTorch tensors; the TensorFlow ops take their bits "
+                            "as graph attributes, fixed per trace (use hvd_qsgd.QSGD in TensorFlow)")
+        return ScheduledBits(self.settings, self.schedule_args, self.fixed_bucket_size)

@@ -6,10 +6,17 @@ coding only. ``available()`` says whether the CUDA library was built and a devic
 import ctypes
 
 from hvd_qsgd import _native, codec
+from hvd_qsgd.errors import EncodeError
 
 
 def available():
+    """Whether the CUDA library was built and a device is visible."""
     return _native.load_cuda() is not None
+
+
+def built():
+    """Whether the CUDA library was built (nvcc was found at install time)."""
+    return _native.cuda_built()
 
 
 def _lib():
@@ -44,7 +51,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     st = _lib().qsgd_encode_cuda(ctypes.c_void_p(flat.data_ptr()), n, ctypes.byref(cfg),
                                  ctypes.c_void_p(out.data_ptr()), cap, _stream_handle(torch, x.device))
     if st != _native.OK:
-        raise RuntimeError(f"{name}: CUDA encode failed: {_native.status_string(st)}")
+        raise EncodeError(f"{name}: CUDA encode failed: {_native.status_string(st)}", st)
     return out
 
 

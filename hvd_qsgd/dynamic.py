@@ -51,8 +51,6 @@ change length with the bits; the reductions take variable-length payloads alread
 import math
 
 from hvd_qsgd import codec
-from hvd_qsgd.compressor import QSGD
-from hvd_qsgd.settings import default_bucket_size
 
 
 class Schedule:
@@ -105,7 +103,8 @@ class Schedule:
 
 
 def check_schedule_args(budget_bits_per_coord, min_bits, max_bits, discount, total_steps):
-    """ValueError naming the parameter."""
+    """ValueError naming the parameter. The compressor is ``hvd_qsgd.DynamicQSGD``
+    (``hvd_qsgd.compressor``); its adapters take their bits from ``hvd_qsgd.policy.ScheduledBits``."""
     if not isinstance(budget_bits_per_coord, (int, float)) or isinstance(budget_bits_per_coord, bool) \
             or not math.isfinite(budget_bits_per_coord):
         raise ValueError(f"budget_bits_per_coord must be a number, got {budget_bits_per_coord!r}")
@@ -121,50 +120,3 @@ def check_schedule_args(budget_bits_per_coord, min_bits, max_bits, discount, tot
         raise ValueError(f"discount must be in (0, 1], got {discount!r}")
     if discount < 1 and (not codec.is_integer(total_steps) or total_steps < 1):
         raise ValueError(f"total_steps must be a positive integer when discount < 1, got {total_steps!r}")
-
-
-class DynamicQSGD(QSGD):
-    """DQSGD: QSGD whose bits per coordinate are chosen per step and tensor from the error bound
-    under a budget (see the module docstring for the rule).
-
-    ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.DynamicQSGD(3.0))``
-
-    budget_bits_per_coord: b_bar, the average bits per quantized coordinate (in [min_bits, max_bits])
-    min_bits, max_bits:    the range of a step's bits (default 2..8)
-    discount, total_steps: 1 - alpha mu and T of the bound's horizon term (default 1: none)
-    bucket_size:           elements per bucket; None (default): the QSGD paper's 128 for 2 bits and
-                           512 for more, per step
-    The other parameters are QSGD's. PyTorch only (the TensorFlow ops take their bits as graph
-    attributes). ``bits_history`` of the torch adapter lists the bits each exchange used.
-    """
-
-    def __init__(self, budget_bits_per_coord=4.0, min_bits=2, max_bits=8, discount=1.0, total_steps=None,
-                 bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0, error_feedback=False,
-                 checksum=True, reduction="allgather", named_parameters=None, process_set=None,
-                 server_error_feedback=False):
-        check_schedule_args(budget_bits_per_coord, min_bits, max_bits, discount, total_steps)
-        self.schedule_args = dict(budget=float(budget_bits_per_coord), min_bits=int(min_bits),
-                                  max_bits=int(max_bits), discount=float(discount), total_steps=total_steps)
-        self.fixed_bucket_size = bucket_size
-        start_bits = int(min(max_bits, max(min_bits, round(budget_bits_per_coord))))
-        super().__init__(start_bits, bucket_size if bucket_size is not None else default_bucket_size(start_bits),
-                         norm, coding, min_numel, seed, error_feedback, checksum, reduction, named_parameters,
-                         process_set, server_error_feedback)
-
-    def __repr__(self):
-        a, s = self.schedule_args, self.settings
-        return (f"hvd_qsgd.DynamicQSGD(budget_bits_per_coord={a['budget']}, min_bits={a['min_bits']}, "
-                f"max_bits={a['max_bits']}, discount={a['discount']}, total_steps={a['total_steps']}, "
-                f"bucket_size={self.fixed_bucket_size}, norm={s.norm!r}, min_numel={s.min_numel}, "
-                f"error_feedback={s.error_feedback}, reduction={s.reduction!r})")
-
-    def _adapter_options(self):
-        return {"schedule_args": self.schedule_args, "fixed_bucket_size": self.fixed_bucket_size}
-
-    def _torch_adapter_class(self):
-        from hvd_qsgd.torch.dynamic import DynamicQSGD as TorchDynamicQSGD
-        return TorchDynamicQSGD
-
-    def _tensorflow_adapter_class(self):
-        raise TypeError("hvd_qsgd.DynamicQSGD compresses PyTorch tensors; the TensorFlow ops take their bits "
-                        "as graph attributes, fixed per trace (use hvd_qsgd.QSGD in TensorFlow)")

@@ -46,6 +46,7 @@ import hashlib
 import numpy as np
 
 from hvd_qsgd import _native, codec
+from hvd_qsgd.errors import MismatchError  # noqa: F401  (part of this module's API)
 
 TAG_RANGE = 4096          # tags are integers in [0, TAG_RANGE)     (QSGD_CONTROL_TAG_RANGE)
 MEMBER_BITS = 24          # global ranks per MEMBERS entry            (QSGD_CONTROL_MEMBER_BITS)
@@ -54,11 +55,6 @@ TAG_NAMES = ("process set size", "compressor creation order", "compressor settin
              "exchange key (low bits)", "exchange key (high bits)")
 TAGS = 3                  # first tag entry
 MEMBERS = TAGS + 2 * len(TAG_NAMES)
-
-
-class MismatchError(RuntimeError):
-    """Ranks disagreed about a compressed exchange (settings, tensor order, process set, op), or a
-    rank could not take part; raised on every rank of the exchange."""
 
 
 def _hash64(text):

@@ -33,7 +33,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from hvd_qsgd import _native, codec, protocol
-from hvd_qsgd.codec import PayloadError
+from hvd_qsgd.errors import EncodeError, PayloadError
 
 
 def chunk_ranges(numel, bucket_size, n):
@@ -89,7 +89,7 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
     st = lib.qsgd_encode_chunks_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), int(n), out.ctypes.data, cap,
                                     lens.ctypes.data)
     if st != _native.OK:
-        raise RuntimeError(f"{where}: encode failed: {_native.status_string(st)}")
+        raise EncodeError(f"{where}: encode failed: {_native.status_string(st)}", st)
     total = int(lens.sum())
     return (out if total == cap else out[:total].copy()), [int(v) for v in lens]
 
@@ -183,3 +183,50 @@ def simulate(xs, settings, step_seeds, alpha, fingerprint=0, source_dtype="float
                for j in range(n)]
     numel = np.asarray(xs[0]).size
     return decode_chunks(reduced, alpha, numel, settings.bucket_size), sent, reduced
+
+
+# -- the reduce phase on the reducing rank, and the frames of phase 2 ---------------------------------
+#
+# Phase 2 travels as one allgather of frames [8-byte little-endian length of q][q], one per rank
+# (length 0 and no payload when that rank could not reduce its chunk), so every rank learns every
+# reduced chunk's length without parsing headers, and an empty slot tells every rank that rank j
+# failed.
+
+def reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual=None):
+    """Rank j's reduce step on what its alltoall received: check every rank's payload of chunk j
+    against ``expect`` (``check_chunk``), re-quantize their sum (``reduce_chunk``; with
+    ``server_residual()``, a function returning the chunk's server residual, error feedback on the
+    reducing rank). Returns (frame, error): the phase-2 frame, and the exception that made it empty
+    (None when the step succeeded). Never raises: the other ranks must still see this rank's frame."""
+    try:
+        payloads = split_by(received, splits)
+        check_chunk(payloads, j, expect, where)
+        residual = server_residual() if server_residual is not None else None
+        q = reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
+                         where=f"{where}: chunk {j}", residual=residual)
+        error = None
+    except Exception as e:  # raised on this rank by its decompress; the others see the empty frame
+        q, error = np.zeros(0, dtype=np.uint8), e
+    return frame(q), error
+
+
+def frame(q):
+    """The phase-2 frame of a reduced chunk payload ``q``."""
+    out = np.empty(8 + q.size, dtype=np.uint8)
+    out[:8] = np.frombuffer(int(q.size).to_bytes(8, "little"), dtype=np.uint8)
+    out[8:] = q
+    return out
+
+
+def unframe(gathered, n, where):
+    """The n reduced chunk payloads of an allgather of frames (an empty one where a rank failed);
+    ``protocol.MismatchError`` when the frames end early."""
+    buf = codec._as_bytes(gathered, "reduced chunks")
+    chunks, off = [], 0
+    for r in range(n):
+        if off + 8 > buf.size:
+            raise protocol.MismatchError(f"{where}: the reduced chunks' frames end after {r} of {n} ranks")
+        size = int.from_bytes(buf[off: off + 8].tobytes(), "little")
+        chunks.append(buf[off + 8: off + 8 + size])
+        off += 8 + size
+    return chunks

@@ -6,9 +6,11 @@ Defaults follow the QSGD paper's experiments (section 5): max-norm scaling, buck
 4 and 8 bits and 128 for 2 bits or fewer, and tensors of fewer than 10,000 elements left
 unquantized (they go through Horovod's own allreduce, with the same Sum/Average semantics).
 """
+import inspect
 import itertools
 import threading
 from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from hvd_qsgd import codec, cost_model, protocol
 
@@ -17,14 +19,14 @@ _creation_counter = itertools.count()
 _creation_lock = threading.Lock()
 
 
-def next_creation_index():
+def next_creation_index() -> int:
     """Compressors are numbered in creation order; the number is part of their exchange names, so
     every rank must create its compressors in the same order (a mismatch is detected, not hung on)."""
     with _creation_lock:
         return next(_creation_counter)
 
 
-def set_ranks(process_set, world_size):
+def set_ranks(process_set: Any, world_size: int) -> List[int]:
     """The global ranks of a Horovod process set, ascending (the global set: all ``world_size``)."""
     if process_set.process_set_id == 0:
         return list(range(world_size))
@@ -34,16 +36,8 @@ def set_ranks(process_set, world_size):
     return sorted(process_set.ranks)
 
 
-def init_adapter(adapter, settings, settings_args, creation_index, process_set, global_process_set):
-    """The state every framework adapter starts with: its settings (given, or made from the
-    constructor's arguments), creation index, process set, settings tag and lock."""
-    adapter.settings = settings or Settings.make(*settings_args)
-    adapter._creation_index = next_creation_index() if creation_index is None else creation_index
-    adapter._process_set = process_set if process_set is not None else global_process_set
-    adapter._lock = threading.Lock()
-
-
-def default_bucket_size(bits):
+def default_bucket_size(bits: int) -> int:
+    """The QSGD paper's bucket size for ``bits``: 128 for 2 bits or fewer, 512 above."""
     return 128 if bits <= 2 else 512
 
 
@@ -64,9 +58,14 @@ class Settings:
     server_error_feedback: bool = False
 
     @classmethod
-    def make(cls, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-             error_feedback=False, checksum=True, reduction="allgather", server_error_feedback=False):
-        """Settings with every parameter checked (ValueError naming the parameter)."""
+    def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
+             min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
+             reduction: str = "allgather", server_error_feedback: bool = False) -> "Settings":
+        """Settings with every parameter checked (ValueError naming the parameter).
+
+        This signature is the one place the settings parameters are written out: the compressors
+        (``hvd_qsgd.QSGD``, the framework adapters) take them through ``from_arguments`` and show
+        them through ``signature``."""
         if bucket_size is None:
             bucket_size = default_bucket_size(codec._check_bits(bits))
         codec.make_config(bits, bucket_size, norm, seed, coding)  # checks bits, bucket, norm, coding, seed
@@ -81,18 +80,50 @@ class Settings:
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback))
 
-    def replace(self, **changes):
+    @classmethod
+    def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
+        """The settings of a compressor constructed as ``owner(*args, **kwargs)``, where ``args`` and
+        ``kwargs`` are the parameters of ``make`` (positionally in its order, or by name): a
+        TypeError naming ``owner`` for an unknown or repeated parameter, as Python gives for a
+        written-out signature."""
+        try:
+            bound = inspect.signature(cls.make).bind(*args, **kwargs)
+        except TypeError as e:
+            raise TypeError(f"{owner}: {e}") from None
+        return cls.make(*bound.args, **bound.kwargs)
+
+    @classmethod
+    def given(cls, owner: str, settings: Optional["Settings"], args: Sequence[Any],
+              kwargs: Dict[str, Any]) -> "Settings":
+        """``settings`` when a compressor was handed one, else ``from_arguments``; a TypeError when it
+        was handed both."""
+        if settings is None:
+            return cls.from_arguments(owner, args, kwargs)
+        if args or kwargs:
+            raise TypeError(f"{owner}: pass either settings= or the settings' parameters, not both")
+        return settings
+
+    @classmethod
+    def signature(cls, **extra: Any) -> inspect.Signature:
+        """``make``'s parameters, then ``extra`` (name -> default) as keyword-only parameters: the
+        signature ``help()`` and ``inspect`` show for a compressor that takes the settings."""
+        params = list(inspect.signature(cls.make).parameters.values())
+        params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
+                   for name, default in extra.items()]
+        return inspect.Signature(params)
+
+    def replace(self, **changes: Any) -> "Settings":
         """These settings with some fields changed (checked as ``make`` checks them)."""
         return Settings.make(**{**asdict(self), **changes})
 
-    def tag(self, reduction=None):
+    def tag(self, reduction: Optional[str] = None) -> int:
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
         reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
         differently are told apart too."""
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
                                    f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}")
 
-    def exchange_reduction(self, n, numel):
+    def exchange_reduction(self, n: int, numel: int) -> str:
         """The reduction of one exchange of a numel-element tensor among n ranks: the setting, or for
         "auto" the faster by ``cost_model.choose`` (the same on every rank: it depends on n, numel and
         the settings only)."""
@@ -100,7 +131,7 @@ class Settings:
             return cost_model.choose(n, numel, self.bits, self.bucket_size)
         return self.reduction
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
 
@@ -112,35 +143,40 @@ class Stats:
     bytes_received: payload bytes this rank took off the wire (the other ranks' payloads)
     ratio:          4 * elements / bytes_sent, the size of fp32 over what was sent
     tensors:        compressed exchanges; raw_elements / raw_tensors: those sent uncompressed
+    host_fallbacks: steps that took a device tensor through the host because no device kernel does
+                    them (``hvd_qsgd.backends``; each reason is also logged once)
     """
 
-    FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors")
+    FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors",
+              "host_fallbacks")
+    # what the TensorFlow adapter counts in graph variables (its ops run on the host: no fallback)
+    GRAPH_FIELDS = FIELDS[:6]
 
     def __init__(self):
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self.FIELDS, 0)
 
-    def add(self, **counts):
+    def add(self, **counts: int) -> None:
         with self._lock:
             for k, v in counts.items():
                 self._values[k] += int(v)
 
-    def as_dict(self):
+    def as_dict(self) -> Dict[str, float]:
         with self._lock:
             d = dict(self._values)
         d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
         return d
 
-    def load(self, values):
+    def load(self, values: Dict[str, Any]) -> None:
         with self._lock:
             for k in self.FIELDS:
                 self._values[k] = int(values.get(k, 0))
 
     @staticmethod
-    def merge(dicts):
+    def merge(dicts: Iterable[Dict[str, Any]]) -> Dict[str, float]:
         total = dict.fromkeys(Stats.FIELDS, 0)
         for d in dicts:
             for k in Stats.FIELDS:
-                total[k] += d[k]
+                total[k] += d.get(k, 0)
         total["ratio"] = protocol.ratio(total["elements"], total["bytes_sent"])
         return total

@@ -1,6 +1,7 @@
-"""TensorFlow adapter: ``hvd_qsgd.tensorflow.QSGD``, a ``horovod.tensorflow.compression.Compressor``
-built on the TensorFlow ops in ``hvd_qsgd/tensorflow/qsgd_ops.cc``."""
-from hvd_qsgd.tensorflow.compressor import QSGD  # noqa: F401
+"""``hvd_qsgd.tensorflow``: what TensorFlow users import. The compressor ``QSGD`` (the TensorFlow
+adapter, ``hvd_qsgd.adapters.tensorflow``, a ``horovod.tensorflow.compression.Compressor`` built on
+the TensorFlow ops in ``hvd_qsgd/tensorflow/qsgd_ops.cc``) and ``tf_variables``."""
+from hvd_qsgd.adapters.tensorflow import QSGD  # noqa: F401
 
 
 def tf_variables(variables):

@@ -1,31 +1,3 @@
-"""The TensorFlow ops of the codec (``qsgd_ops.cc``, built by setup.py against the installed
-TensorFlow): ``qsgd_encode``, ``qsgd_decode_sum`` and ``qsgd_check_control``, and the steps of the
-scatter_allgather reduction ``qsgd_encode_chunks``, ``qsgd_reduce_chunk`` and ``qsgd_decode_chunks``:
-CPU kernels calling the same C ABI as the PyTorch binding and ``hvd_qsgd.reduction``, so the same
-input, settings and seed give the same bytes."""
-import glob
-import os
-
-_ops = None
-
-
-def load():
-    """The op module (``tf.load_op_library``), loaded once."""
-    global _ops
-    if _ops is None:
-        import tensorflow as tf
-        here = os.path.dirname(os.path.abspath(__file__))
-        found = sorted(glob.glob(os.path.join(here, "_qsgd_ops*.so")))
-        if not found:
-            raise ImportError(
-                "hvd_qsgd's TensorFlow ops are not built (hvd_qsgd/tensorflow/_qsgd_ops*.so is missing): "
-                "TensorFlow was not importable when hvd_qsgd was installed. Reinstall with TensorFlow "
-                "present: pip install --no-build-isolation -e .")
-        _ops = tf.load_op_library(found[0])
-    return _ops
-
-
-def as_int64_attr(u):
-    """A uint64 value as the signed int64 a TensorFlow int attr holds (the op reads the bits back)."""
-    u = int(u) & (2**64 - 1)
-    return u - 2**64 if u >= 2**63 else u
+"""``hvd_qsgd.tensorflow.ops``: the codec's TensorFlow ops (``hvd_qsgd._tf_ops``, the binding below the
+adapters; this name is kept for callers of the op module)."""
+from hvd_qsgd._tf_ops import as_int64_attr, load  # noqa: F401

@@ -136,8 +136,8 @@ def snapshot(adapter):
     """The compressor's state on this rank (reads its internals: a test's view)."""
     with adapter._lock:
         residuals = {str(k): [list(v.shape), round(float(v.norm()), 6)]
-                     for k, v in sorted(adapter._residuals.items(), key=lambda kv: str(kv[0]))}
-        pending, in_flight, scattering = adapter._pending, sorted(adapter._in_flight), len(adapter._scattering)
+                     for k, v in sorted(adapter.residuals.residuals.items(), key=lambda kv: str(kv[0]))}
+        pending, in_flight, scattering = adapter.names.pending, sorted(adapter.names.in_flight), len(adapter.driver)
     counters = adapter.exchange_counters()
     layout = [adapter._creation_index, counters["seq"], sorted(counters["occurrences"].items()),
               [(k, v[0]) for k, v in residuals.items()]]

@@ -109,8 +109,8 @@ def run_phase(phase, steps, warmup, inject, compression):
                   objects=len(gc.get_objects()), malloc=malloc_in_use())
         if adapter is not None:
             st.update(variables=len(adapter.variables), traced_exchanges=len(adapter.traced_exchanges),
-                      seq=adapter._seq, occurrences=len(adapter._occurrences), residuals=len(adapter._residuals),
-                      eager_slots=len(getattr(adapter, "_eager_slots", ())))
+                      seq=adapter.names.seq, occurrences=len(adapter._occurrences), residuals=len(adapter.residuals),
+                      eager_slots=len(adapter.names.slots))
         return st
 
     gc.collect()  # also empties the free lists: the block counts are what is still in use

@@ -45,7 +45,7 @@ import horovod.torch as hvd
 from horovod.torch import mpi_ops
 
 import hvd_qsgd
-from hvd_qsgd.torch.compressor import _Exchange
+from hvd_qsgd.adapters.torch import _Exchange
 from tests.mp.soak_memory import malloc_in_use, window_medians
 
 SAMPLE = 100          # steps between descriptor and thread counts
@@ -97,8 +97,8 @@ STATE = ("occurrences", "residuals", "grad_names", "in_flight", "numbered", "sca
 
 
 def adapter_state(a):
-    return (len(a._occurrences), len(a._residuals), len(a._grad_names), len(a._in_flight),
-            len(getattr(a, "_numbered", ())), len(a._scattering), a._pending, a._seq)
+    return (len(a.names.occurrences), len(a.residuals), len(a._grad_names), len(a.names.in_flight),
+            len(a.names.slots), len(a.driver), a.names.pending, a.names.seq)
 
 
 def live_exchanges():
@@ -148,7 +148,7 @@ def run_phase(phase, steps, warmup, inject):
     step(0)
     adapter = None if phase in CONTROLS else c._adapters["torch"]
     if inject == "names":
-        adapter._numbered = _NeverFreed(adapter._numbered)
+        adapter.names.slots = _NeverFreed(adapter.names.slots)
     for i in range(1, warmup):
         step(i)
     gc.collect()  # also empties the free lists: the block counts below are what is still in use
@@ -212,7 +212,7 @@ def run_phase(phase, steps, warmup, inject):
             state_max=dict(zip(STATE, state.max(axis=0).tolist())),
             state_min=dict(zip(STATE, state.min(axis=0).tolist())),
             seq_per_step=(int(state[-1][STATE.index("seq")]) - state0[STATE.index("seq")]) / steps,
-            occurrences=dict(adapter._occurrences), residual_keys=sorted(map(str, adapter._residuals)))
+            occurrences=dict(adapter.names.occurrences), residual_keys=sorted(map(str, adapter.residuals.residuals)))
     print(f"SOAK {phase} {json.dumps(result)}", flush=True)
 
 

@@ -222,8 +222,8 @@ def scenario_error_feedback():
     reduced_grads(*batch(rank))
     adapter = c._adapters["tensorflow"]
     names = [name for name, _ in adapter.traced_exchanges[-2:]]
-    residuals = list(adapter._residuals.values())
-    assert len(residuals) == 2, adapter._residuals.keys()
+    residuals = list(adapter.residuals.residuals.values())
+    assert len(residuals) == 2, adapter.residuals.residuals.keys()
     for g, name, e in zip([m for m in mine if m.size >= 10000], names, residuals):
         p = codec.encode(g.reshape(-1), 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed",
                          codec.tensor_fingerprint("", g.shape, "float32"))
@@ -232,7 +232,7 @@ def scenario_error_feedback():
     for e in residuals:
         e.assign(tf.zeros_like(e))
     adapter.load_state_dict(state)
-    assert all(np.array_equal(e.numpy(), state["residuals"][k]) for k, e in adapter._residuals.items())
+    assert all(np.array_equal(e.numpy(), state["residuals"][k]) for k, e in adapter.residuals.residuals.items())
     assert state["stats"]["tensors"] == 2 and c.stats["tensors"] == 2
 
 
@@ -260,7 +260,7 @@ def scenario_error_feedback_lr():
     reduced_grads(*batch(rank, 1))
     adapter = c._adapters["tensorflow"]
     names = [name for name, _ in adapter.traced_exchanges[-2:]]
-    residuals = list(adapter._residuals.values())
+    residuals = list(adapter.residuals.residuals.values())
     for a, b, shape, name, e in zip(g0, g1, [SHAPES[i] for i in big], names, residuals):
         fp = codec.tensor_fingerprint("", shape, "float32")
         p0 = codec.encode(a, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed", fp)
@@ -407,7 +407,7 @@ def scenario_scatter_tape():
     # error feedback: the residual is this rank's input minus the decode of its own phase-1 chunks
     c = hvd_qsgd.QSGD(2, seed=SEED, min_numel=500, reduction="scatter_allgather", error_feedback=True)
     expected, _ = run_tape_steps(c, [(20000,), (40, 25)], 1)
-    residuals = list(c._adapters["tensorflow"]._residuals.values())
+    residuals = list(c._adapters["tensorflow"].residuals.residuals.values())
     assert len(residuals) == 2
     for i, (sh, e, res) in enumerate(zip([(20000,), (40, 25)], expected, residuals)):
         own = np.concatenate([codec.decode(p) for p in e.sent_chunks])

@@ -1,7 +1,7 @@
 """QSGD as a Horovod TensorFlow ``Compressor``, reduced in-graph by an allgather of payloads or by
 the scatter_allgather reduction of ``hvd_qsgd.reduction``.
 
-The same exchange as the PyTorch adapter (``hvd_qsgd/torch/compressor.py``), built from TensorFlow
+The same exchange as the PyTorch adapter (``hvd_qsgd/adapters/torch.py``), built from TensorFlow
 ops so it runs inside ``tf.function`` training steps and ``tf.compat.v1`` graphs. Each exchange
 resolves its reduction with ``settings.exchange_reduction(n, numel)`` ("auto" picks per tensor by
 ``hvd_qsgd.cost_model``, alike on every rank); the resolved reduction is part of the settings tag
@@ -64,6 +64,7 @@ decompress), its messages name that slot, and its payload seed, still
 occurrence input (``_occurrence_for``) with the seed attr 0. The names repeat from call to call,
 as Horovod's response cache expects.
 """
+import threading
 import weakref
 
 import numpy as np
@@ -72,11 +73,12 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import codec, protocol
-from hvd_qsgd.settings import Stats, init_adapter, set_ranks as process_set_ranks
-from hvd_qsgd.tensorflow import ops as qops
+from hvd_qsgd import _tf_ops as qops, codec, protocol
+from hvd_qsgd.policy import FixedBits
+from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
 
-_SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
+SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
 _GOLDEN = 0x9E3779B97F4A7C15   # the increment of qsgd_step_seed (kernels/qsgd_control.cc)
 
 
@@ -107,25 +109,26 @@ class QSGD(Compressor):
 
     Hashable by identity: Horovod caches traced functions by compressor."""
 
-    def __init__(self, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-                 error_feedback=False, checksum=True, reduction="allgather", process_set=None,
-                 server_error_feedback=False, *, settings=None, creation_index=None):
-        init_adapter(self, settings, (bits, bucket_size, norm, coding, min_numel, seed, error_feedback, checksum,
-                                      reduction, server_error_feedback), creation_index, process_set,
-                     hvd.global_process_set)
+    def __init__(self, *args, process_set=None, settings=None, policy=None, creation_index=None, **kwargs):
+        self.settings = settings = Settings.given("hvd_qsgd.tensorflow.QSGD", settings, args, kwargs)
+        self.policy = policy if policy is not None else FixedBits(settings)
+        if type(self.policy) is not FixedBits:
+            raise TypeError(f"hvd_qsgd.tensorflow.QSGD: the TensorFlow ops take their bits as graph attributes, "
+                            f"fixed per trace; a {type(self.policy).__name__} policy needs PyTorch")
         if self.settings.server_error_feedback:
             raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True (two-way error feedback) is "
                              "implemented for PyTorch only; pass server_error_feedback=False "
                              "(docs/algorithms.md says what is where)")
+        self._creation_index = next_creation_index() if creation_index is None else creation_index
+        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._lock = threading.Lock()
         self._learning_rate = None
-        self._seq = 0
+        self.names = ExchangeNames(self._creation_index, "_")   # seq: every compress; slots: eager exchanges
         self._positions = weakref.WeakKeyDictionary()   # traced function graph -> exchanges so far
         self.traced_exchanges = []                      # (exchange name, function) of every trace
         self._counters = None
-        self._residuals = {}
-        self._residual_lrs = {}                         # the learning rate each residual was made at
+        self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._occurrences = {}
-        self._eager_slots = set()                       # slots of eager exchanges not yet decompressed
 
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
@@ -135,7 +138,7 @@ class QSGD(Compressor):
             with tf.init_scope():
                 self._counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False,
                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
-                                  for k in Stats.FIELDS}
+                                  for k in Stats.GRAPH_FIELDS}
         return self._counters
 
     def _next_exchange(self):
@@ -146,8 +149,8 @@ class QSGD(Compressor):
         exchange's variables: ``<function>:<position>`` within the current trace of the nearest
         enclosing tf.function (tf.cond/while branches are part of their function), so that a retrace
         finds the variables its first trace created. None in eager execution."""
+        seq = self.names.next_seq()
         with self._lock:
-            seq, self._seq = self._seq, self._seq + 1
             if tf.executing_eagerly():
                 return seq, None
             g = tf.compat.v1.get_default_graph()
@@ -155,7 +158,7 @@ class QSGD(Compressor):
                 g = g.outer_graph
             position = self._positions.get(g, 0)
             self._positions[g] = position + 1
-            self.traced_exchanges.append((f"hvd_qsgd_{self._creation_index}_s{seq}", getattr(g, "name", "graph")))
+            self.traced_exchanges.append((self.names.name(f"s{seq}"), getattr(g, "name", "graph")))
             return seq, f"{getattr(g, 'name', 'graph')}:{position}"
 
     def _state(self, store, name, make):
@@ -178,7 +181,7 @@ class QSGD(Compressor):
             return tensor, None
         tensor = tf.convert_to_tensor(tensor)
         s = self.settings
-        if (tensor.dtype not in _SOURCE_DTYPES or not tensor.shape.is_fully_defined()
+        if (tensor.dtype not in SOURCE_DTYPES or not tensor.shape.is_fully_defined()
                 or tensor.shape.num_elements() < s.min_numel):
             n = tensor.shape.num_elements()
             if n is None:
@@ -199,17 +202,17 @@ class QSGD(Compressor):
         set_rank = set_ranks.index(grank)
         ctx = _Exchange()
         eager = tf.executing_eagerly()
-        ctx.slot = self._take_slot() if eager else None
+        ctx.slot = self.names.take_slot() if eager else None
         label = f"s{seq}" if ctx.slot is None else f"n{ctx.slot}"
-        ctx.name = f"hvd_qsgd_{self._creation_index}_{label}"
+        ctx.name = self.names.name(label)
         ctx.where = f"hvd_qsgd: compressed tensor {label} (shape {tuple(tensor.shape.as_list())})"
         ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
         ctx.numel, ctx.set_ranks = tensor.shape.num_elements(), set_ranks
-        ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), _SOURCE_DTYPES[tensor.dtype])
+        ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), SOURCE_DTYPES[tensor.dtype])
         if eager:  # the seed of "hvd_qsgd_<k>_s<seq>", through the input (see the module docstring);
             # a NumPy scalar, as TensorFlow keeps every eager tensor made from a Python number
             occurrence = tf.constant(np.int64(_occurrence_for(protocol.exchange_seed(
-                s.seed, set_rank, f"hvd_qsgd_{self._creation_index}_s{seq}"))))
+                s.seed, set_rank, self.names.name(f"s{seq}")))))
         else:
             counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
@@ -220,7 +223,7 @@ class QSGD(Compressor):
             if eager:
                 raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
                                  "step: residuals are kept per traced tensor")
-            ctx.residual = self._state(self._residuals, state_key, lambda: tf.Variable(
+            ctx.residual = self._state(self.residuals.residuals, state_key, lambda: tf.Variable(
                 tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
             if ctx.residual.shape.num_elements() != ctx.numel:
                 raise ValueError(f"{ctx.where}: its error-feedback residual ({state_key}) has "
@@ -239,7 +242,7 @@ class QSGD(Compressor):
             attrs.pop("world")
             ctx.payload = qops.load().qsgd_encode(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)
         tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction),
-                                      2 * (seq if ctx.slot is None else ctx.slot))
+                                      numbered_key(seq if ctx.slot is None else ctx.slot))
         control = tf.constant(protocol.control_vector(world, grank, set_rank, tags), dtype=tf.float64,
                               name=f"{ctx.name}_control")
         return control, ctx
@@ -261,23 +264,13 @@ class QSGD(Compressor):
             with tf.control_dependencies(deps):
                 return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
-            if ctx.slot is not None:
-                with self._lock:
-                    self._eager_slots.discard(ctx.slot)
-
-    def _take_slot(self):
-        with self._lock:
-            slot = 0
-            while slot in self._eager_slots:
-                slot += 1
-            self._eager_slots.add(slot)
-            return slot
+            self.names.release_slot(ctx.slot)
 
     def _codec_attrs(self, ctx):
         """The settings attrs the codec ops of one exchange share."""
         s = self.settings
         return dict(bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm], coding=codec.CODINGS[s.coding],
-                    dtype_code=codec.DTYPES[_SOURCE_DTYPES[ctx.dtype]],
+                    dtype_code=codec.DTYPES[SOURCE_DTYPES[ctx.dtype]],
                     fingerprint=qops.as_int64_attr(ctx.fingerprint), world=len(ctx.set_ranks), where=ctx.where)
 
     def _allgather(self, ctx, alpha):
@@ -363,21 +356,21 @@ class QSGD(Compressor):
         if self._learning_rate is None:
             return tf.constant(1.0)
         ctx.lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
-        ctx.residual_lr = self._state(self._residual_lrs, state_key, lambda: tf.Variable(
+        ctx.residual_lr = self._state(self.residuals.rates, state_key, lambda: tf.Variable(
             0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
         ok = _usable(ctx.lr) & _usable(ctx.residual_lr)
         return tf.where(ok, ctx.residual_lr / tf.where(ok, ctx.lr, 1.0), 1.0)
 
     def rescale_residuals(self, factor):
         """Multiply every error-feedback residual by ``factor`` (eager execution)."""
-        for v in self._residuals.values():
+        for v in self.residuals.residuals.values():
             v.assign(v * float(factor))
 
     # -- state --------------------------------------------------------------------------------
 
     @property
     def stats(self):
-        """Cumulative counters (see ``hvd_qsgd.settings.Stats``): numbers when executing eagerly,
+        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks``): numbers when executing eagerly,
         the counter tensors otherwise (evaluate them in a session)."""
         counters = self._counter_vars()
         if not tf.executing_eagerly():
@@ -391,25 +384,28 @@ class QSGD(Compressor):
         """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals),
         for a ``tf.train.Checkpoint``."""
         return (list(self._counter_vars().values()) + list(self._occurrences.values())
-                + list(self._residuals.values()) + list(self._residual_lrs.values()))
+                + list(self.residuals.residuals.values()) + list(self.residuals.rates.values()))
 
     def state_dict(self):
         """Statistics and residuals as NumPy values (eager execution)."""
-        return {"stats": self.stats, "residuals": {k: v.numpy() for k, v in self._residuals.items()},
-                "residual_lr": {k: float(v.numpy()) for k, v in self._residual_lrs.items()}}
+        return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
+                                                                  rate=lambda v: float(v.numpy()))}
 
     def load_state_dict(self, state):
         for k, v in state.get("stats", {}).items():
-            if k in Stats.FIELDS:
+            if k in Stats.GRAPH_FIELDS:
                 self._counter_vars()[k].assign(int(v))
         for k, v in state.get("residuals", {}).items():
-            if k in self._residuals:
-                self._residuals[k].assign(v)
+            if k in self.residuals.residuals:
+                self.residuals.residuals[k].assign(v)
         for k, v in state.get("residual_lr", {}).items():
-            if k in self._residual_lrs:
-                self._residual_lrs[k].assign(v)
+            if k in self.residuals.rates:
+                self.residuals.rates[k].assign(v)
 
 
 def _usable(lr):
     """Where a learning rate can rescale a residual: finite and positive."""
     return tf.math.is_finite(lr) & (lr > 0)
+
+
+QSGD.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)

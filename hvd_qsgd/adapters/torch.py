@@ -1,0 +1,461 @@
+"""QSGD as a Horovod PyTorch ``Compressor``, reduced by an allgather of payloads or by
+scatter_allgather (``hvd_qsgd.reduction``).
+
+For a gradient g_r of d elements on each of the n ranks of the process set:
+
+    compress(g_r):   p_r = encode(g_r [+ e_r])            (QSGD payload, own random stream)
+                     start allgather(p_r) under an exchange name every rank derives alike
+                     return the control vector (hvd_qsgd.protocol) for Horovod's allreduce
+    decompress:      alpha = check(reduced control)        (1/n for Average, 1 for Sum)
+                     [p_0, ..., p_{n-1}] = wait(allgather)
+                     return alpha * (decode(p_0) + ... + decode(p_{n-1}))
+
+Every rank decodes the same bytes in the same order with the same kernel, so every rank ends with a
+bit-identical gradient. E[decode(p_r)] = g_r, so the result is an unbiased estimate of the average.
+With error feedback, e_r <- (g_r + e_r) - decode(p_r) after each encoding (Karimireddy et al.,
+2019): what quantization dropped is sent in later steps.
+
+Exchange names, slots and residual keys: ``hvd_qsgd.state`` (``ExchangeNames``); a known
+parameter's gradient travels as ``hvd_qsgd.<k>.p.<name>``, any other tensor as
+``hvd_qsgd.<k>.n<slot>``.
+
+Payload seeds: ``protocol.payload_seed(seed, set_rank, exchange_name, i)`` where i counts the
+previous exchanges of that name on this rank (numbered exchanges: their ``s<seq>`` label, i = 0).
+
+scatter_allgather (``reduction="scatter_allgather"``, or "auto" choosing it for a tensor):
+
+    compress(g_r):   the n chunk payloads of g_r [+ e_r] (``reduction.encode_chunks``, step seed as
+                     above); start alltoall(payloads, splits) under ``<exchange>.scatter``
+    advance:         once the alltoall is done: check every rank's header of this rank's chunk,
+                     q = ``reduction.reduce_chunk`` (decode-sum, re-quantize), start allgather of the
+                     frame [8-byte little-endian length of q][q] under ``<exchange>.gather``
+                     (length 0 and no payload when this rank could not reduce its chunk)
+    decompress:      alpha = check(reduced control); wait for the allgather; split the frames;
+                     return alpha * decode of the reduced chunks (``reduction.decode_chunks``)
+
+The phases of many exchanges in flight are driven by ``hvd_qsgd.driver.TwoPhaseDriver``. Error
+feedback keeps e_r <- (g_r + e_r) - decode(this rank's chunk payloads).
+
+Devices: ``hvd_qsgd.backends.choose`` picks each exchange's codec backend once, in ``compress``.
+A CUDA tensor stays on the device (payloads handed to Horovod as CUDA tensors where Horovod was
+built with NCCL) when every step has a CUDA kernel; otherwise it goes through the host, and that is
+counted in ``stats["host_fallbacks"]`` and logged once per reason.
+"""
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+from horovod.torch.compression import Compressor
+
+from hvd_qsgd import backends, codec, protocol, reduction
+from hvd_qsgd.driver import TwoPhaseDriver
+from hvd_qsgd.policy import FixedBits
+from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.state import ExchangeNames, ResidualStore
+
+SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+class _Exchange:
+    """The context of one compressed tensor between compress and decompress."""
+
+    __slots__ = ("route", "where", "shape", "dtype", "device", "handle", "expect", "own_len", "fault",
+                 "set_ranks", "world", "backend", "reduction", "set_rank", "step_seed", "splits",
+                 "gather_handle", "reduce_error", "sent", "received", "started", "settings", "lr")
+
+
+def named_parameter_list(named_parameters, who, empty_ok=False):
+    """``named_parameters`` as a list of (name, parameter) pairs with unique names (non-empty unless
+    ``empty_ok``), or a ValueError naming ``who``."""
+    named = list(named_parameters)
+    if (not named and not empty_ok) or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+        raise ValueError(f"{who}: named_parameters must be a {'' if empty_ok else 'non-empty '}list of (name, "
+                         "parameter) pairs, as from model.named_parameters()")
+    if len({n for n, _ in named}) != len(named):
+        raise ValueError(f"{who}: parameter names must be unique")
+    return named
+
+
+def average_named(compression, named_tensors, prefix, process_set):
+    """[(name, average over the process set of that tensor)] in the order given: each tensor goes
+    through ``compression`` (compress, ``hvd.allreduce_async_`` with op Average as ``<prefix>.<name>``,
+    decompress), all exchanges started before the first is waited on; each average has its tensor's
+    shape and dtype. What the optimizers that average their own updates share (``EFSGDM``,
+    ``PeriodicQuantizedAveraging``)."""
+    pending = []
+    for name, t in named_tensors:
+        compressed, ctx = compression.compress(t)
+        handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"{prefix}.{name}", process_set=process_set)
+        pending.append((name, t, handle, ctx))
+    return [(name, compression.decompress(hvd.synchronize(handle), ctx).view_as(t).to(t.dtype))
+            for name, t, handle, ctx in pending]
+
+
+def _as_torch(a):
+    """A backend's result as a torch tensor (NumPy arrays are wrapped, CUDA tensors kept)."""
+    return torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+
+
+class QSGD(Compressor):
+    """QSGD compression for ``horovod.torch``: the parameters of ``hvd_qsgd.QSGD`` (the settings, as
+    ``hvd_qsgd.settings.Settings.make``, then ``named_parameters`` and ``process_set`` by name), or
+    ``settings=`` and a bits ``policy=`` (``hvd_qsgd.policy``; default: fixed bits)."""
+
+    def __init__(self, *args, named_parameters=None, process_set=None, settings=None, policy=None,
+                 creation_index=None, **kwargs):
+        self.settings = settings = Settings.given("hvd_qsgd.torch.QSGD", settings, args, kwargs)
+        self.policy = policy if policy is not None else FixedBits(settings)
+        self._creation_index = next_creation_index() if creation_index is None else creation_index
+        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._lock = threading.Lock()
+        self._stats = Stats()
+        self.names = ExchangeNames(self._creation_index, ".")
+        self.residuals = ResidualStore()
+        self.driver = TwoPhaseDriver(hvd.poll, hvd.synchronize, self._second_phase)
+        self._learning_rate = None   # residual key -> learning rate now, or None
+        self._params = None
+        self._grad_names = {}
+        if named_parameters is not None:
+            self.bind(named_parameters)
+
+    def __repr__(self):
+        return f"hvd_qsgd.torch.QSGD({self.settings}, {self.policy!r})"
+
+    def bind(self, named_parameters):
+        """Match payloads by parameter name (the pairs given to Horovod's optimizer)."""
+        params = named_parameter_list(named_parameters, "hvd_qsgd.torch.QSGD.bind", empty_ok=True)
+        with self._lock:
+            self._params = params
+            self._grad_names = {}
+        return self
+
+    @property
+    def bits_history(self):
+        """(key, bits) of every exchange, with DQSGD's policy (``hvd_qsgd.policy.ScheduledBits``)."""
+        return self.policy.bits_history
+
+    def _param_name(self, tensor):
+        """The name of the parameter whose .grad is ``tensor``, or None."""
+        if self._params is None:
+            return None
+        hit = self._grad_names.get(id(tensor))
+        if hit is not None and hit[1].grad is tensor:
+            return hit[0]
+        self._grad_names = {id(p.grad): (n, p) for n, p in self._params if p.grad is not None}
+        hit = self._grad_names.get(id(tensor))
+        return hit[0] if hit is not None and hit[1].grad is tensor else None
+
+    # -- Compressor interface -----------------------------------------------------------------
+
+    def compress(self, tensor):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
+        if (tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES
+                or tensor.numel() < self.settings.min_numel):
+            self._stats.add(raw_elements=tensor.numel(), raw_tensors=1)
+            return tensor, None
+        ctx = self._open(tensor)
+        try:
+            if tensor.device.type not in ("cpu", "cuda"):
+                raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
+                                 "the CPU or a CUDA device (move it there, or pass it uncompressed)")
+            if ctx.set_rank is None:
+                raise protocol.MismatchError(
+                    f"{ctx.where}: this rank (global rank {hvd.rank()}) is not in the compressor's process set "
+                    f"{ctx.set_ranks}; pass the optimizer's process_set= to the compressor")
+            ctx.lr = self._current_lr(ctx.route.residual_key)
+            ctx.step_seed = protocol.payload_seed(ctx.settings.seed, ctx.set_rank, ctx.route.seed_name,
+                                                  ctx.route.occurrence)
+            if ctx.reduction == "scatter_allgather":
+                self._start_scatter(tensor, ctx)
+            else:
+                self._start_allgather(tensor, ctx)
+        except Exception as e:  # reported through the control vector, raised on every rank
+            ctx.fault = e
+        self.driver.advance()
+        tags = protocol.exchange_tags(len(ctx.set_ranks), self._creation_index, ctx.settings.tag(ctx.reduction),
+                                      ctx.route.key)
+        control = protocol.control_vector(ctx.world, hvd.rank(), ctx.set_rank, tags, failed=ctx.fault is not None)
+        return torch.from_numpy(control), ctx
+
+    def _open(self, tensor):
+        """The context of a new exchange of ``tensor``: its route, settings, checks and backend."""
+        set_ranks = process_set_ranks(self._process_set, hvd.size())
+        grank = hvd.rank()
+        ctx = _Exchange()
+        with self._lock:
+            param = self._param_name(tensor)
+        ctx.route = route = self.names.route(param)
+        s = ctx.settings = self.policy.settings_for(route.residual_key)
+        ctx.lr, ctx.shape, ctx.dtype, ctx.device = None, tensor.shape, tensor.dtype, tensor.device
+        ctx.where = (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
+                     f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(tensor.shape)})")
+        ctx.set_ranks, ctx.world, ctx.handle, ctx.fault = set_ranks, hvd.size(), None, None
+        ctx.set_rank = set_ranks.index(grank) if grank in set_ranks else None
+        dtype = SOURCE_DTYPES[tensor.dtype]
+        ctx.expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
+                                     numel=tensor.numel(), dtype=dtype,
+                                     fingerprint=codec.tensor_fingerprint(route.param or "", tensor.shape, dtype))
+        ctx.reduction = s.exchange_reduction(len(set_ranks), tensor.numel())
+        ctx.backend, fallback = backends.choose(tensor.device.type, s, ctx.reduction)
+        if fallback:
+            backends.note_fallback(fallback, self._stats)
+        ctx.gather_handle, ctx.reduce_error, ctx.sent, ctx.received = None, None, 0, 0
+        return ctx
+
+    def _flat32(self, tensor, ctx):
+        """The tensor flattened, in float32, where its backend reads it (+ its residual)."""
+        x = tensor.detach().reshape(-1)
+        if ctx.backend is backends.CPU and x.device.type != "cpu":
+            x = x.cpu()
+        return self._with_residual(x.float().contiguous(), ctx)
+
+    @staticmethod
+    def _backend_view(x32, ctx):
+        return x32.numpy() if ctx.backend is backends.CPU else x32
+
+    def _start_allgather(self, tensor, ctx):
+        """Encode the tensor (+ residual; update the residual) and start the payloads' allgather."""
+        s, where, b = ctx.settings, ctx.where, ctx.backend
+        x32 = self._flat32(tensor, ctx)
+        payload = b.encode(self._backend_view(x32, ctx), s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
+                           where)
+        if s.error_feedback:
+            self._set_residual(ctx, x32 - _as_torch(b.decode(payload, where)))
+        payload = _as_torch(payload)
+        if payload.is_cuda and not hvd.nccl_built():
+            payload = payload.cpu()
+        ctx.own_len = payload.numel()
+        ctx.handle = hvd.allgather_async(payload, name=ctx.route.exchange, process_set=self._process_set)
+
+    def _start_scatter(self, tensor, ctx):
+        """Phase 1: encode the n chunks of the tensor (+ residual) and start their alltoall."""
+        s, n, b = ctx.settings, len(ctx.set_ranks), ctx.backend
+        x32 = self._flat32(tensor, ctx)
+        buf, lens = b.encode_chunks(self._backend_view(x32, ctx), s, ctx.step_seed, n, ctx.expect.fingerprint,
+                                    ctx.expect.dtype, ctx.where)
+        if s.error_feedback:
+            own = b.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size, ctx.where)
+            self._set_residual(ctx, x32 - _as_torch(own))
+        ctx.splits, ctx.own_len = lens, int(sum(lens))
+        ctx.sent = ctx.own_len - lens[ctx.set_rank]
+        ctx.handle = hvd.alltoall_async(_as_torch(buf), splits=torch.tensor(lens, dtype=torch.int32),
+                                        name=f"{ctx.route.exchange}.scatter", process_set=self._process_set)
+        self.driver.add(ctx)
+
+    def _second_phase(self, ctx):
+        """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
+        allgather of the reduced chunks' frames (an empty frame after a failure: every rank raises)."""
+        j = ctx.set_rank
+        received, rsplits = hvd.synchronize(ctx.handle)
+        rsplits = [int(v) for v in rsplits]
+        ctx.received = int(sum(rsplits)) - rsplits[j]
+        frame, ctx.reduce_error = reduction.reduce_received(
+            received.numpy(), rsplits, j, ctx.settings, ctx.step_seed, ctx.expect, ctx.where,
+            server_residual=(lambda: self._server_residual(ctx)) if ctx.settings.server_error_feedback else None)
+        ctx.sent += frame.size
+        ctx.gather_handle = hvd.allgather_async(torch.from_numpy(frame), name=f"{ctx.route.exchange}.gather",
+                                                process_set=self._process_set)
+
+    def _finish_scatter(self, ctx, alpha):
+        """Phase 2's result on this rank."""
+        self.driver.finish(ctx)  # its alltoall: all ranks started it (the control check passed)
+        if ctx.gather_handle is None:
+            raise protocol.MismatchError(f"{ctx.where}: the first phase of the exchange failed on this rank")
+        n, j = len(ctx.set_ranks), ctx.set_rank
+        chunks = reduction.unframe(self.driver.wait(ctx.gather_handle).numpy(), n, ctx.where)
+        if ctx.reduce_error is not None:
+            raise protocol.MismatchError(f"{ctx.where}: this rank could not reduce chunk {j}: "
+                                         f"{ctx.reduce_error}") from ctx.reduce_error
+        ctx.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
+        out = ctx.backend.decode_chunks(chunks, alpha, ctx.expect.numel, ctx.settings.bucket_size,
+                                        f"{ctx.where}: reduced chunks")
+        return _as_torch(out)
+
+    def _finish_allgather(self, ctx, alpha):
+        """Wait for the payloads, check their headers, decode and sum them (on the exchange's backend)."""
+        b, where, n = ctx.backend, ctx.where, len(ctx.set_ranks)
+        gathered = self.driver.wait(ctx.handle)
+        if b is backends.CUDA:
+            gathered = gathered.to(ctx.device, non_blocking=True)
+        payloads = b.split(gathered if b is backends.CUDA else gathered.numpy(), n, ctx.own_len, where)
+        protocol.check_gathered(b.read_headers(payloads, where), ctx.expect, where)
+        out = _as_torch(b.decode_sum(payloads, alpha, where))
+        self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
+                        bytes_received=gathered.numel() - ctx.own_len)
+        return out
+
+    def decompress(self, tensor, ctx):
+        if ctx is None:
+            return tensor
+        try:
+            alpha = protocol.check_control(tensor.detach().cpu().numpy(), ctx.world, ctx.set_ranks, ctx.where,
+                                           fault_message=None if ctx.fault is None else f"{ctx.where}: {ctx.fault}")
+        except protocol.MismatchError as e:
+            self.driver.forget(ctx)
+            raise e from ctx.fault  # a numbered slot stays taken: its collectives may never complete
+        finally:
+            self.names.finish(ctx.route)
+        try:
+            if ctx.reduction == "scatter_allgather":
+                out = self._finish_scatter(ctx, alpha)
+                self._stats.add(elements=out.numel(), bytes_sent=ctx.sent, tensors=1, bytes_received=ctx.received)
+            else:
+                out = self._finish_allgather(ctx, alpha)
+        finally:  # every rank waited for this exchange's collectives: its slot may be used again
+            self.names.release_slot(ctx.route.slot)
+        if self.policy.observes:
+            self.policy.observe(ctx.route.residual_key, out.detach().reshape(-1).cpu().numpy())
+        out = out.view(ctx.shape)
+        if out.dtype != ctx.dtype or out.device != ctx.device:
+            out = out.to(device=ctx.device, dtype=ctx.dtype)
+        return out
+
+    # -- error feedback (hvd_qsgd.error_feedback; the store: hvd_qsgd.state.ResidualStore) ------
+
+    def _set_residual(self, ctx, new):
+        """Keep ``new`` as the residual, except where it is not finite (a bucket that held a NaN or an
+        Inf decodes to NaN): there the previous residual stays (0 if none), so one overflowing step
+        (skipped by loss scaling) does not make every later gradient non-finite. The learning rate
+        it was made at is kept with it."""
+        key = ctx.route.residual_key
+        old = self.residuals.get(key)
+        keep = torch.zeros((), dtype=new.dtype, device=new.device) if old is None else old.to(new.device)
+        self.residuals.keep(key, torch.where(torch.isfinite(new), new, keep), ctx.lr)
+
+    def _with_residual(self, x32, ctx):
+        """x32 + the tensor's residual, rescaled by lr_made / lr_now."""
+        key = ctx.route.residual_key
+        residual = self.residuals.get(key) if ctx.settings.error_feedback else None
+        if residual is None:
+            return x32
+        if residual.shape != x32.shape:
+            raise protocol.MismatchError(
+                f"{ctx.where}: its error-feedback residual (position {key!r}) has "
+                f"{residual.numel()} elements, the tensor {x32.numel()}: the tensors handed to the "
+                "compressor changed order between steps; pass named_parameters= to the compressor")
+        factor = self.residuals.factor(key, ctx.lr)
+        residual = residual.to(x32.device)
+        return x32 + (residual if factor == 1.0 else residual * factor)
+
+    def _server_residual(self, ctx):
+        """This rank's residual of the tensor's chunk (a float32 array the reduce step updates in place)."""
+        begin, end = reduction.chunk_ranges(ctx.expect.numel, ctx.settings.bucket_size,
+                                            len(ctx.set_ranks))[ctx.set_rank]
+        with self._lock:
+            return self.residuals.server_residual(ctx.route.residual_key, end - begin,
+                                                  lambda size: np.zeros(size, dtype=np.float32), ctx.where)
+
+    def follow_learning_rate(self, optimizer):
+        """See ``hvd_qsgd.QSGD.follow_learning_rate``."""
+        if optimizer is None or callable(optimizer) and not hasattr(optimizer, "param_groups"):
+            source = optimizer
+        elif hasattr(optimizer, "param_groups"):
+            source = self._group_learning_rate(optimizer)
+        else:
+            raise TypeError(f"follow_learning_rate: expected a torch.optim.Optimizer or a function of the "
+                            f"residual key, got {type(optimizer).__name__}")
+        with self._lock:
+            self._learning_rate = source
+        return self
+
+    def _group_learning_rate(self, optimizer):
+        """key -> the lr of the parameter group holding that parameter (by name), or for position
+        keys the lr every group shares. Which group holds which name is worked out once, again only
+        when the groups or the bound parameters change."""
+        cache = {"of": None, "by_name": {}}
+
+        def lr(key):
+            groups = optimizer.param_groups
+            if isinstance(key, str) and self._params is not None:
+                of = (id(groups), tuple(len(g["params"]) for g in groups), id(self._params))
+                if cache["of"] != of:
+                    holder = {id(p): g for g in groups for p in g["params"]}
+                    cache["by_name"] = {n: holder.get(id(p)) for n, p in self._params}
+                    cache["of"] = of
+                group = cache["by_name"].get(key)
+                if group is not None:
+                    return float(group["lr"])
+            rates = {float(g["lr"]) for g in groups}
+            if len(rates) == 1:
+                return rates.pop()
+            raise ValueError(f"follow_learning_rate: the optimizer's parameter groups have learning rates "
+                             f"{sorted(rates)}, and the tensor {key!r} is not a named parameter: pass "
+                             "named_parameters= to the compressor")
+        return lr
+
+    def _current_lr(self, residual_key):
+        source = self._learning_rate
+        return None if source is None else source(residual_key)
+
+    def rescale_residuals(self, factor):
+        """Multiply every error-feedback residual by ``factor``."""
+        factor = float(factor)
+        with self._lock:
+            self.residuals.rescale(factor, lambda v, f: v * f)
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def stats(self):
+        return self._stats.as_dict()
+
+    def state_dict(self):
+        """Error-feedback residuals (by parameter name or step position), statistics, settings, and
+        the bits policy's state (DQSGD: ``schedules``)."""
+        with self._lock:
+            state = self.residuals.state_dict(residual=lambda v: v.clone(),
+                                              server=lambda v: torch.from_numpy(v.copy()))
+        state.update(stats=self._stats.as_dict(), settings=self.settings.as_dict(), **self.policy.state_dict())
+        return state
+
+    def load_state_dict(self, state):
+        mine = self.settings.as_dict()
+        theirs = state.get("settings", mine)
+        changed = [k for k in ("bits", "bucket_size", "norm", "coding") if theirs.get(k) != mine[k]]
+        if changed:
+            raise ValueError(f"hvd_qsgd.torch.QSGD.load_state_dict: the checkpoint was made with different "
+                             f"settings ({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+        with self._lock:
+            r = self.residuals
+            r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
+            r.rates = {k: float(v) for k, v in state.get("residual_lr", {}).items()}
+            r.server = {k: np.array(torch.as_tensor(v).float().cpu().numpy(), dtype=np.float32)
+                        for k, v in state.get("server_residuals", {}).items()}
+        self._stats.load(state.get("stats", {}))
+        self.policy.load_state_dict(state)
+
+    # -- elastic training (hvd_qsgd.torch.elastic) --------------------------------------------
+
+    def reset(self, residuals=True):
+        """Forget every exchange in progress, and with ``residuals`` the error-feedback residuals
+        (and the bits policy's state).
+
+        For when no exchange this compressor started will be waited on: after Horovod was shut down
+        and re-initialised (an elastic reset). A step interrupted by a failure leaves exchanges
+        between compress and decompress, in different numbers on different ranks; left in place,
+        they would route the next gradients of those parameters to numbered exchanges and shift the
+        residual positions. The exchange counters (``exchange_counters``) are kept."""
+        self.names.reset()
+        self.driver.reset()
+        with self._lock:
+            self._grad_names = {}
+            if residuals:
+                self.residuals.clear()
+        if residuals:
+            self.policy.reset()
+
+    def exchange_counters(self):
+        """What names and seeds the next exchanges: the numbered exchanges started so far and the
+        exchanges started per parameter name (the payload seeds' occurrence)."""
+        return self.names.counters()
+
+    def load_exchange_counters(self, counters):
+        """Set the counters of ``exchange_counters()`` (e.g. those of another rank)."""
+        self.names.load_counters(counters)
+
+
+QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None, settings=None, policy=None,
+                                        creation_index=None)

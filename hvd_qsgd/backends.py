@@ -1,0 +1,140 @@
+"""One codec interface, one backend per device: ``CpuBackend`` on NumPy arrays (the CPU kernels) and
+``CudaBackend`` on PyTorch CUDA tensors (the CUDA kernels, current stream). Same methods, same
+signatures, same payload bytes for the same input, settings and seed:
+
+    encode(x32, settings, seed, fingerprint, source_dtype, where)        -> payload
+    decode(payload, where)                                               -> float32 values
+    split(gathered, count, own_len, where)                               -> [payload of each rank]
+    read_headers(payloads, where)                                        -> [codec.Header]
+    decode_sum(payloads, alpha, where)                                   -> alpha * sum of decodes
+    encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where) -> (buffer, lengths)
+    reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
+    decode_chunks(payloads, alpha, numel, bucket_size, where)            -> float32 values
+
+``choose(device, settings, reduction)`` picks the backend of one exchange, once. A CUDA tensor gets
+``CudaBackend`` when every step of its exchange has a CUDA kernel; otherwise it goes through the
+host (copied down, processed by ``CpuBackend``, the result copied back) and the reason is returned:
+the adapter counts it in ``stats["host_fallbacks"]`` and ``note_fallback`` logs each reason once
+per process. Nothing goes through the host silently.
+"""
+import logging
+import threading
+from typing import Any, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+from hvd_qsgd import codec, cuda, reduction
+from hvd_qsgd.errors import MismatchError
+
+log = logging.getLogger("hvd_qsgd")
+
+
+class CpuBackend:
+    """The CPU kernels on NumPy arrays (``hvd_qsgd.codec``, ``hvd_qsgd.reduction``)."""
+
+    name = "cpu"
+
+    def encode(self, x32: np.ndarray, settings, seed: int, fingerprint: int, source_dtype: str, where: str):
+        s = settings
+        return codec.encode(x32, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
+                            name=where, source_dtype=source_dtype)
+
+    def decode(self, payload, where: str) -> np.ndarray:
+        return codec.decode(payload, where)
+
+    def split(self, gathered, count: int, own_len: int, where: str) -> List[np.ndarray]:
+        """The ranks' payloads in an allgather's result, cut at each header's length."""
+        return codec.split_payloads(gathered, count=count, where=f"{where}: gathered payloads")
+
+    def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
+        return [codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)]
+
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str) -> np.ndarray:
+        return codec.decode_sum(payloads, alpha, where=where)
+
+    def encode_chunks(self, x32: np.ndarray, settings, step_seed: int, n: int, fingerprint: int,
+                      source_dtype: str, where: str) -> Tuple[np.ndarray, List[int]]:
+        return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
+
+    def reduce_chunk(self, payloads: Sequence, j: int, settings, step_seed: int, fingerprint: int,
+                     source_dtype: str, where: str, residual: Optional[np.ndarray] = None) -> np.ndarray:
+        return reduction.reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where=where,
+                                      residual=residual)
+
+    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int,
+                      where: str) -> np.ndarray:
+        return reduction.decode_chunks(payloads, alpha, numel, bucket_size, where=where)
+
+
+class CudaBackend:
+    """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
+    decode-sum. The chunk steps of scatter_allgather and Elias coding have no CUDA kernel yet;
+    ``missing`` names what an exchange would need that is not here."""
+
+    name = "cuda"
+
+    @staticmethod
+    def missing(settings, exchange_reduction: str) -> Optional[str]:
+        """Why an exchange with these settings cannot run on the device, or None."""
+        if not cuda.available():
+            return "the CUDA kernels are not available (" + (
+                "no CUDA device is visible" if cuda.built() else "the CUDA library was not built") + ")"
+        if settings.coding != "fixed":
+            return f"{settings.coding} coding has no CUDA kernel"
+        if exchange_reduction != "allgather":
+            return f"the {exchange_reduction} chunk steps have no CUDA kernel"
+        return None
+
+    def encode(self, x32, settings, seed: int, fingerprint: int, source_dtype: str, where: str):
+        s = settings
+        return cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
+                           source_dtype=source_dtype)
+
+    def decode(self, payload, where: str):
+        return cuda.decode_sum([payload], where=where)
+
+    def split(self, gathered, count: int, own_len: int, where: str) -> list:
+        """Fixed coding: every rank's payload has the length of this rank's."""
+        if gathered.numel() != count * own_len:
+            raise MismatchError(f"{where}: gathered {gathered.numel()} bytes from {count} ranks, "
+                                f"expected {count} payloads of {own_len} bytes")
+        return list(gathered.split(own_len))
+
+    def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
+        return cuda.read_headers(payloads, where)
+
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str):
+        return cuda.decode_sum(payloads, alpha, where=where)
+
+    def _no_kernel(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError("hvd_qsgd: the scatter_allgather chunk steps have no CUDA kernel; "
+                                  "choose() sends such exchanges through CpuBackend")
+
+    encode_chunks = reduce_chunk = decode_chunks = _no_kernel
+
+
+CPU, CUDA = CpuBackend(), CudaBackend()
+
+
+def choose(device_type: str, settings, exchange_reduction: str) -> Tuple[Any, Optional[str]]:
+    """(backend, None) for a tensor on ``device_type`` ("cpu" or "cuda"), or (CPU, the reason) when a
+    CUDA tensor's exchange must go through the host."""
+    if device_type != "cuda":
+        return CPU, None
+    reason = CudaBackend.missing(settings, exchange_reduction)
+    return (CPU, reason) if reason else (CUDA, None)
+
+
+_logged = set()
+_logged_lock = threading.Lock()
+
+
+def note_fallback(reason: str, stats) -> None:
+    """Count one exchange that went through the host in ``stats`` and log the reason (once per reason
+    and process, at WARNING on the ``hvd_qsgd`` logger)."""
+    stats.add(host_fallbacks=1)
+    with _logged_lock:
+        first = reason not in _logged
+        _logged.add(reason)
+    if first:
+        log.warning("hvd_qsgd: CUDA tensors go through the host: %s (counted in stats['host_fallbacks'])", reason)

@@ -1,0 +1,185 @@
+"""The per-compressor state both framework adapters keep, without any framework: how exchanges are
+named (``ExchangeNames``) and the error-feedback residuals (``ResidualStore``).
+
+Exchange names. Every collective a compressor starts carries a name every rank derives alike
+(``<prefix> = hvd_qsgd<sep><k>``, k the compressor's creation index; sep "." in PyTorch, "_" in
+TensorFlow, whose op names take no dots):
+
+* a known parameter's gradient travels as ``<prefix>.p.<name>`` and its payload seed counts the
+  exchanges of that name so far (``occurrence``), so ranks may hand gradients over in any order;
+* any other tensor is numbered in the order it reaches the compressor: the seq-th is labelled
+  ``<prefix>.s<seq>`` (its payload seed, its messages) and travels as ``<prefix>.n<slot>``, where
+  slot is the lowest number no unfinished numbered exchange holds. A slot is free again once
+  decompress has waited for the exchange's collectives (after a failed control check it stays
+  taken: they may never complete), so a step's numbered exchanges reuse the same few names step
+  after step, as Horovod's response cache expects (a new name each step would evict its entries).
+* with no name, a tensor's residual is keyed by its position within a step: the tensors compressed
+  between two moments with no exchange pending (a static order of gradients is presumed).
+
+The control vector proves that every rank gave the same tensor the same name before anyone waits
+on it (``hvd_qsgd.protocol``).
+
+Residuals. ``ResidualStore`` keeps, per key, the residual e of worker error feedback, the learning
+rate it was made at, and the server residual of scatter_allgather's reducing rank; the rules it
+applies are ``hvd_qsgd.error_feedback``'s. The values are whatever the adapter stores (torch
+tensors, NumPy arrays, ``tf.Variable``s); the adapter supplies conversions for checkpoints.
+"""
+import threading
+from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
+
+from hvd_qsgd import error_feedback, protocol
+
+
+class Route(NamedTuple):
+    """Where one exchange goes (``ExchangeNames.route``)."""
+
+    exchange: str          # the collectives' name
+    seed_name: str         # the name its payload seed and messages use
+    occurrence: int        # earlier exchanges of seed_name (the payload seed's counter)
+    key: int               # the control vector's exchange key
+    residual_key: Hashable  # parameter name, or position within the step
+    param: Optional[str]   # parameter name, or None
+    slot: Optional[int]    # numbered slot taken, or None
+
+
+class ExchangeNames:
+    """The naming state of one compressor (see the module docstring). Thread-safe."""
+
+    def __init__(self, creation_index: int, sep: str = "."):
+        self.sep = sep
+        self.prefix = f"hvd_qsgd{sep}{creation_index}"
+        self._lock = threading.Lock()
+        self.seq = 0              # numbered exchanges started (TensorFlow: every exchange)
+        self.slots: Set[int] = set()       # numbered slots held by unfinished exchanges
+        self.occurrences: Dict[str, int] = {}  # exchanges started per parameter name
+        self.in_flight: Set[str] = set()   # parameter names with an exchange pending
+        self.pending = 0          # exchanges between compress and decompress
+        self.position = 0         # position within the current step
+
+    def name(self, label: str) -> str:
+        return f"{self.prefix}{self.sep}{label}"
+
+    def next_seq(self) -> int:
+        with self._lock:
+            seq, self.seq = self.seq, self.seq + 1
+            return seq
+
+    def take_slot(self) -> int:
+        """The lowest slot no unfinished numbered exchange holds, now held."""
+        with self._lock:
+            return self._take_slot()
+
+    def _take_slot(self):
+        slot = 0
+        while slot in self.slots:
+            slot += 1
+        self.slots.add(slot)
+        return slot
+
+    def release_slot(self, slot: Optional[int]) -> None:
+        """Free a slot once every rank has waited for its exchange's collectives."""
+        if slot is not None:
+            with self._lock:
+                self.slots.discard(slot)
+
+    def route(self, param: Optional[str]) -> Route:
+        """The route of the next exchange of a tensor (``param``: its parameter's name, or None)."""
+        with self._lock:
+            if self.pending == 0:
+                self.position = 0
+            position = self.position
+            self.position += 1
+            self.pending += 1
+            if param is not None and param not in self.in_flight:
+                self.in_flight.add(param)
+                occurrence = self.occurrences.get(param, 0)
+                self.occurrences[param] = occurrence + 1
+                exchange = self.name(f"p{self.sep}{param}")
+                key = 2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1
+                return Route(exchange, exchange, occurrence, key, param, param, None)
+            seq, self.seq = self.seq, self.seq + 1
+            slot = self._take_slot()
+            return Route(self.name(f"n{slot}"), self.name(f"s{seq}"), 0, numbered_key(slot), position, None, slot)
+
+    def finish(self, route: Route) -> None:
+        """The exchange left compress-to-decompress (its collectives may still be pending)."""
+        with self._lock:
+            self.pending = max(0, self.pending - 1)
+            if route.param is not None:
+                self.in_flight.discard(route.param)
+
+    def reset(self) -> None:
+        """Forget every exchange in progress (the counters stay: see ``counters``)."""
+        with self._lock:
+            self.pending = 0
+            self.position = 0
+            self.in_flight = set()
+            self.slots = set()
+
+    def counters(self) -> Dict[str, Any]:
+        """What names and seeds the next exchanges: numbered exchanges so far, exchanges per name."""
+        with self._lock:
+            return {"seq": self.seq, "occurrences": dict(self.occurrences)}
+
+    def load_counters(self, counters: Dict[str, Any]) -> None:
+        seq = int(counters["seq"])
+        occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
+        with self._lock:
+            self.seq, self.occurrences = seq, occurrences
+
+
+def numbered_key(n: int) -> int:
+    """The control vector's exchange key of numbered exchange n (even; parameter keys are odd)."""
+    return (2 * n) % protocol.TAG_RANGE ** 2
+
+
+class ResidualStore:
+    """Error-feedback state of one compressor, by key (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.residuals: Dict[Hashable, Any] = {}
+        self.rates: Dict[Hashable, Any] = {}     # the learning rate each residual was made at
+        self.server: Dict[Hashable, Any] = {}    # the reducing rank's residual of its chunk
+
+    def __len__(self) -> int:
+        return len(self.residuals)
+
+    def get(self, key: Hashable) -> Any:
+        return self.residuals.get(key)
+
+    def factor(self, key: Hashable, lr_now: Any) -> float:
+        """lr_made / lr_now for the residual of ``key`` (``error_feedback.rescale_factor``)."""
+        return error_feedback.rescale_factor(self.rates.get(key), lr_now)
+
+    def keep(self, key: Hashable, residual: Any, lr_made: Any = None) -> None:
+        """Store the new residual, and the rate it was made at where that rate is usable."""
+        self.residuals[key] = residual
+        if error_feedback.usable_rate(lr_made):
+            self.rates[key] = float(lr_made)
+
+    def server_residual(self, key: Hashable, size: int, make: Callable[[int], Any], where: str) -> Any:
+        """The reducing rank's residual of ``key`` (``make(size)`` on first use), checked for size."""
+        residual = self.server.get(key)
+        if residual is None:
+            residual = self.server[key] = make(size)
+        if residual.size != size:
+            raise protocol.MismatchError(
+                f"{where}: its server error-feedback residual has {residual.size} elements, this "
+                f"rank's chunk {size}: the tensor or the number of ranks changed")
+        return residual
+
+    def rescale(self, factor: float, multiply: Callable[[Any, float], Any]) -> None:
+        """Every worker residual times ``factor``."""
+        self.residuals = {k: multiply(v, factor) for k, v in self.residuals.items()}
+
+    def clear(self) -> None:
+        self.residuals, self.rates, self.server = {}, {}, {}
+
+    def state_dict(self, residual: Callable[[Any], Any], rate: Callable[[Any], float] = float,
+                   server: Optional[Callable[[Any], Any]] = None) -> Dict[str, Dict]:
+        """``residuals``, ``residual_lr`` (and ``server_residuals``), each value converted."""
+        state = {"residuals": {k: residual(v) for k, v in self.residuals.items()},
+                 "residual_lr": {k: rate(v) for k, v in self.rates.items()}}
+        if server is not None:
+            state["server_residuals"] = {k: server(v) for k, v in self.server.items()}
+        return state
