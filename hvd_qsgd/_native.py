@@ -6,6 +6,7 @@ data pointers (and, for CUDA, a stream handle).
 """
 import ctypes
 import glob
+import json
 import os
 import threading
 
@@ -72,8 +73,59 @@ def _check_abi(lib, symbol, path):
             "is stale; rebuild it with `pip install -e .` (or `make setup`) in the repository")
 
 
+BUILD_TARGET = "_build_target.json"  # written by setup.py next to the CPU library
+
+
+def build_target(directory=_HERE):
+    """The record setup.py wrote of what the CPU library (and the TensorFlow ops, built with the same
+    flags) was compiled for: ``march`` (the -march value, or null), ``compile_flags`` and
+    ``cpu_features`` ({"AVX2": "avx2", ...}: the ISA extensions the compiler was allowed to use,
+    named as in /proc/cpuinfo); None for a library built before setup.py wrote it."""
+    try:
+        with open(os.path.join(directory, BUILD_TARGET)) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        return None
+
+
+def _cpu_flags():
+    """The CPU's feature flags as /proc/cpuinfo names them (x86: "flags", Arm: "Features"), or None
+    where they cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return set(value.split())
+    except OSError:
+        pass
+    return None
+
+
+def check_cpu(directory=_HERE):
+    """Raise ImportError when this CPU lacks an instruction set extension the native libraries in
+    ``directory`` were compiled for (loading them would kill the process with SIGILL). Silent where
+    nothing is recorded or the CPU's flags cannot be read."""
+    record = build_target(directory)
+    features = (record or {}).get("cpu_features") or {}
+    have = _cpu_flags() if features else None
+    if have is None:
+        return
+    missing = [f"{label} ({flag})" for label, flag in sorted(features.items()) if flag not in have]
+    if missing:
+        target = " ".join(record.get("compile_flags") or []) or "the compiler's default target"
+        raise ImportError(
+            f"hvd_qsgd's native libraries in {directory} were built for {target}, and this CPU lacks "
+            f"{', '.join(missing)}: loading them would stop the process with SIGILL (illegal "
+            "instruction). Rebuild them on this machine with `pip install --no-build-isolation --no-deps "
+            "-e .` (or `make setup`), which targets x86-64-v3 or x86-64-v2 by what the building CPU "
+            "has, or choose the target with HVD_QSGD_MARCH (for example HVD_QSGD_MARCH=x86-64-v2; "
+            "HVD_QSGD_MARCH=native builds for the building CPU only)")
+
+
 def load():
-    """The CPU library (built by ``pip install``); raises ImportError with the fix if missing."""
+    """The CPU library (built by ``pip install``); raises ImportError with the fix if missing, or if
+    it was built for instructions this CPU lacks."""
     global _cpu
     if _cpu is not None:
         return _cpu
@@ -85,6 +137,7 @@ def load():
             raise ImportError(
                 "hvd_qsgd's native codec library is not built: run `pip install -e .` (or "
                 "`make setup`) in the repository, which compiles kernels/ with g++ and OpenMP")
+        check_cpu(os.path.dirname(path))
         lib = ctypes.CDLL(path)
         _check_abi(lib, "qsgd_abi_version", path)
         _declare_common(lib)
