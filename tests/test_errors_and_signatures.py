@@ -1,0 +1,56 @@
+"""One exception base, and the settings parameters written out once (``Settings.make``)."""
+import inspect
+
+import numpy as np
+import pytest
+
+import hvd_qsgd
+from hvd_qsgd import codec, errors, protocol, reduction
+from hvd_qsgd.settings import Settings
+
+
+def test_every_error_of_the_package_derives_from_one_base_and_keeps_its_builtin_parent():
+    assert issubclass(hvd_qsgd.PayloadError, hvd_qsgd.Error) and issubclass(hvd_qsgd.PayloadError, ValueError)
+    assert issubclass(hvd_qsgd.MismatchError, hvd_qsgd.Error) and issubclass(hvd_qsgd.MismatchError, RuntimeError)
+    assert issubclass(hvd_qsgd.EncodeError, hvd_qsgd.Error) and issubclass(hvd_qsgd.EncodeError, RuntimeError)
+    assert codec.PayloadError is errors.PayloadError and protocol.MismatchError is errors.MismatchError
+
+
+def test_a_bad_payload_and_a_refused_encode_are_package_errors():
+    with pytest.raises(hvd_qsgd.Error, match="payload"):
+        codec.read_header(np.zeros(8, np.uint8), "payload")
+    with pytest.raises(hvd_qsgd.EncodeError) as info:  # the buffer is too small for the chunks' payloads
+        reduction.encode_chunks(np.zeros(0, np.float32), Settings.make(), 1, 0)
+    assert isinstance(info.value, RuntimeError) and info.value.status != 0
+
+
+def _settings_parameters():
+    return list(inspect.signature(Settings.make).parameters)
+
+
+@pytest.mark.parametrize("owner, extra", [
+    ("hvd_qsgd.QSGD", ["named_parameters", "process_set"]),
+    ("hvd_qsgd.torch.QSGD", ["named_parameters", "process_set", "settings", "policy", "creation_index"]),
+])
+def test_compressors_show_the_settings_signature_of_make(owner, extra):
+    import hvd_qsgd.torch
+    cls = {"hvd_qsgd.QSGD": hvd_qsgd.QSGD, "hvd_qsgd.torch.QSGD": hvd_qsgd.torch.QSGD}[owner]
+    params = list(inspect.signature(cls).parameters)
+    assert params == _settings_parameters() + extra
+
+
+def test_front_and_positional_settings_agree_with_make():
+    by_position = hvd_qsgd.QSGD(2, 64, "l2", "elias", 5, 3, True, False, "scatter_allgather").settings
+    assert by_position == Settings.make(2, 64, "l2", "elias", 5, 3, True, False, "scatter_allgather")
+    assert hvd_qsgd.QSGD(bits=8).settings == Settings.make(bits=8)
+
+
+def test_unknown_or_repeated_settings_are_type_errors_naming_the_compressor():
+    with pytest.raises(TypeError, match=r"hvd_qsgd.QSGD: .*unexpected keyword argument 'bitz'"):
+        hvd_qsgd.QSGD(bitz=4)
+    with pytest.raises(TypeError, match=r"hvd_qsgd.QSGD: .*multiple values for argument 'bits'"):
+        hvd_qsgd.QSGD(4, bits=4)
+    with pytest.raises(TypeError, match="hvd_qsgd.DynamicQSGD: the bits are chosen per step"):
+        hvd_qsgd.DynamicQSGD(3.0, bits=4)
+    with pytest.raises(ValueError, match="bits must be an integer"):
+        hvd_qsgd.QSGD(bits=9)
