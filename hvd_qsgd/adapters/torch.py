@@ -50,6 +50,7 @@ import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, codec, protocol, reduction
+from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.driver import TwoPhaseDriver
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
@@ -64,33 +65,6 @@ class _Exchange:
     __slots__ = ("route", "where", "shape", "dtype", "device", "handle", "expect", "own_len", "fault",
                  "set_ranks", "world", "backend", "reduction", "set_rank", "step_seed", "splits",
                  "gather_handle", "reduce_error", "sent", "received", "started", "settings", "lr")
-
-
-def named_parameter_list(named_parameters, who, empty_ok=False):
-    """``named_parameters`` as a list of (name, parameter) pairs with unique names (non-empty unless
-    ``empty_ok``), or a ValueError naming ``who``."""
-    named = list(named_parameters)
-    if (not named and not empty_ok) or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
-        raise ValueError(f"{who}: named_parameters must be a {'' if empty_ok else 'non-empty '}list of (name, "
-                         "parameter) pairs, as from model.named_parameters()")
-    if len({n for n, _ in named}) != len(named):
-        raise ValueError(f"{who}: parameter names must be unique")
-    return named
-
-
-def average_named(compression, named_tensors, prefix, process_set):
-    """[(name, average over the process set of that tensor)] in the order given: each tensor goes
-    through ``compression`` (compress, ``hvd.allreduce_async_`` with op Average as ``<prefix>.<name>``,
-    decompress), all exchanges started before the first is waited on; each average has its tensor's
-    shape and dtype. What the optimizers that average their own updates share (``EFSGDM``,
-    ``PeriodicQuantizedAveraging``)."""
-    pending = []
-    for name, t in named_tensors:
-        compressed, ctx = compression.compress(t)
-        handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"{prefix}.{name}", process_set=process_set)
-        pending.append((name, t, handle, ctx))
-    return [(name, compression.decompress(hvd.synchronize(handle), ctx).view_as(t).to(t.dtype))
-            for name, t, handle, ctx in pending]
 
 
 def _as_torch(a):
@@ -353,38 +327,13 @@ class QSGD(Compressor):
         if optimizer is None or callable(optimizer) and not hasattr(optimizer, "param_groups"):
             source = optimizer
         elif hasattr(optimizer, "param_groups"):
-            source = self._group_learning_rate(optimizer)
+            source = group_learning_rate(optimizer, lambda: self._params)
         else:
             raise TypeError(f"follow_learning_rate: expected a torch.optim.Optimizer or a function of the "
                             f"residual key, got {type(optimizer).__name__}")
         with self._lock:
             self._learning_rate = source
         return self
-
-    def _group_learning_rate(self, optimizer):
-        """key -> the lr of the parameter group holding that parameter (by name), or for position
-        keys the lr every group shares. Which group holds which name is worked out once, again only
-        when the groups or the bound parameters change."""
-        cache = {"of": None, "by_name": {}}
-
-        def lr(key):
-            groups = optimizer.param_groups
-            if isinstance(key, str) and self._params is not None:
-                of = (id(groups), tuple(len(g["params"]) for g in groups), id(self._params))
-                if cache["of"] != of:
-                    holder = {id(p): g for g in groups for p in g["params"]}
-                    cache["by_name"] = {n: holder.get(id(p)) for n, p in self._params}
-                    cache["of"] = of
-                group = cache["by_name"].get(key)
-                if group is not None:
-                    return float(group["lr"])
-            rates = {float(g["lr"]) for g in groups}
-            if len(rates) == 1:
-                return rates.pop()
-            raise ValueError(f"follow_learning_rate: the optimizer's parameter groups have learning rates "
-                             f"{sorted(rates)}, and the tensor {key!r} is not a named parameter: pass "
-                             "named_parameters= to the compressor")
-        return lr
 
     def _current_lr(self, residual_key):
         source = self._learning_rate

@@ -37,7 +37,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
-from hvd_qsgd.adapters.torch import average_named, named_parameter_list
+from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
 
 MOMENTUM_MODES = ("local", "average", "reset")
 

@@ -1,0 +1,58 @@
+"""What the PyTorch adapter and the optimizers built on it share about parameters: checked
+(name, parameter) lists, the averaging of named tensors through a compressor, and the learning
+rate of a parameter's group (for error feedback that follows the learning rate)."""
+import horovod.torch as hvd
+
+
+def named_parameter_list(named_parameters, who, empty_ok=False):
+    """``named_parameters`` as a list of (name, parameter) pairs with unique names (non-empty unless
+    ``empty_ok``), or a ValueError naming ``who``."""
+    named = list(named_parameters)
+    if (not named and not empty_ok) or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+        raise ValueError(f"{who}: named_parameters must be a {'' if empty_ok else 'non-empty '}list of (name, "
+                         "parameter) pairs, as from model.named_parameters()")
+    if len({n for n, _ in named}) != len(named):
+        raise ValueError(f"{who}: parameter names must be unique")
+    return named
+
+
+def average_named(compression, named_tensors, prefix, process_set):
+    """[(name, average over the process set of that tensor)] in the order given: each tensor goes
+    through ``compression`` (compress, ``hvd.allreduce_async_`` with op Average as ``<prefix>.<name>``,
+    decompress), all exchanges started before the first is waited on; each average has its tensor's
+    shape and dtype. What the optimizers that average their own updates share (``EFSGDM``,
+    ``PeriodicQuantizedAveraging``)."""
+    pending = []
+    for name, t in named_tensors:
+        compressed, ctx = compression.compress(t)
+        handle = hvd.allreduce_async_(compressed, op=hvd.Average, name=f"{prefix}.{name}", process_set=process_set)
+        pending.append((name, t, handle, ctx))
+    return [(name, compression.decompress(hvd.synchronize(handle), ctx).view_as(t).to(t.dtype))
+            for name, t, handle, ctx in pending]
+
+
+def group_learning_rate(optimizer, named):
+    """key -> the lr of ``optimizer``'s parameter group holding the parameter of that name
+    (``named()``: the bound (name, parameter) pairs, or None), or for position keys the lr every
+    group shares. Which group holds which name is worked out once, again only when the groups or
+    the bound parameters change."""
+    cache = {"of": None, "by_name": {}}
+
+    def lr(key):
+        groups, params = optimizer.param_groups, named()
+        if isinstance(key, str) and params is not None:
+            of = (id(groups), tuple(len(g["params"]) for g in groups), id(params))
+            if cache["of"] != of:
+                holder = {id(p): g for g in groups for p in g["params"]}
+                cache["by_name"] = {n: holder.get(id(p)) for n, p in params}
+                cache["of"] = of
+            group = cache["by_name"].get(key)
+            if group is not None:
+                return float(group["lr"])
+        rates = {float(g["lr"]) for g in groups}
+        if len(rates) == 1:
+            return rates.pop()
+        raise ValueError(f"follow_learning_rate: the optimizer's parameter groups have learning rates "
+                         f"{sorted(rates)}, and the tensor {key!r} is not a named parameter: pass "
+                         "named_parameters= to the compressor")
+    return lr
