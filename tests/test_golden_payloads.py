@@ -1,4 +1,5 @@
-"""The restructured package puts the same bytes on the wire as the code before it.
+"""The restructured package puts the same bytes on the wire as the code before it, and loads its
+checkpoints.
 
 tests/data/golden_payloads.json holds SHA-256 digests recorded at commit a518ccf (before the layers,
 state objects and codec backends) by tests/mp/golden_payloads.py under ``horovodrun -np 2 --gloo``:
@@ -12,10 +13,11 @@ the same digests, case by case.
 import json
 import os
 import re
+import sys
 
 import pytest
 
-from tests.helpers import ROOT, launch
+from tests.helpers import ROOT, launch, run_bounded
 
 GOLDEN = os.path.join(ROOT, "tests", "data", "golden_payloads.json")
 
@@ -39,3 +41,12 @@ def test_payload_bytes_match_the_recording(framework):
         assert sorted(got[rank]) == sorted(expected[rank]), f"rank {rank}: cases differ"
         differ = [case for case in expected[rank] if got[rank][case] != expected[rank][case]]
         assert not differ, f"rank {rank}: bytes changed in {differ}"
+
+
+def test_checkpoints_written_before_load_and_training_goes_on():
+    """tests/data/checkpoint_a518ccf.pt: the state_dicts of QSGD (error feedback following the lr,
+    scatter_allgather, server error feedback), DQSGD and BlockSign after three steps, saved by
+    tests/mp/checkpoint_compat.py at a518ccf; they load into today's compressors unchanged."""
+    code, out = run_bounded([sys.executable, "tests/mp/checkpoint_compat.py", "check",
+                             os.path.join(ROOT, "tests", "data", "checkpoint_a518ccf.pt")], 120)
+    assert code == 0 and "CHECKPOINT OK" in out, out[-3000:]
