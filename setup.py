@@ -13,6 +13,9 @@ They are plain shared libraries with a C ABI (``kernels/qsgd.h``), loaded with c
 declared as extensions only so that setuptools puts them in the right place for both ``pip install .``
 and ``pip install -e .``.
 
+The package's metadata (name, version, dependencies) is in pyproject.toml's [project]; this file only
+says how to compile the native libraries.
+
 Environment: ``CXX`` (default g++), ``HVD_QSGD_MARCH`` (``-march=`` of the CPU library and the
 TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``).
 
@@ -37,7 +40,7 @@ import subprocess
 import sys
 import tempfile
 
-from setuptools import Extension, find_packages, setup
+from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -290,22 +293,8 @@ def _extensions():
     return exts
 
 
-def _version():
-    with open(os.path.join(ROOT, "hvd_qsgd", "__init__.py")) as f:
-        for line in f:
-            if line.startswith("__version__"):
-                return line.split("=")[1].strip().strip('"')
-    raise BuildError("hvd_qsgd/__init__.py has no __version__")
-
-
 setup(
-    name="hvd_qsgd",
-    version=_version(),
-    description="QSGD gradient compression for Horovod (PyTorch and TensorFlow), CPU and CUDA kernels",
-    packages=find_packages(include=["hvd_qsgd", "hvd_qsgd.*"]),
+    # name, version, dependencies and the packages (hvd_qsgd*) are in pyproject.toml
     ext_modules=_extensions(),
     cmdclass={"build_ext": BuildNative},
-    python_requires=">=3.9",
-    install_requires=["numpy"],
-    extras_require={"test": ["pytest", "hypothesis", "mpi4py"]},
 )
