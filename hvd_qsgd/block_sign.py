@@ -24,6 +24,8 @@ As a Horovod compressor (``hvd.DistributedOptimizer(opt, compression=hvd_qsgd.Bl
 compresses gradients with error feedback; the full dist-EF-SGDM update (momentum before
 compression) is ``hvd_qsgd.torch.EFSGDM``.
 """
+from typing import Any, Iterable, Optional, Tuple
+
 from hvd_qsgd.compressor import QSGD
 
 
@@ -40,14 +42,15 @@ class BlockSign(QSGD):
 
     PER_TENSOR = 0x7FFFFFFF
 
-    def __init__(self, block_size=512, min_numel=10000, error_feedback=True, server_error_feedback=True,
-                 reduction="scatter_allgather", checksum=True, named_parameters=None, process_set=None):
+    def __init__(self, block_size: int = 512, min_numel: int = 10000, error_feedback: bool = True,
+                 server_error_feedback: bool = True, reduction: str = "scatter_allgather", checksum: bool = True,
+                 named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, process_set: Any = None):
         super().__init__(bits=1, bucket_size=block_size, norm="sign", coding="fixed", min_numel=min_numel, seed=0,
                          error_feedback=error_feedback, checksum=checksum, reduction=reduction,
                          named_parameters=named_parameters, process_set=process_set,
                          server_error_feedback=server_error_feedback)
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         s = self.settings
         return (f"hvd_qsgd.BlockSign(block_size={s.bucket_size}, min_numel={s.min_numel}, "
                 f"error_feedback={s.error_feedback}, server_error_feedback={s.server_error_feedback}, "

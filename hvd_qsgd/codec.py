@@ -44,6 +44,7 @@ give the same payload on every run, thread count and device (the CUDA kernels ar
 import ctypes
 import hashlib
 from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
 
 import numpy as np
 
@@ -117,8 +118,8 @@ def _check_choice(name, v, choices):
     return choices[v]
 
 
-def make_config(bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fingerprint=0,
-                checksum=True, dtype="float32"):
+def make_config(bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
+                fingerprint: int = 0, checksum: bool = True, dtype: str = "float32") -> "_native.Config":
     """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
     cfg = _native.Config(
         bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
@@ -135,26 +136,26 @@ def make_config(bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fin
     return cfg
 
 
-def levels(bits):
+def levels(bits: int) -> int:
     """The number of nonzero levels s of QSGD(bits): 1 for 1 and 2 bits, 2^(bits-1) - 1 above."""
     return int(_native.load().qsgd_levels(_check_bits(bits)))
 
 
-def payload_nbytes(numel, bits=4, bucket_size=512):
+def payload_nbytes(numel: int, bits: int = 4, bucket_size: int = 512) -> int:
     """Exact payload length of the fixed coding: 56 + 4 * ceil(numel / B) + ceil(numel * bits / 8)."""
     if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
         raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
     return int(_native.load().qsgd_fixed_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
 
 
-def max_payload_nbytes(numel, bits=4, bucket_size=512, coding="fixed"):
+def max_payload_nbytes(numel: int, bits: int = 4, bucket_size: int = 512, coding: str = "fixed") -> int:
     """An upper bound of the payload length (exact for the fixed coding)."""
     if _check_choice("coding", coding, CODINGS) == 0:
         return payload_nbytes(numel, bits, bucket_size)
     return int(_native.load().qsgd_elias_max_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
 
 
-def tensor_fingerprint(name, shape=(), dtype=""):
+def tensor_fingerprint(name: str, shape: Sequence[int] = (), dtype: str = "") -> int:
     """A 64-bit fingerprint of a tensor's identity (name, shape, dtype), recorded in payloads so that
     payloads of different tensors are never summed together."""
     text = f"{name}|{tuple(int(s) for s in shape)}|{dtype}".encode()
@@ -183,8 +184,9 @@ def _as_bytes(payload, what):
     return np.ascontiguousarray(p)
 
 
-def encode(x, bits=4, bucket_size=512, norm="max", seed=0, coding="fixed", fingerprint=0,
-           checksum=True, name="tensor", source_dtype=None):
+def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
+           fingerprint: int = 0, checksum: bool = True, name: str = "tensor",
+           source_dtype: Optional[str] = None) -> np.ndarray:
     """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
 
     ``norm``: the bucket scale, "max" or "l2" (QSGD), or "sign" (with ``bits=1`` and the fixed coding:
@@ -236,7 +238,7 @@ def _header_from_c(h):
         fingerprint=h.fingerprint, segment_buckets=h.segment_buckets, checksum=h.checksum)
 
 
-def read_header(payload, where="payload"):
+def read_header(payload: Any, where: str = "payload") -> Header:
     """Parse and check the header (every field, and the declared length against the layout and the
     buffer). Does not read the data; ``validate`` does."""
     p = _as_bytes(payload, where)
@@ -247,7 +249,7 @@ def read_header(payload, where="payload"):
     return _header_from_c(h)
 
 
-def validate(payload, where="payload"):
+def validate(payload: Any, where: str = "payload") -> Header:
     """Check a payload completely (header, length, checksum, scales, data); return its Header."""
     p = _as_bytes(payload, where)
     header = read_header(p, where)
@@ -257,7 +259,7 @@ def validate(payload, where="payload"):
     return header
 
 
-def split_payloads(buffer, count=None, where="buffer"):
+def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffer") -> List[np.ndarray]:
     """Split concatenated payloads (what an allgather returns) using each header's length.
 
     Returns views into ``buffer``. With ``count``, exactly that many payloads must fill the buffer.
@@ -275,7 +277,8 @@ def split_payloads(buffer, count=None, where="buffer"):
     return out
 
 
-def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum"):
+def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.ndarray] = None,
+               accumulate: bool = False, where: str = "decode_sum") -> np.ndarray:
     """``out = [out +] scale * (decode(p_0) + decode(p_1) + ...)`` in one fused pass, summing in list
     order in float32 (so every caller that passes the same payloads in the same order gets
     bit-identical results). All payloads must describe the same tensor (numel, fingerprint, bits,
@@ -315,15 +318,15 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     return out
 
 
-def decode(payload, where="decode"):
+def decode(payload: Any, where: str = "decode") -> np.ndarray:
     """Decode one payload to a 1-D float32 array (the adapters restore shape and dtype)."""
     return decode_sum([payload], 1.0, where=where)
 
 
-def set_num_threads(n):
+def set_num_threads(n: int) -> None:
     """Threads of the CPU kernels (n <= 0: OpenMP's default)."""
     _native.load().qsgd_set_num_threads(int(n))
 
 
-def get_num_threads():
+def get_num_threads() -> int:
     return int(_native.load().qsgd_get_num_threads())

@@ -5,7 +5,7 @@ It holds the settings, checks them once, and hands each tensor to the adapter of
 below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top of the package.
 """
 import threading
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits

@@ -20,6 +20,7 @@ can be overridden per job with ``HVD_QSGD_LATENCY_US`` and ``HVD_QSGD_BANDWIDTH_
 every rank, as horovodrun passes its environment to every rank).
 """
 import os
+from typing import Optional, Tuple
 
 from hvd_qsgd import codec
 
@@ -28,7 +29,7 @@ BANDWIDTH_BPS = 10e9 / 8
 REDUCTIONS = ("allgather", "scatter_allgather")
 
 
-def link(latency_s=None, bandwidth_bps=None):
+def link(latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None) -> Tuple[float, float]:
     """(alpha, beta): the given values, else the environment's, else the defaults."""
     if latency_s is None:
         latency_s = float(os.environ.get("HVD_QSGD_LATENCY_US", LATENCY_S * 1e6)) * 1e-6
@@ -40,7 +41,7 @@ def link(latency_s=None, bandwidth_bps=None):
     return latency_s, bandwidth_bps
 
 
-def received_bytes(reduction, n, payload_bytes):
+def received_bytes(reduction: str, n: int, payload_bytes: float) -> float:
     """Bytes one rank receives for one tensor whose payload is ``payload_bytes`` per rank
     (for "allreduce", ``payload_bytes`` is the uncompressed tensor's size)."""
     if reduction == "allgather":
@@ -50,7 +51,8 @@ def received_bytes(reduction, n, payload_bytes):
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
-def seconds(reduction, n, payload_bytes, latency_s=None, bandwidth_bps=None):
+def seconds(reduction: str, n: int, payload_bytes: float, latency_s: Optional[float] = None,
+            bandwidth_bps: Optional[float] = None) -> float:
     """Modelled time of one exchange (see the module docstring)."""
     alpha, beta = link(latency_s, bandwidth_bps)
     if n <= 1:
@@ -59,7 +61,8 @@ def seconds(reduction, n, payload_bytes, latency_s=None, bandwidth_bps=None):
     return messages * alpha + received_bytes(reduction, n, payload_bytes) / beta
 
 
-def choose(n, numel, bits, bucket_size, latency_s=None, bandwidth_bps=None):
+def choose(n: int, numel: int, bits: int, bucket_size: int, latency_s: Optional[float] = None,
+           bandwidth_bps: Optional[float] = None) -> str:
     """The faster reduction by the model for a tensor of ``numel`` elements on n ranks."""
     if n < 3:
         return "allgather"

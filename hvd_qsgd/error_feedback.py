@@ -32,9 +32,10 @@ A learning rate of 0 (or one that is not a finite positive number) rescales noth
 recorded: the residual keeps the last positive rate it was made at.
 """
 import math
+from typing import Any
 
 
-def usable_rate(lr):
+def usable_rate(lr: Any) -> bool:
     """Whether ``lr`` can rescale a residual (a finite positive number)."""
     try:
         lr = float(lr)
@@ -43,7 +44,7 @@ def usable_rate(lr):
     return math.isfinite(lr) and lr > 0
 
 
-def rescale_factor(lr_made, lr_now):
+def rescale_factor(lr_made: Any, lr_now: Any) -> float:
     """The factor a residual made at ``lr_made`` is multiplied by when used at ``lr_now`` (1 when
     either is unknown or unusable)."""
     if not (usable_rate(lr_made) and usable_rate(lr_now)):

@@ -20,7 +20,9 @@ payload moves, and the payload collectives get their counts from it (variable-le
 need no padding). Tensors of fewer than ``min_numel`` elements, and dtypes QSGD does not encode, go
 through ``Allreduce`` uncompressed.
 """
+import inspect
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 
@@ -34,16 +36,19 @@ _FLOATS = ("float32", "float16", "bfloat16")
 class QSGDReducer:
     """QSGD allreduce of NumPy arrays among the ranks of an mpi4py communicator.
 
-    Parameters as ``hvd_qsgd.QSGD`` (bits, bucket_size, norm, coding, min_numel, seed, checksum,
-    reduction). ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
+    ``comm``: the communicator (default ``MPI.COMM_WORLD``); then the settings of ``hvd_qsgd.QSGD``
+    (``hvd_qsgd.settings.Settings.make``) by name; the reducer keeps no error feedback.
+    ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
 
-    def __init__(self, comm=None, bits=4, bucket_size=None, norm="max", coding="fixed", min_numel=10000, seed=0,
-                 checksum=True, reduction="allgather"):
+    def __init__(self, comm: Any = None, **settings: Any):
+        self.settings = Settings.from_arguments("hvd_qsgd.mpi.QSGDReducer", (), settings)
+        if self.settings.error_feedback or self.settings.server_error_feedback:
+            raise ValueError("hvd_qsgd.mpi.QSGDReducer keeps no error feedback: pass error_feedback=False and "
+                             "server_error_feedback=False (the Horovod compressors have it)")
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
         self.comm = comm
-        self.settings = Settings.make(bits, bucket_size, norm, coding, min_numel, seed, False, checksum, reduction)
         self._stats = Stats()
         self._occurrences = {}
 
@@ -133,3 +138,8 @@ class QSGDReducer:
                 f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with rank 0 on the {what}: every rank "
                 "must reduce the same tensors in the same order with the same settings")
         return records
+
+
+QSGDReducer.__signature__ = inspect.Signature(
+    [inspect.Parameter("comm", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    + [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in Settings.signature().parameters.values()])

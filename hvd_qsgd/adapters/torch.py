@@ -43,6 +43,7 @@ counted in ``stats["host_fallbacks"]`` and logged once per reason.
 """
 import threading
 from types import SimpleNamespace
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -123,7 +124,7 @@ class QSGD(Compressor):
 
     # -- Compressor interface -----------------------------------------------------------------
 
-    def compress(self, tensor):
+    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Optional[_Exchange]]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
         if (tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES
@@ -261,7 +262,7 @@ class QSGD(Compressor):
                         bytes_received=gathered.numel() - ctx.own_len)
         return out
 
-    def decompress(self, tensor, ctx):
+    def decompress(self, tensor: torch.Tensor, ctx: Optional[_Exchange]) -> torch.Tensor:
         if ctx is None:
             return tensor
         try:

@@ -8,7 +8,8 @@ def named_parameter_list(named_parameters, who, empty_ok=False):
     """``named_parameters`` as a list of (name, parameter) pairs with unique names (non-empty unless
     ``empty_ok``), or a ValueError naming ``who``."""
     named = list(named_parameters)
-    if (not named and not empty_ok) or any(not (isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str)) for t in named):
+    pairs = all(isinstance(t, tuple) and len(t) == 2 and isinstance(t[0], str) for t in named)
+    if (not named and not empty_ok) or not pairs:
         raise ValueError(f"{who}: named_parameters must be a {'' if empty_ok else 'non-empty '}list of (name, "
                          "parameter) pairs, as from model.named_parameters()")
     if len({n for n, _ in named}) != len(named):

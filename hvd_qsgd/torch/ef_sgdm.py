@@ -34,6 +34,8 @@ Use it in place of ``hvd.DistributedOptimizer`` (it already averages; do not wra
 
 ``state_dict()`` holds the momentum buffers and the compressor's residuals (worker and server).
 """
+from typing import Any, Iterable, Optional, Tuple
+
 import torch
 import horovod.torch as hvd
 
@@ -52,8 +54,8 @@ class EFSGDM(torch.optim.Optimizer):
     process_set:      Horovod process set (default: all ranks)
     """
 
-    def __init__(self, named_parameters, lr, momentum=0.9, weight_decay=0.0, compression=None,
-                 process_set=None):
+    def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], lr: float, momentum: float = 0.9,
+                 weight_decay: float = 0.0, compression: Optional["hvd_qsgd.QSGD"] = None, process_set: Any = None):
         named = named_parameter_list(named_parameters, "EFSGDM")
         for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:

@@ -33,6 +33,8 @@ The wrapped optimizer is a plain PyTorch optimizer, not Horovod's ``DistributedO
 local steps average nothing). ``state_dict`` holds the optimizer's, x^, the step count and the
 compressor's state.
 """
+from typing import Any, Iterable, Optional, Tuple
+
 import torch
 import horovod.torch as hvd
 
@@ -55,8 +57,9 @@ class PeriodicQuantizedAveraging:
     process_set:      Horovod process set (default: all ranks)
     """
 
-    def __init__(self, optimizer, named_parameters, period, compression=None, momentum="local", broadcast=True,
-                 process_set=None):
+    def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
+                 period: int, compression: Optional["hvd_qsgd.QSGD"] = None, momentum: str = "local",
+                 broadcast: bool = True, process_set: Any = None):
         if type(optimizer).__name__ == "_DistributedOptimizer" or hasattr(optimizer, "_allreduce_delay"):
             raise TypeError("PeriodicQuantizedAveraging wraps a plain PyTorch optimizer, not Horovod's "
                             "DistributedOptimizer: the local steps must not average gradients")
