@@ -5,7 +5,7 @@ uncompressed run."""
 import json
 import math
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 TEST_SAMPLES = 450   # the fixed 25% stratified test split of the 1,797 digits
 TRAIN_SAMPLES = 1347

@@ -13,7 +13,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 WORKER = "tests/mp/algorithms_torch.py"
 SCENARIOS = ["error-feedback", "dqsgd", "efsgdm-two-way", "efsgdm-one-way", "pqasgd-local", "pqasgd-average"]

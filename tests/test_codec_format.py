@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import codec
+from tests.references import (documented_sign_decode, documented_sign_scales, fold_order_bucket,
+                              l1_fold_order_bucket)
 
 
 def _rand(n, seed=0):
@@ -242,23 +244,6 @@ def test_elias_rejects_one_bit():
         codec.encode(_rand(10), bits=1, coding="elias")
 
 
-def fold_order_bucket():
-    """A 32-element bucket whose L2 scale depends on the summation order of the squares.
-
-    The squares are 1, 2^-24 (twice), 2^-48 and eight of 2^-54. Their exact sum is m^2 + 2^-51 with
-    m = 1 + 2^-24, the midpoint between 1 and the next float. Summed one by one in fp64 each 2^-54
-    is lost (below half an ulp of 1), the sum is m^2, sqrt is m, and the float rounds to even: 1.0.
-    In the documented order -- lane j holds element j, lanes folded j += j+16, 8, 4, 2, 1 -- the
-    eight 2^-54 (elements 1, 5, 9, 13, 17, 21, 25, 29) meet first and survive as 2^-51, sqrt is
-    m + 2^-52 in fp64, and the scale rounds up to 1 + 2^-23."""
-    x = np.zeros(32, np.float32)
-    x[0] = 1.0
-    x[[1, 5, 9, 13, 17, 21, 25, 29]] = 2.0 ** -27
-    x[[2, 3]] = 2.0 ** -12
-    x[4] = 2.0 ** -24
-    return x
-
-
 def documented_l2_scale(x):
     lane = [0.0] * 32
     for i, v in enumerate(x.astype(np.float64)):
@@ -281,44 +266,6 @@ def test_l2_scale_follows_the_documented_summation_order():
 
 
 # ---- norm="sign": the scaled sign of dist-EF-SGDM ------------------------------------------------
-def documented_sign_scales(x, bucket):
-    """The sign norm's bucket scales as docs/wire-format.md states them: sum |x| in float64 in 32 lanes
-    (lane j: elements j, j+32, ... of the bucket, in order), lanes folded j += j+16, 8, 4, 2, 1, the
-    sum divided in float64 by the bucket's own length and rounded to float32."""
-    x = np.asarray(x, np.float32).reshape(-1)
-    out = []
-    for b in range(0, x.size, bucket):
-        v = np.abs(x[b:b + bucket].astype(np.float64))
-        rows = -(-v.size // 32)
-        a = np.zeros(rows * 32)  # zero padding adds +0.0: no change to a lane's sum
-        a[:v.size] = v
-        a = a.reshape(rows, 32)
-        lane = np.zeros(32)
-        for r in range(rows):  # in order, lane by lane
-            lane = lane + a[r]
-        off = 16
-        while off:
-            lane[:off] = lane[:off] + lane[off:2 * off]
-            off //= 2
-        if np.isnan(v).any():
-            out.append(np.float32(np.nan))
-        elif np.isinf(v).any():
-            out.append(np.float32(np.inf))
-        else:
-            out.append(np.float32(lane[0] / v.size))
-    return np.array(out, np.float32)
-
-
-def documented_sign_decode(x, bucket):
-    """decode(encode(x, bits=1, norm="sign")) re-stated: +scale where x >= 0 (+0 and -0 included),
-    -scale where x < 0; a bucket whose scale is 0, NaN or Inf has all-zero codes, decoding to +scale
-    (+0.0, NaN, +Inf) in every element."""
-    x = np.asarray(x, np.float32).reshape(-1)
-    s = np.repeat(documented_sign_scales(x, bucket), bucket)[:x.size]
-    quantizes = (s > 0) & np.isfinite(s)
-    return np.where(quantizes & (x < 0), -s, s).astype(np.float32)
-
-
 @pytest.mark.parametrize("numel", [0, 1, 7, 31, 32, 33, 1000, 4099])
 @pytest.mark.parametrize("bucket", [1, 3, 32, 100, 512])
 def test_sign_norm_is_the_documented_scaled_sign(numel, bucket):
@@ -418,21 +365,6 @@ def test_sign_norm_payloads_sum_like_qsgd1_payloads():
     for x in xs:
         acc = (acc + documented_sign_decode(x, 128)).astype(np.float32)
     np.testing.assert_array_equal(codec.decode_sum(ps, scale=1 / 3), np.float32(1 / 3) * acc)
-
-
-def l1_fold_order_bucket():
-    """A 32-element bucket whose sign-norm scale depends on the summation order of |x|.
-
-    |x| is 1 (element 0), 2^-24 (element 4) and eight of 2^-54 (elements 1, 5, ..., 29). Added one by
-    one in fp64 each 2^-54 is lost (a quarter ulp of 1), the sum is 1 + 2^-24, exactly the midpoint
-    between two floats once divided by 32, and the mean rounds to even: 1/32. In the documented order
-    the eight 2^-54 meet first (lanes 1, 5, 9, 13 after the first fold, then 1 and 5, then 1) and
-    survive as 2^-51, so the sum lies above the midpoint and the mean rounds up to (1 + 2^-23) / 32."""
-    x = np.zeros(32, np.float32)
-    x[0] = -1.0
-    x[[1, 5, 9, 13, 17, 21, 25, 29]] = np.float32(2.0 ** -54) * np.array([1, -1] * 4, np.float32)
-    x[4] = 2.0 ** -24
-    return x
 
 
 def test_sign_scale_follows_the_documented_summation_order():

@@ -10,18 +10,12 @@ from hypothesis import strategies as st
 
 from hvd_qsgd import _native, codec
 from hvd_qsgd.codec import PayloadError
+from tests.references import reseal as _reseal
 
 
 def _payload(n=1000, bits=4, coding="fixed", seed=0, checksum=True, **kw):
     x = np.random.default_rng(seed).standard_normal(n).astype(np.float32)
     return codec.encode(x, bits=bits, coding=coding, seed=seed, checksum=checksum, **kw)
-
-
-def _reseal(p):
-    """Recompute the checksum so that corruption reaches the checks behind it."""
-    p = p.copy()
-    p[48:56] = np.frombuffer(int(_native.load().qsgd_checksum_cpu(p.ctypes.data, p.size)).to_bytes(8, "little"), np.uint8)
-    return p
 
 
 def _set(p, off, nbytes, value):

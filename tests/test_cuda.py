@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import _native, codec
-from tests.conftest import ROOT
-from tests.test_codec_format import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
+from tests.helpers import ROOT
+from tests.references import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
 
 torch = pytest.importorskip("torch")
 
@@ -197,7 +197,7 @@ def test_decode_sum_detects_corruption_and_leaves_out_untouched(backend, corrupt
 
 
 def test_decode_sum_checks_scales_and_padding_behind_the_checksum(backend):
-    from tests.test_codec_validation import _reseal
+    from tests.references import reseal as _reseal
     p = codec.encode(np.ones(1001, np.float32), bits=3)
     neg = p.copy()
     neg[56 + 3] |= 0x80

@@ -36,7 +36,7 @@ import time
 
 import pytest
 
-from tests.conftest import BIN, ROOT, mp_env, run_bounded
+from tests.helpers import BIN, ROOT, mp_env, run_bounded
 from tests.digits_checks import QUANTIZED, RAW, check_parity
 
 WORKER = os.path.join(ROOT, "tests", "mp", "elastic_worker.py")

@@ -9,7 +9,7 @@ import zipfile
 import pytest
 
 
-from tests.conftest import BIN, ROOT, mp_env
+from tests.helpers import BIN, ROOT, mp_env
 
 
 def test_horovod_check_build_shows_frameworks_and_controllers():

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 WORKER = "tests/mp/mpi_reduction.py"
 EXACT = ["allgather", "scatter_allgather", "auto", "elias-allgather", "elias-scatter_allgather"]

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import codec
-from tests.conftest import launch
+from tests.helpers import launch
 from tests.mp.exchange_payloads import rank_tensor
 
 WORKER = os.path.join("tests", "mp", "exchange_payloads.py")

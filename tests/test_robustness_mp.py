@@ -14,7 +14,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 TORCH_CASES = ["nonfinite-allreduce", "nonfinite-optimizer", "nonfinite-error-feedback", "zeros", "empty", "scalar",
                "noncontiguous", "integers", "sparse", "low-precision", "meta-device"]

@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from hvd_qsgd import codec
-from tests.conftest import ROOT, launch, mp_env
+from tests.helpers import ROOT, launch, mp_env
 
 WORKER = "tests/mp/tf_compressor.py"
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 WORKER = "tests/mp/torch_compressor.py"
 EXACT = ["optimizer-named", "optimizer-plain", "allreduce", "predivide", "sum", "groups", "passes", "dtypes"]

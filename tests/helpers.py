@@ -1,0 +1,67 @@
+"""What tests (and the workers under tests/mp/) share for running real processes: the repository
+root, the virtual environment's bin/, the environment of a multi-rank job, and bounded launches.
+
+Plain functions, not pytest hooks: test modules import them from here (``from tests.helpers import
+launch``), never from conftest.py or from another test module."""
+import os
+import shutil
+import signal
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+
+
+def mp_env():
+    env = dict(os.environ)
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS="1")
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
+    """Run `argv` (a python script and its arguments) on np_ local ranks.
+
+    controller: "gloo" or "mpi" (horovodrun), or "mpirun" (plain Open MPI, for mpi4py workers).
+    On timeout the whole process group (launcher and ranks) is killed and the test fails. Returns the
+    combined output; fails the test on a nonzero exit, or with ``expect_failure`` on a zero exit.
+    ``env``: extra environment variables.
+    """
+    if controller == "mpirun":
+        cmd = [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
+    else:
+        cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
+        if controller == "mpi":
+            cmd += ["--mpi-args=--oversubscribe --bind-to none"]
+    cmd += [sys.executable] + list(argv)
+    full_env = mp_env()
+    full_env.update(env or {})
+    returncode, out = run_bounded(cmd, timeout, env=full_env)
+    if expect_failure and returncode == 0:
+        pytest.fail(f"{' '.join(cmd)} succeeded but was expected to fail:\n{out[-5000:]}")
+    if not expect_failure and returncode != 0:
+        pytest.fail(f"{' '.join(cmd)} exited with {returncode}:\n{out[-5000:]}")
+    return out
+
+
+def run_bounded(cmd, timeout, env=None, stop_signal=signal.SIGKILL):
+    """Run ``cmd`` in its own process group from the repository root; return (exit status, combined
+    output). On timeout the group gets ``stop_signal`` (then SIGKILL after 20 s) and the test fails."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env if env is not None else mp_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, stop_signal)
+        try:
+            out, _ = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, _ = proc.communicate()
+        pytest.fail(f"{' '.join(cmd)} did not finish in {timeout}s:\n{(out or '')[-4000:]}")
+    return proc.returncode, out
