@@ -6,7 +6,7 @@ import json
 import sys
 
 from benchmarks.convergence import METHODS, TABLE_HEADER
-from tests.conftest import run_bounded
+from tests.helpers import run_bounded
 
 STEPS = 6
 NUMEL = 64 * 512 + 512 + 512 * 512 + 512 + 512 * 10 + 10

@@ -14,7 +14,7 @@ import pytest
 
 from hvd_qsgd import codec, cost_model, protocol
 from benchmarks import e2e, netns
-from tests.conftest import ROOT, mp_env, run_bounded
+from tests.helpers import ROOT, mp_env, run_bounded
 
 PNG = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 from hvd_qsgd import codec
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 
 def test_kernel_benchmark_writes_every_measurement(tmp_path):

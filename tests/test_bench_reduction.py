@@ -5,7 +5,7 @@ import json
 import sys
 
 from hvd_qsgd import codec
-from tests.conftest import run_bounded
+from tests.helpers import run_bounded
 
 
 def test_bench_reduction_tiny(tmp_path):

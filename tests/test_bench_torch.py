@@ -4,7 +4,7 @@ import json
 import sys
 
 from hvd_qsgd import codec
-from tests.conftest import run_bounded
+from tests.helpers import run_bounded
 
 # --hidden 256: Linear(128, 256), Linear(256, 128), Linear(128, 10), weights then biases
 WEIGHTS = [256 * 128, 128 * 256, 10 * 128]
