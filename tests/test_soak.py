@@ -25,9 +25,9 @@ Rules:
   numbered exchanges used to be named ``hvd_qsgd.<k>.s<seq>``, a new name per exchange forever
   (3,000 new names in 1,000 steps of each unnamed phase); they now reuse slot names.
 * Adapter state: after every step no exchange is pending, in flight, holding a numbered slot or
-  waiting for its second phase; the per-name dicts (``_occurrences``, ``_residuals``,
+  waiting for its second phase; the per-name dicts (``names.occurrences``, ``residuals``,
   ``_grad_names``) keep the size they had after the warm-up; every named exchange's occurrence count
-  equals the steps taken; ``_seq`` grows by exactly the numbered exchanges a step (it counts them
+  equals the steps taken; ``names.seq`` grows by exactly the numbered exchanges a step (it counts them
   forever: one integer, used only for the payload seeds); no exchange context (``_Exchange``) is
   alive after the last step.
 * Python objects, counted after a full garbage collection: the objects the garbage collector
@@ -55,11 +55,11 @@ Rules:
   the allocator's one-time level shifts (seen: +/- 2 MiB at a time) move one half only.
 * TensorFlow: no retrace after the warm-up; the compressor's variables, traced exchanges and
   occurrence counters, and the live tf.Variable objects stay; every occurrence counter equals the
-  steps taken; eager exchanges advance ``_seq`` by 3 a step and leave no slot taken. Eager
+  steps taken; eager exchanges advance ``names.seq`` by 3 a step and leave no slot taken. Eager
   exchanges used to leak about 116 KB each (TensorFlow keeps a kernel per distinct attr value, and
   the exchange number was in the ``where`` and ``seed`` attrs; and an eager tensor per distinct
   Python number): 200 MB in 600 steps. They now keep their attrs constant
-  (hvd_qsgd/tensorflow/compressor.py).
+  (hvd_qsgd/adapters/tensorflow.py).
 
 Step counts (warm-up + measured): PyTorch 150 + 400 (control), 150 + 1200 (named allgather),
 1000 + 1000 (named scatter_allgather), 150 + 1000 (unnamed optimizer), 1500 + 800 (unnamed
@@ -78,7 +78,7 @@ import re
 
 import pytest
 
-from tests.conftest import launch
+from tests.helpers import launch
 
 TORCH_WORKER = "tests/mp/soak_worker.py"
 TF_WORKER = "tests/mp/soak_tf_worker.py"
