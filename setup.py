@@ -233,7 +233,7 @@ def _march_flags(cxx):
         return (["-march=" + value] if value else []), "HVD_QSGD_MARCH"
     machine = subprocess.run(list(cxx) + ["-dumpmachine"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                              text=True).stdout.strip()
-    if not machine.startswith(("x86_64", "amd64")) or machine.endswith("gnux32"):
+    if not machine.startswith(("x86_64", "amd64")):
         return [], f"default: no -march for {machine or 'this compiler'}'s target"
     level = _x86_64_level(cxx)
     flags = ["-march=" + level]
