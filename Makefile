@@ -7,13 +7,17 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test test-quick demo bench clean
 
 setup:
 	bash scripts/setup.sh
 
 test: setup
 	$(PY) -m pytest -q -rs tests
+
+# the suite without the multi-rank jobs, the slow tests and the GPU tests (tests/conftest.py marks them)
+test-quick: setup
+	$(PY) -m pytest -q -rs -m "not multirank and not slow and not gpu" tests
 
 demo: setup
 	bash scripts/demo.sh $(NP)
