@@ -26,4 +26,4 @@ bench: setup
 	$(PY) -m benchmarks kernels
 
 clean:
-	rm -rf build *.egg-info hvd_qsgd/*.so .pytest_cache
+	rm -rf build *.egg-info hvd_qsgd/*.so hvd_qsgd/tensorflow/*.so hvd_qsgd/_build_target.json .pytest_cache

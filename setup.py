@@ -32,6 +32,7 @@ lacking any of them. The payload bytes do not depend on the target: the codec's 
 compiled without FMA contraction or reassociation (CPU_FLAGS).
 """
 import functools
+import importlib.util
 import json
 import os
 import shlex
@@ -184,16 +185,14 @@ ISA_MACROS = {
 
 
 def _cpu_flags():
-    """This CPU's feature flags from /proc/cpuinfo, or None where there is none."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return set(value.split())
-    except OSError:
-        pass
-    return None
+    """This CPU's feature flags from /proc/cpuinfo, or None where there is none: the reading the
+    library's load-time check makes (``hvd_qsgd._native._cpu_flags``; that module imports only the
+    standard library, so it is loaded here by path, without the package)."""
+    spec = importlib.util.spec_from_file_location("_hvd_qsgd_native_at_build",
+                                                  os.path.join(ROOT, "hvd_qsgd", "_native.py"))
+    native = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(native)
+    return native._cpu_flags()
 
 
 def _compiles(cxx, flags, code="int main() { return 0; }\n", run=False):

@@ -7,6 +7,8 @@ input, settings and seed give the same bytes."""
 import glob
 import os
 
+from hvd_qsgd import _native
+
 _ops = None
 
 
@@ -22,6 +24,7 @@ def load():
                 "hvd_qsgd's TensorFlow ops are not built (hvd_qsgd/tensorflow/_qsgd_ops*.so is missing): "
                 "TensorFlow was not importable when hvd_qsgd was installed. Reinstall with TensorFlow "
                 "present: pip install --no-build-isolation -e .")
+        _native.check_cpu()   # built with the CPU library's flags: refuse a CPU without them, not SIGILL
         _ops = tf.load_op_library(found[0])
     return _ops
 

@@ -81,3 +81,34 @@ def reseal(p):
     p = p.copy()
     p[48:56] = np.frombuffer(int(_native.load().qsgd_checksum_cpu(p.ctypes.data, p.size)).to_bytes(8, "little"), np.uint8)
     return p
+
+
+def expected_nonfinite(xs, bucket, bits):
+    """(NaN mask, +Inf mask) of the documented result of decoding/summing the payloads of xs."""
+    n = xs[0].size
+    nan, inf = np.zeros(n, bool), np.zeros(n, bool)
+    for lo in range(0, n, bucket):
+        sl = slice(lo, min(n, lo + bucket))
+        any_nan = any(np.isnan(x[sl]).any() for x in xs)
+        any_inf = any(np.isinf(x[sl]).any() for x in xs)
+        if any_nan or (any_inf and bits >= 2):
+            nan[sl] = True
+        elif any_inf:
+            inf[sl] = True
+    return nan, inf
+
+
+def check_nonfinite(y, xs, bucket, bits, clean):
+    """y is the documented result for inputs xs; outside the non-finite buckets it equals ``clean``
+    (the same computation with the non-finite values replaced by 0)."""
+    nan, inf = expected_nonfinite(xs, bucket, bits)
+    assert nan.any() or inf.any()
+    assert np.array_equal(np.isnan(y), nan)
+    assert np.array_equal(np.isposinf(y), inf)
+    assert not np.isneginf(y).any()
+    good = ~(nan | inf)
+    assert np.array_equal(y[good], clean[good])
+
+
+def cleaned(x):
+    return np.where(np.isfinite(x), x, 0).astype(x.dtype)

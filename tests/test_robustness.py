@@ -19,6 +19,7 @@ import pytest
 import hvd_qsgd
 from hvd_qsgd import codec, reduction
 from hvd_qsgd.settings import Settings
+from tests.references import check_nonfinite, cleaned
 
 # index -> value; with buckets of 512: NaN in bucket 0, +Inf in 2, -Inf and +Inf in 5, -Inf and NaN in 7
 BAD = {100: np.nan, 1500: np.inf, 2600: -np.inf, 2700: np.inf, 3601: -np.inf, 3602: np.nan}
@@ -26,37 +27,6 @@ BAD = {100: np.nan, 1500: np.inf, 2600: -np.inf, 2700: np.inf, 3601: -np.inf, 36
 
 def rand(n, seed=0, dtype=np.float32):
     return np.random.default_rng(seed).standard_normal(n).astype(dtype)
-
-
-def expected_nonfinite(xs, bucket, bits):
-    """(NaN mask, +Inf mask) of the documented result of decoding/summing the payloads of xs."""
-    n = xs[0].size
-    nan, inf = np.zeros(n, bool), np.zeros(n, bool)
-    for lo in range(0, n, bucket):
-        sl = slice(lo, min(n, lo + bucket))
-        any_nan = any(np.isnan(x[sl]).any() for x in xs)
-        any_inf = any(np.isinf(x[sl]).any() for x in xs)
-        if any_nan or (any_inf and bits >= 2):
-            nan[sl] = True
-        elif any_inf:
-            inf[sl] = True
-    return nan, inf
-
-
-def check_nonfinite(y, xs, bucket, bits, clean):
-    """y is the documented result for inputs xs; outside the non-finite buckets it equals ``clean``
-    (the same computation with the non-finite values replaced by 0)."""
-    nan, inf = expected_nonfinite(xs, bucket, bits)
-    assert nan.any() or inf.any()
-    assert np.array_equal(np.isnan(y), nan)
-    assert np.array_equal(np.isposinf(y), inf)
-    assert not np.isneginf(y).any()
-    good = ~(nan | inf)
-    assert np.array_equal(y[good], clean[good])
-
-
-def cleaned(x):
-    return np.where(np.isfinite(x), x, 0).astype(x.dtype)
 
 
 # ---- NaN and Inf ---------------------------------------------------------------------------------

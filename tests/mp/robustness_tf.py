@@ -6,7 +6,7 @@ the job). Compressed exchanges run in ``tf.function``s (``hvd.allreduce`` and
 reference computed on every rank from every rank's input and the documented seeds
 (``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", occurrence)``): ``codec.decode_sum``
 for allgather, ``reduction.simulate`` for scatter_allgather. The documented non-finite rule is
-checked by ``check_nonfinite`` (tests/test_robustness.py).
+checked by ``check_nonfinite`` (tests/references.py).
 """
 import argparse
 import itertools
@@ -18,7 +18,7 @@ import horovod.tensorflow as hvd
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
 from tests.mp.nonfinite import bad_input
-from tests.test_robustness import check_nonfinite, cleaned
+from tests.references import check_nonfinite, cleaned
 
 SEED = 17
 REDUCTIONS = ("allgather", "scatter_allgather")

@@ -18,7 +18,7 @@ import horovod.torch as hvd
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
 from tests.mp.nonfinite import bad_input
-from tests.test_robustness import check_nonfinite, cleaned
+from tests.references import check_nonfinite, cleaned
 
 SEED = 13
 REDUCTIONS = ("allgather", "scatter_allgather")
