@@ -188,8 +188,10 @@ class QSGD(Compressor):
         return self._with_residual(x.float().contiguous(), ctx)
 
     @staticmethod
-    def _backend_view(x32, ctx):
-        return x32.numpy() if ctx.backend is backends.CPU else x32
+    def _backend_view(t, ctx):
+        """A host tensor as its backend reads it: a NumPy view for the CPU backend, or the tensor on
+        the exchange's device for the CUDA backend (a no-op for what is there already)."""
+        return t.numpy() if ctx.backend is backends.CPU else t.to(ctx.device, non_blocking=True)
 
     def _start_allgather(self, tensor, ctx):
         """Encode the tensor (+ residual; update the residual) and start the payloads' allgather."""
@@ -252,14 +254,12 @@ class QSGD(Compressor):
     def _finish_allgather(self, ctx, alpha):
         """Wait for the payloads, check their headers, decode and sum them (on the exchange's backend)."""
         b, where, n = ctx.backend, ctx.where, len(ctx.set_ranks)
-        gathered = self.driver.wait(ctx.handle)
-        if b is backends.CUDA:
-            gathered = gathered.to(ctx.device, non_blocking=True)
-        payloads = b.split(gathered if b is backends.CUDA else gathered.numpy(), n, ctx.own_len, where)
+        gathered = self._backend_view(self.driver.wait(ctx.handle), ctx)
+        payloads = b.split(gathered, n, ctx.own_len, where)
         protocol.check_gathered(b.read_headers(payloads, where), ctx.expect, where)
         out = _as_torch(b.decode_sum(payloads, alpha, where))
         self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
-                        bytes_received=gathered.numel() - ctx.own_len)
+                        bytes_received=len(gathered) - ctx.own_len)
         return out
 
     def decompress(self, tensor: torch.Tensor, ctx: Optional[_Exchange]) -> torch.Tensor:
