@@ -16,23 +16,24 @@ and ``pip install -e .``.
 The package's metadata (name, version, dependencies) is in pyproject.toml's [project]; this file only
 says how to compile the native libraries.
 
-Environment: ``CXX`` (default g++), ``HVD_QSGD_MARCH`` (``-march=`` of the CPU library and the
-TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``).
+Environment: ``CXX`` (default g++), ``HVD_QSGD_MARCH`` (``-march=`` of the CPU library's common
+code and the TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``).
 
-Portable by default: on x86-64 the CPU code is compiled for the x86-64-v3 micro-architecture level
-(AVX2, FMA, BMI1/2, F16C, LZCNT, MOVBE: Haswell, Zen and later) when the building CPU has it, else
-for x86-64-v2 (SSE4.2, POPCNT), else for baseline x86-64, so that a library built on one machine
-runs on any other of that level (``-mtune=native`` tunes its scheduling for the building CPU
-without adding instructions); elsewhere no -march is passed. ``HVD_QSGD_MARCH=native`` (the
-building CPU's every extension) or any other -march value overrides; ``HVD_QSGD_MARCH=`` (empty)
-passes none. What the library was built for is written next to it (``_build_target.json``: the
-flags and the instruction set extensions they allow, named as in /proc/cpuinfo), and
-``hvd_qsgd._native.load`` refuses with an ImportError, instead of dying with SIGILL, on a CPU
-lacking any of them. The payload bytes do not depend on the target: the codec's arithmetic is
-compiled without FMA contraction or reassociation (CPU_FLAGS).
+One portable build, the fastest kernels chosen at run time: the codec's per-element loops
+(``kernels/qsgd_cpu_isa.cc``) are compiled once per instruction-set variant (``ISA_VARIANTS``: on
+x86-64 ``baseline`` for -march=x86-64, ``avx2`` for x86-64-v3, ``avx512`` for x86-64-v4; elsewhere
+one ``generic``) and the library picks the widest the CPU runs when it is first used (CPUID and
+XGETBV; ``HVD_QSGD_ISA`` forces one). The rest of the library is compiled for baseline x86-64
+(SSE2) with ``-mtune=native`` (scheduling only), so the library runs on any x86-64 CPU.
+``HVD_QSGD_MARCH=native`` (or any other -march value) compiles that common code for another target;
+``HVD_QSGD_MARCH=`` (empty) passes no -march. What the common code was built for is written next to
+the library (``_build_target.json``: the flags, the instruction set extensions they allow, named as
+in /proc/cpuinfo, and the variants), and ``hvd_qsgd._native.load`` refuses with an ImportError,
+instead of dying with SIGILL, on a CPU lacking any of them. The payload bytes depend neither on the
+target nor on the variant: the codec's arithmetic is compiled without FMA contraction or
+reassociation (CPU_FLAGS).
 """
 import functools
-import importlib.util
 import json
 import os
 import shlex
@@ -48,6 +49,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(ROOT, "kernels")
 CPU_SOURCES = ["kernels/qsgd_cpu.cc", "kernels/qsgd_elias_cpu.cc", "kernels/qsgd_control.cc",
                "kernels/qsgd_chunks.cc"]
+ISA_SOURCE = "kernels/qsgd_cpu_isa.cc"  # compiled once per ISA_VARIANTS entry
 CUDA_SOURCES = ["kernels/qsgd_cuda.cu"]
 TF_SOURCES = ["hvd_qsgd/tensorflow/qsgd_ops.cc"]
 CPU_FLAGS = [
@@ -57,7 +59,7 @@ CPU_FLAGS = [
     # lets the vectoriser if-convert the float selects (values are unchanged: only the
     # floating-point exception flags are assumed unobserved)
     "-fno-trapping-math"]
-HEADERS = ["kernels/qsgd.h", "kernels/qsgd_math.h", "kernels/qsgd_cpu_internal.h"]
+HEADERS = ["kernels/qsgd.h", "kernels/qsgd_math.h", "kernels/qsgd_cpu_internal.h", ISA_SOURCE]
 
 
 class BuildError(SystemExit):
@@ -126,21 +128,34 @@ class BuildNative(build_ext):
             self.copy_file(os.path.join(self.build_lib, "hvd_qsgd", BUILD_TARGET),
                            os.path.join(os.path.dirname(self.get_ext_fullpath("hvd_qsgd._lib_cpu")), BUILD_TARGET))
 
+    def _isa_objects(self, cxx, extra_flags, tag):
+        """ISA_SOURCE compiled once per variant (its -march and -DQSGD_ISA=<name>): the object files."""
+        objects = []
+        for name, march in _isa_variants(tuple(cxx)):
+            obj = os.path.join(self.build_temp, f"qsgd_cpu_isa_{tag}_{name}.o")
+            os.makedirs(os.path.dirname(obj), exist_ok=True)
+            _run(cxx + CPU_FLAGS + march + ["-c", "-Wall", "-Wextra", "-Ikernels", *extra_flags,
+                                            f"-DQSGD_ISA={name}", ISA_SOURCE, "-o", obj])
+            objects.append(obj)
+        return objects
+
     def build_extension(self, ext):
         out = self.get_ext_fullpath(ext.name)
         os.makedirs(os.path.dirname(out), exist_ok=True)
         if ext.name.endswith("_lib_cpu"):
             cxx = _find_cxx()
             march, source = _march_flags(tuple(cxx))
-            cmd = cxx + CPU_FLAGS + march + ["-Wall", "-Wextra", "-Ikernels", *CPU_SOURCES, "-o", out]
+            objects = self._isa_objects(cxx, [], "lib_cpu")
+            cmd = cxx + CPU_FLAGS + march + ["-Wall", "-Wextra", "-Ikernels", *CPU_SOURCES, *objects, "-o", out]
             _run(cmd)
             _write_build_target(os.path.dirname(out), cxx, march, source)
         elif ext.name.endswith("_qsgd_ops"):
             compile_flags, link_flags = _tensorflow_flags()
             cxx = _find_cxx()
+            objects = self._isa_objects(cxx, compile_flags, "qsgd_ops")
             # TensorFlow's flags set -std=c++17 and its C++ ABI; they come after ours
             cmd = cxx + CPU_FLAGS + _march_flags(tuple(cxx))[0] + [
-                "-Wno-deprecated-declarations", "-Ikernels", *compile_flags, *TF_SOURCES, *CPU_SOURCES,
+                "-Wno-deprecated-declarations", "-Ikernels", *compile_flags, *TF_SOURCES, *CPU_SOURCES, *objects,
                 *link_flags, "-o", out]
             _run(cmd)
         elif ext.name.endswith("_lib_cuda"):
@@ -157,16 +172,18 @@ class BuildNative(build_ext):
             raise BuildError(f"unknown native target {ext.name}")
 
 
-# The x86-64 micro-architecture levels (the x86-64 psABI), as /proc/cpuinfo names their features
-# (LZCNT is "abm", SSE3 "pni"). v2 also needs LAHF/SAHF in 64-bit mode ("lahf_lm").
-X86_64_V2 = ("cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3")
-X86_64_V3 = X86_64_V2 + ("avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave")
-# The same levels as explicit -m options, for a compiler that does not know -march=x86-64-vN (GCC < 11).
+# The x86-64 micro-architecture levels (the x86-64 psABI) of the ISA variants, as explicit -m options
+# for a compiler that does not know -march=x86-64-vN (GCC < 11).
 X86_64_LEVEL_OPTIONS = {
-    "x86-64-v2": ["-march=x86-64", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-mssse3", "-msse4.1", "-msse4.2"],
     "x86-64-v3": ["-march=x86-64", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-mssse3", "-msse4.1", "-msse4.2",
                   "-mavx", "-mavx2", "-mbmi", "-mbmi2", "-mf16c", "-mfma", "-mlzcnt", "-mmovbe", "-mxsave"],
 }
+X86_64_LEVEL_OPTIONS["x86-64-v4"] = X86_64_LEVEL_OPTIONS["x86-64-v3"] + [
+    "-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl"]
+# The ISA variants on x86-64: (name, -march level), narrowest first; kernels/qsgd_cpu.cc declares the
+# same names in the same order and checks each one's instructions with CPUID before using it.
+ISA_VARIANTS = [("baseline", "x86-64"), ("avx2", "x86-64-v3"), ("avx512", "x86-64-v4")]
+
 # Instruction set extensions a compiler may emit, by the macro it predefines when allowed to, and
 # the /proc/cpuinfo flag of each (what _build_target.json records and _native.check_cpu checks).
 ISA_MACROS = {
@@ -184,17 +201,6 @@ ISA_MACROS = {
 }
 
 
-def _cpu_flags():
-    """This CPU's feature flags from /proc/cpuinfo, or None where there is none: the reading the
-    library's load-time check makes (``hvd_qsgd._native._cpu_flags``; that module imports only the
-    standard library, so it is loaded here by path, without the package)."""
-    spec = importlib.util.spec_from_file_location("_hvd_qsgd_native_at_build",
-                                                  os.path.join(ROOT, "hvd_qsgd", "_native.py"))
-    native = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(native)
-    return native._cpu_flags()
-
-
 def _compiles(cxx, flags, code="int main() { return 0; }\n", run=False):
     """Whether `cxx flags` compiles (and, with run, runs with exit status 0) a tiny program."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,41 +214,48 @@ def _compiles(cxx, flags, code="int main() { return 0; }\n", run=False):
         return not run or subprocess.run([exe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
-def _x86_64_level(cxx):
-    """The highest of x86-64-v3, x86-64-v2 this CPU supports, or "x86-64"."""
-    flags = _cpu_flags()
-    if flags is not None:
-        for level, needs in (("x86-64-v3", X86_64_V3), ("x86-64-v2", X86_64_V2)):
-            if all(n in flags for n in needs):
-                return level
-        return "x86-64"
-    # no /proc/cpuinfo: ask the CPU through the compiler's runtime (GCC >= 12, Clang >= 16)
-    for level in ("x86-64-v3", "x86-64-v2"):
-        probe = f'int main() {{ __builtin_cpu_init(); return __builtin_cpu_supports("{level}") ? 0 : 1; }}\n'
-        if _compiles(cxx, [], probe, run=True):
-            return level
-    return "x86-64-v2"
+def _is_x86_64(cxx):
+    machine = subprocess.run(list(cxx) + ["-dumpmachine"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                             text=True).stdout.strip()
+    return machine.startswith(("x86_64", "amd64")), machine
+
+
+def _tune(cxx, flags):
+    """flags + -mtune=native where the compiler takes it: scheduling for the building CPU, never an
+    instruction outside the target (measured: encode ~6% faster than the generic tuning on a Zen 3)."""
+    return flags + ["-mtune=native"] if _compiles(cxx, flags + ["-mtune=native"]) else flags
+
+
+@functools.lru_cache(maxsize=None)
+def _isa_variants(cxx):
+    """[(variant name, its compile flags)] for ISA_SOURCE: every ISA_VARIANTS level on x86-64 (the
+    library dispatches among them at run time), one "generic" variant with no -march elsewhere."""
+    x86, _ = _is_x86_64(cxx)
+    if not x86:
+        return [("generic", [])]
+    variants = []
+    for name, level in ISA_VARIANTS:
+        flags = ["-march=" + level]
+        if not _compiles(cxx, flags):
+            flags = X86_64_LEVEL_OPTIONS.get(level)
+            if flags is None or not _compiles(cxx, flags):
+                raise BuildError(f"'{' '.join(cxx)}' cannot compile for {level} (the codec's {name} kernels); "
+                                 "use g++ >= 9 or clang >= 12")
+        variants.append((name, _tune(cxx, flags)))
+    return variants
 
 
 @functools.lru_cache(maxsize=None)
 def _march_flags(cxx):
-    """(the -march options of the CPU code, why they were chosen); see the module's docstring."""
+    """(the -march options of the common CPU code, why they were chosen); see the module's docstring."""
     if "HVD_QSGD_MARCH" in os.environ:
         value = os.environ["HVD_QSGD_MARCH"].strip()
         return (["-march=" + value] if value else []), "HVD_QSGD_MARCH"
-    machine = subprocess.run(list(cxx) + ["-dumpmachine"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                             text=True).stdout.strip()
-    if not machine.startswith(("x86_64", "amd64")):
+    x86, machine = _is_x86_64(cxx)
+    if not x86:
         return [], f"default: no -march for {machine or 'this compiler'}'s target"
-    level = _x86_64_level(cxx)
-    flags = ["-march=" + level]
-    if level != "x86-64" and not _compiles(cxx, flags):
-        flags = X86_64_LEVEL_OPTIONS[level]
-    # scheduling for the building CPU: never an instruction outside the level (measured: encode ~6%
-    # faster than the generic tuning on a Zen 3, the speed of -march=native)
-    if _compiles(cxx, flags + ["-mtune=native"]):
-        flags.append("-mtune=native")
-    return flags, f"default: the building CPU supports {level}"
+    return _tune(cxx, ["-march=x86-64"]), ("default: baseline x86-64, the per-element kernels chosen at run "
+                                           "time among " + ", ".join(n for n, _ in ISA_VARIANTS))
 
 
 def _write_build_target(directory, cxx, march, source):
@@ -257,7 +270,8 @@ def _write_build_target(directory, cxx, march, source):
                 for m, flag in ISA_MACROS.items() if m in macros}
     march_values = [f.split("=", 1)[1] for f in march if f.startswith("-march=")]
     record = {"march": march_values[-1] if march_values else None, "compile_flags": march, "chosen_by": source,
-              "compiler": " ".join(cxx), "cpu_features": dict(sorted(features.items()))}
+              "compiler": " ".join(cxx), "cpu_features": dict(sorted(features.items())),
+              "isa_variants": {name: flags for name, flags in _isa_variants(tuple(cxx))}}
     with open(os.path.join(directory, BUILD_TARGET), "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")

@@ -17,13 +17,13 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 4  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 5  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
 E_ARG, E_CAPACITY, E_TRUNCATED, E_MAGIC, E_VERSION, E_HEADER = -1, -2, -3, -4, -5, -6
 E_LENGTH, E_CHECKSUM, E_SCALE, E_STREAM, E_PADDING, E_MISMATCH = -7, -8, -9, -10, -11, -12
-E_NOMEM, E_CUDA = -13, -14
+E_NOMEM, E_CUDA, E_ISA = -13, -14, -15
 E_CTRL_LENGTH, E_CTRL_OP, E_CTRL_FAULT, E_CTRL_MEMBERS, E_CTRL_TAG = -20, -21, -22, -23, -24
 
 
@@ -118,9 +118,9 @@ def check_cpu(directory=_HERE):
             f"hvd_qsgd's native libraries in {directory} were built for {target}, and this CPU lacks "
             f"{', '.join(missing)}: loading them would stop the process with SIGILL (illegal "
             "instruction). Rebuild them on this machine with `pip install --no-build-isolation --no-deps "
-            "-e .` (or `make setup`), which targets x86-64-v3 or x86-64-v2 by what the building CPU "
-            "has, or choose the target with HVD_QSGD_MARCH (for example HVD_QSGD_MARCH=x86-64-v2; "
-            "HVD_QSGD_MARCH=native builds for the building CPU only)")
+            "-e .` (or `make setup`), which compiles the common code for baseline x86-64 and chooses "
+            "the per-element kernels at run time, or choose the target with HVD_QSGD_MARCH (for example "
+            "HVD_QSGD_MARCH=x86-64-v2; HVD_QSGD_MARCH=native builds for the building CPU only)")
 
 
 def load():
@@ -194,8 +194,47 @@ def load():
         lib.qsgd_set_num_threads.argtypes = [_I32]
         lib.qsgd_get_num_threads.restype = _I32
         lib.qsgd_get_num_threads.argtypes = []
+        _declare_isa(lib)
+        check_isa_env(lib, path)
         _cpu = lib
         return lib
+
+
+def _declare_isa(lib):
+    lib.qsgd_cpu_isa.restype = ctypes.c_char_p
+    lib.qsgd_cpu_isa.argtypes = []
+    lib.qsgd_cpu_isa_count.restype = _I32
+    lib.qsgd_cpu_isa_count.argtypes = []
+    lib.qsgd_cpu_isa_name.restype = ctypes.c_char_p
+    lib.qsgd_cpu_isa_name.argtypes = [_I32]
+    lib.qsgd_cpu_isa_supported.restype = _I32
+    lib.qsgd_cpu_isa_supported.argtypes = [_I32]
+    lib.qsgd_set_cpu_isa.restype = _I32
+    lib.qsgd_set_cpu_isa.argtypes = [ctypes.c_char_p]
+    lib.qsgd_cpu_isa_env_status.restype = _I32
+    lib.qsgd_cpu_isa_env_status.argtypes = []
+
+
+def isa_variants(lib):
+    """[(name, runs on this CPU)] of the CPU codec variants compiled into ``lib``, narrowest first."""
+    return [(lib.qsgd_cpu_isa_name(i).decode(), bool(lib.qsgd_cpu_isa_supported(i)))
+            for i in range(lib.qsgd_cpu_isa_count())]
+
+
+def check_isa_env(lib, path="the codec library"):
+    """Raise ImportError when HVD_QSGD_ISA names a variant ``lib`` does not have or this CPU cannot
+    run (the library then uses its widest variant: a forced choice is never dropped silently)."""
+    st = lib.qsgd_cpu_isa_env_status()
+    if st == OK:
+        return
+    value = os.environ.get("HVD_QSGD_ISA", "")
+    variants = isa_variants(lib)
+    runs = [n for n, ok in variants if ok]
+    why = ("is not one of its variants" if st == E_ARG else "cannot run on this CPU (it lacks the instructions)")
+    raise ImportError(
+        f"HVD_QSGD_ISA={value!r}: {why}. {path} has the CPU codec variants "
+        f"{', '.join(n for n, _ in variants)}; this CPU runs {', '.join(runs)}. Unset HVD_QSGD_ISA (or set "
+        "it to 'auto') to use the widest one this CPU runs")
 
 
 def load_cuda():

@@ -25,6 +25,7 @@ def load():
                 "TensorFlow was not importable when hvd_qsgd was installed. Reinstall with TensorFlow "
                 "present: pip install --no-build-isolation -e .")
         _native.check_cpu()   # built with the CPU library's flags: refuse a CPU without them, not SIGILL
+        _native.load()        # and HVD_QSGD_ISA checked (the ops choose their variant the same way)
         _ops = tf.load_op_library(found[0])
     return _ops
 

@@ -330,3 +330,29 @@ def set_num_threads(n: int) -> None:
 
 def get_num_threads() -> int:
     return int(_native.load().qsgd_get_num_threads())
+
+
+def cpu_isa() -> str:
+    """The instruction-set variant of the CPU kernels in use ("baseline", "avx2", "avx512" on
+    x86-64; "generic" elsewhere): the widest this CPU runs, or the one HVD_QSGD_ISA names. Every
+    variant produces the same payload bytes and the same decoded sums."""
+    return _native.load().qsgd_cpu_isa().decode()
+
+
+def cpu_isas() -> dict:
+    """{variant name: whether this CPU runs it} for every variant compiled into the CPU library,
+    narrowest first."""
+    return dict(_native.isa_variants(_native.load()))
+
+
+def set_cpu_isa(name: str = "auto") -> None:
+    """Use the CPU kernels' variant ``name`` from now on ("auto": the widest this CPU runs); for
+    comparing variants in one process (tests, benchmarks). ValueError for a name the library does
+    not have or a variant this CPU cannot run."""
+    if not isinstance(name, str):
+        raise TypeError(f"set_cpu_isa: the variant is a str, got {type(name).__name__}")
+    lib = _native.load()
+    st = lib.qsgd_set_cpu_isa(name.encode())
+    if st != _native.OK:
+        known = ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in _native.isa_variants(lib))
+        raise ValueError(f"set_cpu_isa({name!r}): {_native.status_string(st)}; the variants are {known}")

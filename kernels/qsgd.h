@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 4
+#define QSGD_ABI_VERSION 5
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -58,6 +58,7 @@ typedef enum qsgd_status {
   QSGD_E_MISMATCH = -12,      /* payloads given to one decode_sum disagree (numel, fingerprint, ...) */
   QSGD_E_NOMEM = -13,         /* allocation failed */
   QSGD_E_CUDA = -14,          /* a CUDA runtime call failed */
+  QSGD_E_ISA = -15,           /* this CPU cannot run the requested instruction-set variant */
   /* control vector verdicts (qsgd_check_control) */
   QSGD_E_CTRL_LENGTH = -20,   /* the reduced control vector has the wrong length (not an allreduce) */
   QSGD_E_CTRL_OP = -21,       /* the reduction op is not a sum or an average of positive scale */
@@ -128,6 +129,25 @@ int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens
 /* Threads the CPU codec uses (OpenMP); n <= 0 restores the default. */
 void qsgd_set_num_threads(int32_t n);
 int32_t qsgd_get_num_threads(void);
+
+/* ---- instruction-set variants of the CPU codec ---------------------------------------------
+ * The per-element loops are compiled once per variant ("baseline", "avx2", "avx512" on x86-64;
+ * "generic" elsewhere) and all produce the same bytes and sums. The one in use is chosen at the
+ * first call: HVD_QSGD_ISA=<name> when set (and not "auto"), else the widest this CPU and OS run. */
+/* The name of the variant in use. */
+const char* qsgd_cpu_isa(void);
+/* The variants compiled into this library, narrowest first: their count, the name of variant i
+ * (NULL out of range), and whether this CPU runs it (1) or not (0). */
+int32_t qsgd_cpu_isa_count(void);
+const char* qsgd_cpu_isa_name(int32_t i);
+int32_t qsgd_cpu_isa_supported(int32_t i);
+/* Use variant `name` from now on (NULL, "" or "auto": the widest this CPU runs): QSGD_OK,
+ * QSGD_E_ARG for a name this library does not have, QSGD_E_ISA for one this CPU cannot run. Calls
+ * already running finish with the variant they started with. */
+int32_t qsgd_set_cpu_isa(const char* name);
+/* Whether HVD_QSGD_ISA was honoured: QSGD_OK (or unset), QSGD_E_ARG (an unknown name) or QSGD_E_ISA
+ * (a variant this CPU cannot run); in the two error cases the widest variant is in use. */
+int32_t qsgd_cpu_isa_env_status(void);
 
 /* ---- control vector of a compressed exchange (hvd_qsgd/protocol.py states the math) -------- */
 #define QSGD_CONTROL_TAGS 5          /* set size, creation index, settings, key low, key high */

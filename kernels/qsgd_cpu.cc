@@ -12,9 +12,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include <xmmintrin.h>
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
+#include <vector>
 
 #include "qsgd.h"
 #include "qsgd_cpu_internal.h"
@@ -26,6 +30,7 @@ static std::atomic<int> g_threads{0};
 static const uint64_t kStage = 4096;          /* codes staged before packing (multiple of 8) */
 static const uint64_t kChunkElems = 1 << 15;  /* target elements per parallel chunk */
 static const uint64_t kParallelMin = 1 << 16; /* smaller jobs run on the calling thread */
+static const uint64_t kPrefetch = 512;        /* encode: elements read ahead of the next bucket */
 
 int threads_for(uint64_t n) {
   if (n < kParallelMin) return 1;
@@ -36,48 +41,86 @@ int threads_for(uint64_t n) {
 IeeeFpScope::IeeeFpScope() : saved(_mm_getcsr()) { _mm_setcsr(saved & ~0x8040u); }
 IeeeFpScope::~IeeeFpScope() { _mm_setcsr(saved); }
 
-float load_scale(const uint8_t* scales, uint64_t b) {
-  float v;
-  memcpy(&v, scales + 4 * b, 4);
-  return v;
-}
-void store_scale(uint8_t* scales, uint64_t b, float v) { memcpy(scales + 4 * b, &v, 4); }
+/* ---- the instruction-set variants ------------------------------------------------------------
+ * qsgd_cpu_isa.cc compiled once per variant (setup.py: ISA_VARIANTS), narrowest first. */
+#if defined(__x86_64__) || defined(_M_X64)
+extern const Kernels kernels_baseline, kernels_avx2, kernels_avx512;
+static const Kernels* const kVariants[] = {&kernels_baseline, &kernels_avx2, &kernels_avx512};
 
-/* The folded lane sum of qsgd_lane_term over a bucket (qsgd_math.h: 32 lanes, lane j holding
- * elements j, j+32, ... in order, folded j += j+16, 8, 4, 2, 1). */
-template <int NORM>
-static double lane_sum(const float* x, uint64_t n) {
-  double lane[QSGD_L2_LANES] = {0};
-  const uint64_t full = n / QSGD_L2_LANES;
-  for (uint64_t r = 0; r < full; ++r) {
-    const float* p = x + r * QSGD_L2_LANES;
-    for (int j = 0; j < QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
+/* What the CPU and the OS support: CPUID for the instructions (the ones each variant's -march may
+ * emit: x86-64-v3 for avx2, x86-64-v4 for avx512), XGETBV for the register state the OS saves. */
+static bool variant_runs(int v) {
+  if (v == 0) return true;
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
+  const unsigned c1 = c;
+  /* SSE3, SSSE3, FMA, CX16, SSE4.1, SSE4.2, MOVBE, POPCNT, XSAVE, OSXSAVE, AVX, F16C */
+  const unsigned need1 = (1u << 0) | (1u << 9) | (1u << 12) | (1u << 13) | (1u << 19) | (1u << 20) |
+                         (1u << 22) | (1u << 23) | (1u << 26) | (1u << 27) | (1u << 28) | (1u << 29);
+  if ((c1 & need1) != need1) return false;
+  if (!__get_cpuid(0x80000001, &a, &b, &c, &d) || !(c & (1u << 5)) || !(c & 1u)) return false; /* LZCNT, LAHF */
+  if (__get_cpuid_max(0, nullptr) < 7) return false;
+  __cpuid_count(7, 0, a, b, c, d);
+  const unsigned b7 = b;
+  if ((b7 & ((1u << 3) | (1u << 5) | (1u << 8))) != ((1u << 3) | (1u << 5) | (1u << 8))) return false; /* BMI1, AVX2, BMI2 */
+  unsigned lo, hi;
+  __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & 0x6u) != 0x6u) return false; /* XMM and YMM state */
+  if (v == 1) return true;
+  /* AVX512F, AVX512DQ, AVX512CD, AVX512BW, AVX512VL; opmask, ZMM_Hi256 and Hi16_ZMM state */
+  const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
+  return (b7 & need7) == need7 && (lo & 0xE0u) == 0xE0u;
+}
+#else
+extern const Kernels kernels_generic;
+static const Kernels* const kVariants[] = {&kernels_generic};
+static bool variant_runs(int) { return true; }
+#endif
+static const int kNumVariants = (int)(sizeof(kVariants) / sizeof(kVariants[0]));
+
+static int best_variant() {
+  int best = 0;
+  for (int v = 1; v < kNumVariants; ++v)
+    if (variant_runs(v)) best = v;
+  return best;
+}
+
+static int find_variant(const char* name) {
+  for (int v = 0; v < kNumVariants; ++v)
+    if (strcmp(name, kVariants[v]->name) == 0) return v;
+  return -1;
+}
+
+/* HVD_QSGD_ISA=<name> forces a variant; unset, empty or "auto" is the best one. A name this
+ * library does not have, or one this CPU cannot run, leaves the best one in use and makes
+ * qsgd_cpu_isa_env_status() say so (the bindings turn that into an error). */
+static int32_t g_env_status = QSGD_OK;
+static std::atomic<const Kernels*> g_active{nullptr};
+
+static const Kernels* initial_variant() {
+  const char* env = getenv("HVD_QSGD_ISA");
+  if (env && *env && strcmp(env, "auto") != 0) {
+    const int v = find_variant(env);
+    if (v < 0) g_env_status = QSGD_E_ARG;
+    else if (!variant_runs(v)) g_env_status = QSGD_E_ISA;
+    else return kVariants[v];
   }
-  const float* p = x + full * QSGD_L2_LANES;
-  for (uint64_t j = 0; j < n % QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
-  for (int off = QSGD_L2_LANES / 2; off > 0; off /= 2)
-    for (int j = 0; j < off; ++j) lane[j] = lane[j] + lane[j + off];
-  return lane[0];
+  return kVariants[best_variant()];
 }
 
-float bucket_scale(const float* x, uint64_t n, int norm) {
-  uint32_t m = 0;
-  for (uint64_t k = 0; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
-  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
-  if (norm == QSGD_NORM_SIGN) return qsgd_scale_from_l1(lane_sum<QSGD_NORM_SIGN>(x, n), n, m);
-  return qsgd_scale_from_sumsq(lane_sum<QSGD_NORM_L2>(x, n), m);
+const Kernels& active_kernels() {
+  const Kernels* k = g_active.load(std::memory_order_acquire);
+  if (k) return *k;
+  static const Kernels* const first = initial_variant(); /* thread-safe, once */
+  const Kernels* expected = nullptr;
+  g_active.compare_exchange_strong(expected, first, std::memory_order_acq_rel);
+  return *g_active.load(std::memory_order_acquire);
 }
 
-template <int BITS>
-static void quantize_page(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo,
-                          float scale, uint8_t* __restrict codes) {
-  const float s = (float)qsgd_levels_of(BITS);
-  for (uint64_t k = 0; k < n; ++k)
-    codes[k] = (uint8_t)qsgd_quantize(x[k], scale, s, qsgd_u24(key, lo + (uint32_t)k), BITS);
-}
+float bucket_scale(const float* x, uint64_t n, int norm) { return active_kernels().bucket_scale(x, n, norm); }
 
-void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
-                  uint8_t* codes) {
+static void quantize_run_with(const Kernels& K, const float* x, uint64_t n, uint64_t i0, uint64_t seed,
+                              float scale, int bits, uint8_t* codes) {
   if (!qsgd_scale_quantizes(scale)) {
     memset(codes, 0, n);
     return;
@@ -86,19 +129,23 @@ void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float 
     /* the random stream is keyed per page of 2^32 elements: never cross a page in one call */
     const uint64_t page_end = ((i0 >> 32) + 1) << 32;
     const uint64_t m = std::min<uint64_t>(n, page_end - i0);
-    const uint64_t key = qsgd_page_key(seed, i0);
-    const uint32_t lo = (uint32_t)i0;
-    dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, m, key, lo, scale, codes); });
+    K.quantize(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, codes);
     x += m, codes += m, i0 += m, n -= m;
   }
 }
 
-void sign_run(const float* __restrict x, uint64_t n, float scale, uint8_t* __restrict codes) {
-  if (!qsgd_scale_quantizes(scale)) {
-    memset(codes, 0, n);
-    return;
-  }
-  for (uint64_t k = 0; k < n; ++k) codes[k] = (uint8_t)qsgd_sign_code(x[k]);
+void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
+                  uint8_t* codes) {
+  quantize_run_with(active_kernels(), x, n, i0, seed, scale, bits, codes);
+}
+
+static void sign_run_with(const Kernels& K, const float* x, uint64_t n, float scale, uint8_t* codes) {
+  if (!qsgd_scale_quantizes(scale)) memset(codes, 0, n);
+  else K.sign(x, n, codes);
+}
+
+void sign_run(const float* x, uint64_t n, float scale, uint8_t* codes) {
+  sign_run_with(active_kernels(), x, n, scale, codes);
 }
 
 int32_t check_scales(const uint8_t* scales, uint64_t nb) {
@@ -114,86 +161,30 @@ int32_t check_scales(const uint8_t* scales, uint64_t nb) {
 
 using namespace qsgd_cpu;
 
-/* ---- packing: m codes -> qsgd_packed_bytes(m, BITS) bytes, code j of a group of 8 at bit j*BITS */
-template <int BITS>
-static void pack(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restrict dst) {
-  const uint64_t groups = m / 8;
-  if (BITS == 8) {
-    memcpy(dst, codes, m);
-    return;
-  } else if (BITS == 4 || BITS == 2 || BITS == 1) {
-    const int per = 8 / BITS;
-    const uint64_t nbytes = m / per;
-    for (uint64_t k = 0; k < nbytes; ++k) {
-      uint32_t v = 0;
-      for (int j = 0; j < per; ++j) v |= (uint32_t)codes[k * per + j] << (j * BITS);
-      dst[k] = (uint8_t)v;
-    }
-    const uint64_t rem = m - nbytes * per;
-    if (rem) {
-      uint32_t v = 0;
-      for (uint64_t j = 0; j < rem; ++j) v |= (uint32_t)codes[nbytes * per + j] << (j * BITS);
-      dst[nbytes] = (uint8_t)v;
-    }
-    return;
-  }
-  for (uint64_t g = 0; g < groups; ++g) {
-    uint64_t v = 0;
-    for (int j = 0; j < 8; ++j) v |= (uint64_t)codes[8 * g + j] << (j * BITS);
-    qsgd_store_le(dst + g * BITS, v, BITS);
-  }
-  const uint64_t rem = m % 8;
-  if (rem) {
-    uint64_t v = 0;
-    for (uint64_t j = 0; j < rem; ++j) v |= (uint64_t)codes[8 * groups + j] << (j * BITS);
-    qsgd_store_le(dst + groups * BITS, v, (int)((rem * BITS + 7) / 8));
-  }
+extern "C" const char* qsgd_cpu_isa(void) { return active_kernels().name; }
+
+extern "C" int32_t qsgd_cpu_isa_count(void) { return kNumVariants; }
+
+extern "C" const char* qsgd_cpu_isa_name(int32_t i) {
+  return i >= 0 && i < kNumVariants ? kVariants[i]->name : nullptr;
 }
 
-/* ---- unpacking: the inverse of pack */
-template <int BITS>
-static void unpack(const uint8_t* __restrict src, uint64_t m, uint8_t* __restrict codes) {
-  const uint32_t mask = (1u << BITS) - 1u;
-  if (BITS == 8) {
-    memcpy(codes, src, m);
-    return;
-  } else if (BITS == 4 || BITS == 2 || BITS == 1) {
-    const int per = 8 / BITS;
-    const uint64_t nbytes = m / per;
-    for (uint64_t k = 0; k < nbytes; ++k)
-      for (int j = 0; j < per; ++j) codes[k * per + j] = (uint8_t)((src[k] >> (j * BITS)) & mask);
-    for (uint64_t j = 0; j < m - nbytes * per; ++j)
-      codes[nbytes * per + j] = (uint8_t)((src[nbytes] >> (j * BITS)) & mask);
-    return;
-  }
-  const uint64_t groups = m / 8;
-  for (uint64_t g = 0; g < groups; ++g) {
-    const uint64_t v = qsgd_load_le(src + g * BITS, BITS);
-    for (int j = 0; j < 8; ++j) codes[8 * g + j] = (uint8_t)((v >> (j * BITS)) & mask);
-  }
-  const uint64_t rem = m % 8;
-  if (rem) {
-    const uint64_t v = qsgd_load_le(src + groups * BITS, (int)((rem * BITS + 7) / 8));
-    for (uint64_t j = 0; j < rem; ++j) codes[8 * groups + j] = (uint8_t)((v >> (j * BITS)) & mask);
-  }
+extern "C" int32_t qsgd_cpu_isa_supported(int32_t i) { return i >= 0 && i < kNumVariants && variant_runs(i); }
+
+extern "C" int32_t qsgd_set_cpu_isa(const char* name) {
+  active_kernels(); /* the first choice is made (and HVD_QSGD_ISA read) before any change */
+  int v = -1;
+  if (!name || !*name || strcmp(name, "auto") == 0) v = best_variant();
+  else v = find_variant(name);
+  if (v < 0) return QSGD_E_ARG;
+  if (!variant_runs(v)) return QSGD_E_ISA;
+  g_active.store(kVariants[v], std::memory_order_release);
+  return QSGD_OK;
 }
 
-static void pack_bits(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
-  dispatch_bits(bits, [&](auto b) { pack<b.value>(codes, m, dst); });
-}
-
-static void unpack_bits(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
-  dispatch_bits(bits, [&](auto b) { unpack<b.value>(src, m, codes); });
-}
-
-template <int BITS>
-static void dequantize_add(const uint8_t* __restrict codes, uint64_t n, float step,
-                           float* __restrict acc) {
-  for (uint64_t k = 0; k < n; ++k) acc[k] += qsgd_dequantize(codes[k], step, BITS);
-}
-
-static void dequantize_add_bits(int bits, const uint8_t* codes, uint64_t n, float step, float* acc) {
-  dispatch_bits(bits, [&](auto b) { dequantize_add<b.value>(codes, n, step, acc); });
+extern "C" int32_t qsgd_cpu_isa_env_status(void) {
+  active_kernels();
+  return g_env_status;
 }
 
 /* ---- sizes ------------------------------------------------------------------------------ */
@@ -260,39 +251,65 @@ extern "C" int32_t qsgd_parse_header(const uint8_t* p, uint64_t len, qsgd_header
   return QSGD_OK;
 }
 
-extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
+/* The checksum's sum of terms over the words not in [covered[2c], covered[2c+1]) for any c (sorted,
+ * disjoint ranges of whole words), plus the zero-padded last partial word. */
+static uint64_t checksum_gaps(const Kernels& K, const uint8_t* p, uint64_t len, const uint64_t* covered,
+                              uint64_t ncovered) {
   const uint64_t words = len / 8;
+  uint64_t sum = 0, k = 0;
+  for (uint64_t c = 0; c < ncovered; ++c) {
+    sum += K.checksum_terms(p, k, covered[2 * c]);
+    k = covered[2 * c + 1];
+  }
+  sum += K.checksum_terms(p, k, words);
+  if (len % 8) sum += qsgd_checksum_term(qsgd_load_le(p + 8 * words, (int)(len % 8)), words);
+  return sum;
+}
+
+extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
+  const Kernels& K = active_kernels();
+  const uint64_t words = len / 8, per = 1 << 14; /* words per parallel range */
+  const uint64_t nranges = (words + per - 1) / per;
   uint64_t sum = 0;
   const int nt = threads_for(len / 4);
 #pragma omp parallel for num_threads(nt) reduction(+ : sum) schedule(static)
-  for (uint64_t k = 0; k < words; ++k) {
-    uint64_t w;
-    memcpy(&w, p + 8 * k, 8);
-    if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
-    sum += qsgd_checksum_term(w, k);
-  }
+  for (uint64_t r = 0; r < nranges; ++r) sum += K.checksum_terms(p, r * per, std::min(words, (r + 1) * per));
   if (len % 8) sum += qsgd_checksum_term(qsgd_load_le(p + 8 * words, (int)(len % 8)), words);
   return qsgd_checksum_final(sum, len);
 }
 
-/* ---- encode (fixed) ------------------------------------------------------------------------ */
+/* ---- encode (fixed) ------------------------------------------------------------------------
+ * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
+ * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
+ * packed into the payload every kStage codes. With the checksum, each chunk adds up the terms of
+ * the payload words wholly inside its packed bytes while they are in cache; the header, the
+ * scales and the words straddling two chunks are added at the end. */
 static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                             uint64_t cap, uint64_t* out_len) {
   const uint64_t need = qsgd_fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (out_len) *out_len = need;
   if (cap < need) return QSGD_E_CAPACITY;
   if (numel && !x) return QSGD_E_ARG;
+  const Kernels& K = active_kernels();
   qsgd_write_header(out, cfg, numel, need, 0);
   uint8_t* scales = out + QSGD_HEADER_BYTES;
   const uint64_t B = cfg->bucket_size, nb = qsgd_num_buckets(numel, cfg->bucket_size);
   uint8_t* data = scales + 4 * nb;
+  const uint64_t data_off = (uint64_t)(data - out);
   const int bits = cfg->bits;
+  const bool checksum = (cfg->flags & QSGD_FLAG_CHECKSUM) != 0;
   /* chunks of whole buckets starting at multiples of 8 elements */
   uint64_t g = 1; /* g = 8 / gcd(B, 8): the fewest buckets spanning a multiple of 8 elements */
   while ((g * B) % 8) g *= 2;
   uint64_t chunk_buckets = std::max<uint64_t>(1, kChunkElems / B);
   chunk_buckets = (chunk_buckets + g - 1) / g * g;
   const uint64_t nchunks = (nb + chunk_buckets - 1) / chunk_buckets;
+  /* per chunk: the checksum terms of its whole words, and the word range they cover */
+  uint64_t* sums = nullptr;
+  if (checksum && nchunks) {
+    sums = (uint64_t*)malloc(sizeof(uint64_t) * 3 * nchunks);
+    if (!sums) return QSGD_E_NOMEM;
+  }
   const int nt = threads_for(numel);
   const int32_t status = parallel_for_with_scratch(nt, nchunks, kStage, [&](uint64_t c, void* scratch) {
     uint8_t* stage = (uint8_t*)scratch;
@@ -300,24 +317,49 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
     uint64_t pos = b0 * B, staged = 0;
     for (uint64_t b = b0; b < b1; ++b) {
       const uint64_t lo = b * B, hi = std::min(numel, lo + B);
-      const float scale = bucket_scale(x + lo, hi - lo, cfg->norm);
+      /* x a bucket and kPrefetch elements ahead on its way from memory while this bucket is worked
+       * on (measured: encode ~8% faster; long buckets are left to the hardware prefetcher) */
+      if (B <= kStage)
+        for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
+      const float scale = K.bucket_scale(x + lo, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
+      if (bits == 8) { /* 8-bit codes are their own packing: straight into the payload */
+        quantize_run_with(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, data + lo);
+        continue;
+      }
       for (uint64_t i = lo; i < hi;) {
         const uint64_t take = std::min(hi - i, kStage - staged);
-        if (cfg->norm == QSGD_NORM_SIGN) sign_run(x + i, take, scale, stage + staged);
-        else quantize_run(x + i, take, i, cfg->seed, scale, bits, stage + staged);
+        if (cfg->norm == QSGD_NORM_SIGN) sign_run_with(K, x + i, take, scale, stage + staged);
+        else quantize_run_with(K, x + i, take, i, cfg->seed, scale, bits, stage + staged);
         staged += take, i += take;
         if (staged == kStage) {
-          pack_bits(bits, stage, kStage, data + pos / 8 * bits);
+          K.pack(bits, stage, kStage, data + pos / 8 * bits);
           pos += kStage, staged = 0;
         }
       }
     }
-    if (staged) pack_bits(bits, stage, staged, data + pos / 8 * bits);
+    if (staged) K.pack(bits, stage, staged, data + pos / 8 * bits);
+    if (sums) {
+      /* this chunk's packed bytes [d0, d1) of the payload; the words wholly inside them */
+      const uint64_t d0 = data_off + b0 * B / 8 * bits;
+      const uint64_t d1 = data_off + qsgd_packed_bytes(std::min(numel, b1 * B), bits);
+      const uint64_t k0 = std::min((d0 + 7) / 8, d1 / 8), k1 = d1 / 8;
+      sums[3 * c] = K.checksum_terms(out, k0, k1);
+      sums[3 * c + 1] = k0, sums[3 * c + 2] = k1;
+    }
   });
-  if (status != QSGD_OK) return status;
-  if (cfg->flags & QSGD_FLAG_CHECKSUM) qsgd_store_le(out + 48, qsgd_checksum_cpu(out, need), 8);
-  return QSGD_OK;
+  if (status == QSGD_OK && checksum) {
+    uint64_t sum = 0;
+    std::vector<uint64_t> covered(2 * nchunks);
+    for (uint64_t c = 0; c < nchunks; ++c) {
+      sum += sums[3 * c];
+      covered[2 * c] = sums[3 * c + 1], covered[2 * c + 1] = sums[3 * c + 2];
+    }
+    sum += checksum_gaps(K, out, need, covered.data(), nchunks);
+    qsgd_store_le(out + 48, qsgd_checksum_final(sum, need), 8);
+  }
+  free(sums);
+  return status;
 }
 
 extern "C" int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg,
@@ -359,27 +401,12 @@ static int same_tensor(const qsgd_header* a, const qsgd_header* b) {
 }
 
 /* acc[0:n) += payload's elements [lo, lo+n), lo a multiple of 8 (fixed coding) */
-static void fixed_decode_add(const uint8_t* p, const qsgd_header* h, uint64_t lo, uint64_t n,
+static void fixed_decode_add(const Kernels& K, const uint8_t* p, const qsgd_header* h, uint64_t lo, uint64_t n,
                              uint8_t* codes, float* acc) {
   const uint64_t B = h->bucket_size, nb = qsgd_num_buckets(h->numel, B);
   const uint8_t* scales = p + QSGD_HEADER_BYTES;
   const uint8_t* data = scales + 4 * nb;
-  const int bits = h->bits;
-  unpack_bits(bits, data + lo / 8 * bits, n, codes);
-  const float s = (float)qsgd_levels_of(bits);
-  for (uint64_t i = lo; i < lo + n;) {
-    const uint64_t b = i / B, hi = std::min(lo + n, (b + 1) * B);
-    dequantize_add_bits(bits, codes + (i - lo), hi - i, qsgd_step_of(load_scale(scales, b), s),
-                        acc + (i - lo));
-    i = hi;
-  }
-}
-
-static void finish(float* out, const float* acc, uint64_t n, float alpha, int accumulate) {
-  if (accumulate)
-    for (uint64_t k = 0; k < n; ++k) out[k] = out[k] + alpha * acc[k];
-  else
-    for (uint64_t k = 0; k < n; ++k) out[k] = alpha * acc[k];
+  K.decode_add(h->bits, data, data + qsgd_packed_bytes(h->numel, h->bits), scales, B, lo, n, codes, acc);
 }
 
 extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens,
@@ -398,6 +425,7 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     return st;
   }
   const qsgd_header* h0 = &hs[0];
+  const Kernels& K = active_kernels();
   const int elias = h0->coding == QSGD_CODING_ELIAS;
   /* parallel units: Elias segments, or runs of kStage elements */
   uint64_t unit;
@@ -415,9 +443,9 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     memset(acc, 0, sizeof(float) * m);
     for (int32_t p = 0; p < count; ++p) {
       if (elias) elias_decode_segment_add(payloads[p], &hs[p], u, acc);
-      else fixed_decode_add(payloads[p], &hs[p], lo, m, codes, acc);
+      else fixed_decode_add(K, payloads[p], &hs[p], lo, m, codes, acc);
     }
-    finish(out + lo, acc, m, alpha, accumulate);
+    K.finish(out + lo, acc, m, alpha, accumulate);
   });
   free(hs);
   return st;
@@ -446,6 +474,7 @@ extern "C" const char* qsgd_status_string(int32_t st) {
     case QSGD_E_MISMATCH: return "payloads disagree on the tensor (numel, fingerprint, bits, bucket size, coding, norm or dtype)";
     case QSGD_E_NOMEM: return "out of memory";
     case QSGD_E_CUDA: return "CUDA runtime error";
+    case QSGD_E_ISA: return "this CPU cannot run the requested instruction-set variant of the codec";
     case QSGD_E_CTRL_LENGTH: return "the control tensor came back with the wrong length: QSGD compression works with allreduce (Sum or Average), not with reducescatter or other collectives";
     case QSGD_E_CTRL_OP: return "the reduction op is not a sum or an average; QSGD payloads are averaged (op=Average) or summed (op=Sum), other ops (Min, Max, Product, Adasum) are not supported";
     case QSGD_E_CTRL_FAULT: return "some rank(s) could not encode this tensor (their error says why)";

@@ -4,6 +4,7 @@
 
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include <type_traits>
 
@@ -60,7 +61,40 @@ int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& 
   return status;
 }
 
-/* The bucket's stored scale (qsgd_math.h: max, L2 or the sign norm's mean |x|). */
+/* The per-element loops, compiled once per instruction-set variant (qsgd_cpu_isa.cc). Every
+ * variant computes the same bytes and the same sums; active_kernels() is the one in use. */
+struct Kernels {
+  const char* name;
+  /* the bucket's stored scale (qsgd_math.h: max, L2 or the sign norm's mean |x|) */
+  float (*bucket_scale)(const float* x, uint64_t n, int norm);
+  /* codes[k] = qsgd_quantize(x[k], scale, s, qsgd_u24(key, lo + k), bits) for k < n, within one
+   * page of 2^32 elements (lo + n <= 2^32) and a scale that quantizes */
+  void (*quantize)(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits,
+                   uint8_t* codes);
+  /* codes[k] = qsgd_sign_code(x[k]) */
+  void (*sign)(const float* x, uint64_t n, uint8_t* codes);
+  /* m byte codes -> qsgd_packed_bytes(m, bits) bytes at dst */
+  void (*pack)(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst);
+  /* the inverse of pack */
+  void (*unpack)(int bits, const uint8_t* src, uint64_t m, uint8_t* codes);
+  /* acc[k] += qsgd_dequantize(codes[k], step, bits) */
+  void (*dequantize_add)(int bits, const uint8_t* codes, uint64_t n, float step, float* acc);
+  /* acc[0:n) += elements [lo, lo+n) of a fixed-coding payload (data: its packed codes, data_end one
+   * past their last byte; scales: its bucket scales; lo a multiple of 8; codes: scratch of n bytes) */
+  void (*decode_add)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
+                     uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc);
+  /* out = alpha * acc (accumulate == 0) or out = out + alpha * acc */
+  void (*finish)(float* out, const float* acc, uint64_t n, float alpha, int accumulate);
+  /* the sum (mod 2^64) of qsgd_checksum_term over the 64-bit words k0 .. k1-1 of the payload p,
+   * the checksum field read as zero */
+  uint64_t (*checksum_terms)(const uint8_t* p, uint64_t k0, uint64_t k1);
+};
+
+/* The variant in use: chosen once, at the first call, by CPUID (the widest the CPU and the OS
+ * support) or by HVD_QSGD_ISA; qsgd_set_cpu_isa changes it. */
+const Kernels& active_kernels();
+
+/* The bucket's stored scale, with the active variant (the Elias encoder's entry). */
 float bucket_scale(const float* x, uint64_t n, int norm);
 
 /* codes[k] = quantized code of x[k], element index i0 + k, for one bucket's scale. */
@@ -72,8 +106,12 @@ void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float 
 void sign_run(const float* x, uint64_t n, float scale, uint8_t* codes);
 
 /* Scales are stored little-endian fp32 right after the header. */
-float load_scale(const uint8_t* scales, uint64_t b);
-void store_scale(uint8_t* scales, uint64_t b, float v);
+inline float load_scale(const uint8_t* scales, uint64_t b) {
+  float v;
+  memcpy(&v, scales + 4 * b, 4);
+  return v;
+}
+inline void store_scale(uint8_t* scales, uint64_t b, float v) { memcpy(scales + 4 * b, &v, 4); }
 
 /* Full validation of scales (no negative value). */
 int32_t check_scales(const uint8_t* scales, uint64_t nb);

@@ -1,0 +1,434 @@
+/*
+ * The CPU codec's per-element loops -- bucket scale, quantizer, bit packing, unpacking with
+ * dequantize-and-add, the decode's final scaling, the checksum terms -- compiled once per
+ * instruction-set variant and chosen at run time (qsgd_cpu.cc: qsgd_cpu::active_kernels).
+ *
+ * The build compiles this file once per variant, each time with that variant's -march and
+ * -DQSGD_ISA=<name> (setup.py: ISA_VARIANTS); QSGD_ISA names the namespace and the table
+ * qsgd_cpu::kernels_<name>, so the copies never collide. Every variant computes the same bytes and
+ * the same sums: the math is qsgd_math.h's, in the same IEEE single operations in the same order
+ * (no FMA contraction, no reassociation), so the compiler's vector code, the hand-written AVX2 code
+ * below and the scalar code agree bit for bit (tests/test_cpu_isa.py compares every variant the
+ * machine can run against the baseline one).
+ *
+ *   baseline  -march=x86-64 (SSE2): the C++ loops, vectorised by the compiler where it can;
+ *   avx2      -march=x86-64-v3: the same loops plus hand-written AVX2 for the hot ones (the
+ *             quantizer with its counter hash 8 lanes wide in 32-bit multiplies, the packing of
+ *             byte codes into bits, the fused unpack-dequantize-add);
+ *   avx512    -march=x86-64-v4: the C++ loops vectorised by the compiler for AVX-512;
+ *   generic   (other architectures) the C++ loops for the compiler's default target.
+ */
+#include <math.h>
+#include <string.h>
+
+#include <algorithm>
+
+#include "qsgd.h"
+#include "qsgd_cpu_internal.h"
+#include "qsgd_math.h"
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#ifndef QSGD_ISA
+#error "compile with -DQSGD_ISA=<variant name> (setup.py does)"
+#endif
+#define QSGD_STR2(x) #x
+#define QSGD_STR(x) QSGD_STR2(x)
+#define QSGD_CAT2(a, b) a##b
+#define QSGD_CAT(a, b) QSGD_CAT2(a, b)
+
+namespace qsgd_cpu {
+namespace QSGD_ISA {
+namespace {
+
+/* ---- bucket scale ---------------------------------------------------------------------------- */
+/* The folded lane sum of qsgd_lane_term over a bucket (qsgd_math.h: 32 lanes, lane j holding
+ * elements j, j+32, ... in order, folded j += j+16, 8, 4, 2, 1). */
+template <int NORM>
+double lane_sum(const float* x, uint64_t n) {
+  double lane[QSGD_L2_LANES] = {0};
+  const uint64_t full = n / QSGD_L2_LANES;
+  for (uint64_t r = 0; r < full; ++r) {
+    const float* p = x + r * QSGD_L2_LANES;
+    for (int j = 0; j < QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
+  }
+  const float* p = x + full * QSGD_L2_LANES;
+  for (uint64_t j = 0; j < n % QSGD_L2_LANES; ++j) lane[j] += qsgd_lane_term(p[j], NORM);
+  for (int off = QSGD_L2_LANES / 2; off > 0; off /= 2)
+    for (int j = 0; j < off; ++j) lane[j] = lane[j] + lane[j + off];
+  return lane[0];
+}
+
+/* The largest (bits(x) & 0x7fffffff) of the bucket: the bit pattern of its largest |x|. */
+uint32_t absmax_bits(const float* x, uint64_t n) {
+  uint32_t m = 0;
+  uint64_t k = 0;
+#if defined(__AVX2__)
+  __m256i v0 = _mm256_setzero_si256(), v1 = v0;
+  const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
+  for (; k + 16 <= n; k += 16) {
+    v0 = _mm256_max_epu32(v0, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + k)), mask));
+    v1 = _mm256_max_epu32(v1, _mm256_and_si256(_mm256_loadu_si256((const __m256i*)(x + k + 8)), mask));
+  }
+  v0 = _mm256_max_epu32(v0, v1);
+  __m128i h = _mm_max_epu32(_mm256_castsi256_si128(v0), _mm256_extracti128_si256(v0, 1));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0x4E));
+  h = _mm_max_epu32(h, _mm_shuffle_epi32(h, 0xB1));
+  m = (uint32_t)_mm_cvtsi128_si32(h);
+#endif
+  for (; k < n; ++k) m = std::max(m, qsgd_f2u(x[k]) & 0x7FFFFFFFu);
+  return m;
+}
+
+float bucket_scale(const float* x, uint64_t n, int norm) {
+  const uint32_t m = absmax_bits(x, n);
+  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
+  if (norm == QSGD_NORM_SIGN) return qsgd_scale_from_l1(lane_sum<QSGD_NORM_SIGN>(x, n), n, m);
+  return qsgd_scale_from_sumsq(lane_sum<QSGD_NORM_L2>(x, n), m);
+}
+
+/* ---- the quantizer ------------------------------------------------------------------------------ */
+#if defined(__AVX2__)
+/* x >> 16 and x >> 8 in each 32-bit lane, as byte shuffles: they run on other execution ports
+ * than the vector shifts and multiplies, which the hash has enough of */
+inline __m256i srl16(__m256i x) {
+  return _mm256_shuffle_epi8(x, _mm256_setr_epi8(2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1,
+                                                 2, 3, -1, -1, 6, 7, -1, -1, 10, 11, -1, -1, 14, 15, -1, -1));
+}
+inline __m256i srl8(__m256i x) {
+  return _mm256_shuffle_epi8(x, _mm256_setr_epi8(1, 2, 3, -1, 5, 6, 7, -1, 9, 10, 11, -1, 13, 14, 15, -1,
+                                                 1, 2, 3, -1, 5, 6, 7, -1, 9, 10, 11, -1, 13, 14, 15, -1));
+}
+
+/* qsgd_hash32 on 8 lanes */
+inline __m256i hash32x8(__m256i x) {
+  x = _mm256_xor_si256(x, srl16(x));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32(0x7FEB352D));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x846CA68Bu));
+  x = _mm256_xor_si256(x, srl16(x));
+  return x;
+}
+
+/* (float)qsgd_u24(key, idx) on 8 lanes (exact: u24 < 2^24) */
+inline __m256 u24x8(__m256i idx, __m256i key_lo, __m256i key_hi) {
+  __m256i y = hash32x8(_mm256_xor_si256(idx, key_lo));
+  y = hash32x8(_mm256_add_epi32(y, key_hi));
+  return _mm256_cvtepi32_ps(srl8(y));
+}
+
+/* qsgd_quantize on 8 lanes: the code in each 32-bit lane, the same operations in the same order */
+template <int BITS>
+inline __m256i quantize8(__m256 x, __m256 scale, __m256 s, __m256 r) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 two24 = _mm256_set1_ps(16777216.0f);
+  if (BITS == 1) {
+    const __m256 half = _mm256_set1_ps(0.5f);
+    const __m256 p = _mm256_add_ps(half, _mm256_mul_ps(half, _mm256_div_ps(x, scale)));
+    const __m256 positive = _mm256_cmp_ps(r, _mm256_mul_ps(p, two24), _CMP_LT_OQ);
+    return _mm256_andnot_si256(_mm256_castps_si256(positive), _mm256_set1_epi32(1));
+  }
+  /* |x| as (x < 0 ? -x : x): the two differ only for -0, where both quantize to level 0 */
+  const __m256 ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  __m256 t = _mm256_mul_ps(_mm256_div_ps(ax, scale), s);
+  t = _mm256_min_ps(t, s); /* t < s ? t : s */
+  __m256i l = _mm256_cvttps_epi32(t);
+  const __m256 frac = _mm256_sub_ps(t, _mm256_cvtepi32_ps(l));
+  const __m256 up = _mm256_cmp_ps(r, _mm256_mul_ps(frac, two24), _CMP_LT_OQ);
+  l = _mm256_sub_epi32(l, _mm256_castps_si256(up)); /* + 1 where up (all ones = -1) */
+  const __m256i xneg = _mm256_castps_si256(_mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+  const __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(l, _mm256_setzero_si256()), xneg);
+  return _mm256_or_si256(l, _mm256_and_si256(neg, _mm256_set1_epi32(1 << (BITS - 1))));
+}
+
+/* four vectors of 8 codes (32-bit lanes, values < 256) -> 32 bytes in element order */
+inline __m256i codes_to_bytes(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
+  const __m256i a = _mm256_packus_epi32(c0, c1);
+  const __m256i b = _mm256_packus_epi32(c2, c3);
+  const __m256i p = _mm256_packus_epi16(a, b);
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+#endif
+
+template <int BITS>
+void quantize_page(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo, float scale,
+                   uint8_t* __restrict codes) {
+  const float s = (float)qsgd_levels_of(BITS);
+  uint64_t k = 0;
+#if defined(__AVX2__)
+  const __m256i key_lo = _mm256_set1_epi32((int)(uint32_t)key);
+  const __m256i key_hi = _mm256_set1_epi32((int)(uint32_t)(key >> 32));
+  const __m256 vscale = _mm256_set1_ps(scale), vs = _mm256_set1_ps(s);
+  const __m256i step8 = _mm256_set1_epi32(8);
+  __m256i idx = _mm256_add_epi32(_mm256_set1_epi32((int)lo), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  for (; k + 32 <= n; k += 32) {
+    __m256i c[4];
+    for (int v = 0; v < 4; ++v) {
+      const __m256 r = u24x8(idx, key_lo, key_hi);
+      c[v] = quantize8<BITS>(_mm256_loadu_ps(x + k + 8 * v), vscale, vs, r);
+      idx = _mm256_add_epi32(idx, step8);
+    }
+    _mm256_storeu_si256((__m256i*)(codes + k), codes_to_bytes(c[0], c[1], c[2], c[3]));
+  }
+#endif
+  for (; k < n; ++k)
+    codes[k] = (uint8_t)qsgd_quantize(x[k], scale, s, qsgd_u24(key, lo + (uint32_t)k), BITS);
+}
+
+void quantize(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, uint8_t* codes) {
+  dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, n, key, lo, scale, codes); });
+}
+
+void sign(const float* __restrict x, uint64_t n, uint8_t* __restrict codes) {
+  for (uint64_t k = 0; k < n; ++k) codes[k] = (uint8_t)qsgd_sign_code(x[k]);
+}
+
+/* ---- packing: m codes -> qsgd_packed_bytes(m, BITS) bytes, code j of a group of 8 at bit j*BITS */
+template <int BITS>
+void pack_scalar(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restrict dst) {
+  const uint64_t groups = m / 8;
+  if (BITS == 8) {
+    memcpy(dst, codes, m);
+    return;
+  } else if (BITS == 4 || BITS == 2 || BITS == 1) {
+    const int per = 8 / BITS;
+    const uint64_t nbytes = m / per;
+    for (uint64_t k = 0; k < nbytes; ++k) {
+      uint32_t v = 0;
+      for (int j = 0; j < per; ++j) v |= (uint32_t)codes[k * per + j] << (j * BITS);
+      dst[k] = (uint8_t)v;
+    }
+    const uint64_t rem = m - nbytes * per;
+    if (rem) {
+      uint32_t v = 0;
+      for (uint64_t j = 0; j < rem; ++j) v |= (uint32_t)codes[nbytes * per + j] << (j * BITS);
+      dst[nbytes] = (uint8_t)v;
+    }
+    return;
+  }
+  for (uint64_t g = 0; g < groups; ++g) {
+    uint64_t v = 0;
+    for (int j = 0; j < 8; ++j) v |= (uint64_t)codes[8 * g + j] << (j * BITS);
+    qsgd_store_le(dst + g * BITS, v, BITS);
+  }
+  const uint64_t rem = m % 8;
+  if (rem) {
+    uint64_t v = 0;
+    for (uint64_t j = 0; j < rem; ++j) v |= (uint64_t)codes[8 * groups + j] << (j * BITS);
+    qsgd_store_le(dst + groups * BITS, v, (int)((rem * BITS + 7) / 8));
+  }
+}
+
+#if defined(__AVX2__)
+/* 32 byte codes of BITS bits each -> each 64-bit lane holds its 8 codes' 8*BITS bits at its low
+ * end (code j of the lane at bit j*BITS): merge neighbours in 16-, 32-, then 64-bit lanes. */
+template <int BITS>
+inline __m256i merge_codes(__m256i v) {
+  const __m256i lo16 = _mm256_and_si256(v, _mm256_set1_epi16(0x00FF));
+  v = _mm256_or_si256(lo16, _mm256_slli_epi16(_mm256_srli_epi16(v, 8), BITS));
+  const __m256i lo32 = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+  v = _mm256_or_si256(lo32, _mm256_slli_epi32(_mm256_srli_epi32(v, 16), 2 * BITS));
+  const __m256i lo64 = _mm256_and_si256(v, _mm256_set1_epi64x(0xFFFFFFFFll));
+  return _mm256_or_si256(lo64, _mm256_slli_epi64(_mm256_srli_epi64(v, 32), 4 * BITS));
+}
+#endif
+
+template <int BITS>
+void pack_t(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restrict dst) {
+#if defined(__AVX2__)
+  if (BITS != 8) {
+    uint64_t k = 0;
+    if (BITS == 1) {
+      for (; k + 32 <= m; k += 32) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(codes + k));
+        const uint32_t bitsv = (uint32_t)_mm256_movemask_epi8(_mm256_slli_epi16(v, 7));
+        memcpy(dst + k / 8, &bitsv, 4);
+      }
+    } else {
+      /* within each 128-bit half: the low BITS bytes of both 64-bit lanes, side by side */
+      alignas(32) int8_t sel[32];
+      for (int h = 0; h < 2; ++h)
+        for (int j = 0; j < 16; ++j)
+          sel[16 * h + j] = (int8_t)(j < BITS ? j : (j < 2 * BITS ? 8 + j - BITS : -1));
+      const __m256i shuf = _mm256_load_si256((const __m256i*)sel);
+      const uint64_t full_bytes = m / 8 * BITS;
+      /* each block of 32 codes writes 4*BITS bytes, as two 16-byte stores at +0 and +2*BITS: a
+       * store may run past the block but never past the m codes' bytes */
+      for (; k + 32 <= m && k / 8 * BITS + 2 * BITS + 16 <= full_bytes; k += 32) {
+        const __m256i v = _mm256_shuffle_epi8(merge_codes<BITS>(_mm256_loadu_si256((const __m256i*)(codes + k))), shuf);
+        uint8_t* d = dst + k / 8 * BITS;
+        if (BITS == 4) {
+          _mm_storeu_si128((__m128i*)d, _mm256_castsi256_si128(_mm256_permute4x64_epi64(v, 0x08)));
+        } else if (BITS == 2) {
+          const __m256i q = _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+          _mm_storel_epi64((__m128i*)d, _mm256_castsi256_si128(q));
+        } else {
+          _mm_storeu_si128((__m128i*)d, _mm256_castsi256_si128(v));
+          _mm_storeu_si128((__m128i*)(d + 2 * BITS), _mm256_extracti128_si256(v, 1));
+        }
+      }
+    }
+    pack_scalar<BITS>(codes + k, m - k, dst + k / 8 * BITS);
+    return;
+  }
+#endif
+  pack_scalar<BITS>(codes, m, dst);
+}
+
+void pack(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
+  dispatch_bits(bits, [&](auto b) { pack_t<b.value>(codes, m, dst); });
+}
+
+/* ---- unpacking: the inverse of pack ------------------------------------------------------------ */
+template <int BITS>
+void unpack_t(const uint8_t* __restrict src, uint64_t m, uint8_t* __restrict codes) {
+  const uint32_t mask = (1u << BITS) - 1u;
+  if (BITS == 8) {
+    memcpy(codes, src, m);
+    return;
+  } else if (BITS == 4 || BITS == 2 || BITS == 1) {
+    const int per = 8 / BITS;
+    const uint64_t nbytes = m / per;
+    for (uint64_t k = 0; k < nbytes; ++k)
+      for (int j = 0; j < per; ++j) codes[k * per + j] = (uint8_t)((src[k] >> (j * BITS)) & mask);
+    for (uint64_t j = 0; j < m - nbytes * per; ++j)
+      codes[nbytes * per + j] = (uint8_t)((src[nbytes] >> (j * BITS)) & mask);
+    return;
+  }
+  const uint64_t groups = m / 8;
+  for (uint64_t g = 0; g < groups; ++g) {
+    const uint64_t v = qsgd_load_le(src + g * BITS, BITS);
+    for (int j = 0; j < 8; ++j) codes[8 * g + j] = (uint8_t)((v >> (j * BITS)) & mask);
+  }
+  const uint64_t rem = m % 8;
+  if (rem) {
+    const uint64_t v = qsgd_load_le(src + groups * BITS, (int)((rem * BITS + 7) / 8));
+    for (uint64_t j = 0; j < rem; ++j) codes[8 * groups + j] = (uint8_t)((v >> (j * BITS)) & mask);
+  }
+}
+
+template <int BITS>
+void dequantize_add_t(const uint8_t* __restrict codes, uint64_t n, float step, float* __restrict acc) {
+  for (uint64_t k = 0; k < n; ++k) acc[k] += qsgd_dequantize(codes[k], step, BITS);
+}
+
+#if defined(__AVX2__)
+/* qsgd_dequantize of 8 codes (32-bit lanes) */
+template <int BITS>
+inline __m256 dequantize8(__m256i code, __m256 step) {
+  const __m256i level = BITS == 1 ? _mm256_set1_epi32(1)
+                                  : _mm256_and_si256(code, _mm256_set1_epi32((1 << (BITS - 1)) - 1));
+  const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(level), step);
+  /* negation is the sign bit flipped */
+  const __m256i sign = _mm256_slli_epi32(_mm256_srli_epi32(code, BITS - 1), 31);
+  return _mm256_xor_ps(v, _mm256_castsi256_ps(sign));
+}
+
+/* The 8 codes of BITS bits starting at byte p, one per 32-bit lane; reads 8 bytes at p. */
+template <int BITS>
+inline __m256i load_codes8(const uint8_t* p, __m256i gather, __m256i shifts) {
+  const __m256i w = _mm256_broadcastsi128_si256(_mm_loadl_epi64((const __m128i*)p));
+  const __m256i lanes = _mm256_srlv_epi32(_mm256_shuffle_epi8(w, gather), shifts);
+  return _mm256_and_si256(lanes, _mm256_set1_epi32((1 << BITS) - 1));
+}
+#endif
+
+/* acc[0:n) += the decoded elements [lo, lo+n) of a fixed-coding payload: data holds the packed codes
+ * of every element (data_end is one past its last byte), scales the bucket scales; lo is a multiple of
+ * 8; codes is scratch for n codes. */
+template <int BITS>
+void decode_add_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
+                  uint64_t lo, uint64_t n, uint8_t* codes, float* acc) {
+  const float s = (float)qsgd_levels_of(BITS);
+#if defined(__AVX2__)
+  if (bucket % 8 == 0) {
+    /* fused: codes straight from the packed bytes into registers, 8 elements (BITS bytes) a time */
+    alignas(32) int8_t g[32];
+    alignas(32) int32_t sh[8];
+    for (int j = 0; j < 8; ++j) {
+      const int o = j * BITS / 8;
+      for (int t = 0; t < 4; ++t) g[4 * j + t] = (int8_t)(o + t < 16 ? o + t : -1);
+      sh[j] = j * BITS % 8;
+    }
+    /* lanes 4..7 are in the upper 128-bit half: pshufb indexes within each half, and the load
+     * broadcasts the 8 bytes to both halves */
+    const __m256i gather = _mm256_load_si256((const __m256i*)g);
+    const __m256i shifts = _mm256_load_si256((const __m256i*)sh);
+    uint64_t i = lo;
+    const uint64_t end = lo + n;
+    while (i < end) {
+      const uint64_t b = i / bucket, hi = std::min(end, (b + 1) * bucket);
+      const float step = qsgd_step_of(load_scale(scales, b), s);
+      const __m256 vstep = _mm256_set1_ps(step);
+      float* a = acc + (i - lo);
+      const uint8_t* p = data + i / 8 * BITS;
+      uint64_t k = 0;
+      const uint64_t m = hi - i;
+      for (; k + 8 <= m && p + 8 <= data_end; k += 8, p += BITS) {
+        const __m256 v = dequantize8<BITS>(load_codes8<BITS>(p, gather, shifts), vstep);
+        _mm256_storeu_ps(a + k, _mm256_add_ps(_mm256_loadu_ps(a + k), v));
+      }
+      if (k < m) {
+        unpack_t<BITS>(data + (i + k) / 8 * BITS, m - k, codes);
+        dequantize_add_t<BITS>(codes, m - k, step, a + k);
+      }
+      i = hi;
+    }
+    return;
+  }
+#endif
+  (void)data_end;
+  unpack_t<BITS>(data + lo / 8 * BITS, n, codes);
+  for (uint64_t i = lo; i < lo + n;) {
+    const uint64_t b = i / bucket, hi = std::min(lo + n, (b + 1) * bucket);
+    dequantize_add_t<BITS>(codes + (i - lo), hi - i, qsgd_step_of(load_scale(scales, b), s), acc + (i - lo));
+    i = hi;
+  }
+}
+
+void decode_add(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
+                uint64_t lo, uint64_t n, uint8_t* codes, float* acc) {
+  dispatch_bits(bits, [&](auto b) { decode_add_t<b.value>(data, data_end, scales, bucket, lo, n, codes, acc); });
+}
+
+void unpack(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
+  dispatch_bits(bits, [&](auto b) { unpack_t<b.value>(src, m, codes); });
+}
+
+void dequantize_add(int bits, const uint8_t* codes, uint64_t n, float step, float* acc) {
+  dispatch_bits(bits, [&](auto b) { dequantize_add_t<b.value>(codes, n, step, acc); });
+}
+
+/* out = alpha * acc, or out = out + alpha * acc */
+void finish(float* __restrict out, const float* __restrict acc, uint64_t n, float alpha, int accumulate) {
+  if (accumulate)
+    for (uint64_t k = 0; k < n; ++k) out[k] = out[k] + alpha * acc[k];
+  else
+    for (uint64_t k = 0; k < n; ++k) out[k] = alpha * acc[k];
+}
+
+/* sum over k in [k0, k1) of qsgd_checksum_term(word k of p, k), the checksum field read as zero */
+uint64_t checksum_terms(const uint8_t* p, uint64_t k0, uint64_t k1) {
+  uint64_t sum = 0;
+  for (uint64_t k = k0; k < k1; ++k) {
+    uint64_t w;
+    memcpy(&w, p + 8 * k, 8);
+    if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
+    sum += qsgd_checksum_term(w, k);
+  }
+  return sum;
+}
+
+}  // namespace
+}  // namespace QSGD_ISA
+
+extern const Kernels QSGD_CAT(kernels_, QSGD_ISA);
+const Kernels QSGD_CAT(kernels_, QSGD_ISA) = {
+    QSGD_STR(QSGD_ISA), QSGD_ISA::bucket_scale, QSGD_ISA::quantize, QSGD_ISA::sign, QSGD_ISA::pack,
+    QSGD_ISA::unpack,   QSGD_ISA::dequantize_add, QSGD_ISA::decode_add, QSGD_ISA::finish,
+    QSGD_ISA::checksum_terms,
+};
+
+}  // namespace qsgd_cpu

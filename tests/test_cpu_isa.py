@@ -1,0 +1,205 @@
+"""The CPU codec's instruction-set variants (kernels/qsgd_cpu_isa.cc, chosen at run time).
+
+Every variant this machine can run must produce the same payload bytes and the same decoded sums,
+bit for bit, as the baseline variant: over every bit width, norm and coding, bucket sizes that do
+and do not divide 8, 32 or the packing blocks, lengths with every kind of tail, the parallel
+threshold, and special values (zeros of both signs, subnormals, values at the quantization levels,
+infinities, NaN). The choice itself: the widest variant the CPU runs (checked against
+/proc/cpuinfo, an independent reading of the CPU), HVD_QSGD_ISA forcing one in a fresh process, and
+a clear error for a name the library does not have or a variant the CPU cannot run.
+"""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from hvd_qsgd import _native, codec, reduction
+from tests.helpers import ROOT
+
+VARIANTS = codec.cpu_isas()
+RUNNABLE = [name for name, runs in VARIANTS.items() if runs]
+OTHERS = [name for name in RUNNABLE if name != RUNNABLE[0]]
+
+# /proc/cpuinfo flags each x86-64 variant needs (its -march level's instructions, AVX-512 subsets)
+NEEDS = {
+    "baseline": (),
+    "avx2": ("avx", "avx2", "bmi1", "bmi2", "fma", "f16c", "movbe", "abm", "sse4_2", "popcnt"),
+    "avx512": ("avx", "avx2", "bmi1", "bmi2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
+}
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    codec.set_cpu_isa("auto")
+
+
+def _data(n, seed, kind):
+    rng = np.random.default_rng(seed)
+    if kind == "normal":
+        return rng.standard_normal(n).astype(np.float32)
+    if kind == "wide":  # magnitudes over many binades, with subnormals and zeros of both signs
+        x = (rng.standard_normal(n) * np.exp2(rng.integers(-140, 60, n))).astype(np.float32)
+        x[rng.random(n) < 0.05] = 0.0
+        x[rng.random(n) < 0.05] = -0.0
+        return x
+    if kind == "levels":  # values on and next to the quantization levels of a max-norm bucket
+        x = rng.integers(-7, 8, n).astype(np.float32) / 7.0
+        x = np.where(rng.random(n) < 0.5, x, np.nextafter(x, np.float32(2.0)))
+        return x.astype(np.float32)
+    if kind == "special":  # non-finite values in some buckets
+        x = rng.standard_normal(n).astype(np.float32)
+        for v in (np.inf, -np.inf, np.nan):
+            if n:
+                x[rng.integers(0, n, max(1, n // 5000))] = v
+        return x
+    raise ValueError(kind)
+
+
+def _encode_all(variants, x, **kw):
+    out = {}
+    for name in variants:
+        codec.set_cpu_isa(name)
+        out[name] = codec.encode(x, **kw)
+    return out
+
+
+def _decode_all(variants, payloads, **kw):
+    out = {}
+    for name in variants:
+        codec.set_cpu_isa(name)
+        out[name] = codec.decode_sum(payloads, **kw)
+    return out
+
+
+def test_the_variants_and_the_one_in_use():
+    assert RUNNABLE and RUNNABLE[0] in ("baseline", "generic"), VARIANTS
+    # the widest runnable variant is in use (unless HVD_QSGD_ISA forces one)
+    forced = os.environ.get("HVD_QSGD_ISA", "auto") or "auto"
+    assert codec.cpu_isa() == (RUNNABLE[-1] if forced == "auto" else forced)
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/cpuinfo") or "baseline" not in VARIANTS,
+                    reason="x86-64 with /proc/cpuinfo only")
+def test_cpuid_agrees_with_proc_cpuinfo():
+    flags = _native._cpu_flags()
+    for name, runs in VARIANTS.items():
+        expected = all(f in flags for f in NEEDS[name])
+        assert runs == expected, (name, runs, [f for f in NEEDS[name] if f not in flags])
+
+
+CASES = [
+    # (bits, norm, coding, bucket_size)
+    *[(b, "max", "fixed", 512) for b in range(1, 9)],
+    *[(b, "l2", "fixed", 512) for b in (1, 2, 4, 8)],
+    (1, "sign", "fixed", 512),
+    *[(b, "max", "fixed", bucket) for b in (2, 3, 4, 7, 8) for bucket in (1, 3, 8, 100, 4096, 5000)],
+    *[(b, "max", "elias", bucket) for b in (2, 4, 8) for bucket in (128, 512)],
+    (3, "l2", "elias", 100),
+]
+SIZES = [0, 1, 7, 8, 31, 33, 1000, 4097, 70_001]
+
+
+@pytest.mark.skipif(not OTHERS, reason="this CPU runs only the baseline variant")
+@pytest.mark.parametrize("bits,norm,coding,bucket", CASES)
+def test_every_variant_encodes_and_decodes_like_the_baseline(restore_isa, bits, norm, coding, bucket):
+    for n in SIZES:
+        for kind in ("normal", "wide", "levels", "special"):
+            if kind == "special" and coding == "elias" and n > 1000:
+                continue  # covered at the smaller sizes; Elias of NaN buckets is slow to build
+            x = _data(n, seed=n * 7 + bits, kind=kind)
+            kw = dict(bits=bits, bucket_size=bucket, norm=norm, coding=coding, seed=n + 1, fingerprint=5)
+            enc = _encode_all(RUNNABLE, x, **kw)
+            base = enc[RUNNABLE[0]]
+            for name in OTHERS:
+                assert np.array_equal(enc[name], base), (name, n, kind, kw)
+            # two payloads summed, scaled, into zeros and accumulated onto data
+            other = codec.encode(_data(n, seed=n + 99, kind="normal"), **dict(kw, seed=n + 2))
+            start = _data(n, seed=3, kind="normal")
+            for alpha, accumulate in ((1.0, False), (0.5, True)):
+                dec = {}
+                for name in RUNNABLE:
+                    codec.set_cpu_isa(name)
+                    out = start.copy()
+                    codec.decode_sum([base, other], alpha, out=out, accumulate=accumulate)
+                    dec[name] = out
+                for name in OTHERS:
+                    assert np.array_equal(dec[name].view(np.uint32), dec[RUNNABLE[0]].view(np.uint32)), (
+                        name, n, kind, kw, alpha)
+
+
+@pytest.mark.skipif(not OTHERS, reason="this CPU runs only the baseline variant")
+@pytest.mark.parametrize("checksum", [True, False])
+def test_checksum_and_validation_agree_across_variants(restore_isa, checksum):
+    """The encoder adds up the checksum chunk by chunk while packing; the value must be the one the
+    whole-payload checksum gives (every variant), and a flipped bit must be caught by each."""
+    x = _data(300_000, seed=1, kind="normal")
+    for bits in (1, 3, 4, 8):
+        for bucket in (7, 512):
+            enc = _encode_all(RUNNABLE, x, bits=bits, bucket_size=bucket, seed=9, checksum=checksum)
+            for name in RUNNABLE:
+                assert np.array_equal(enc[name], enc[RUNNABLE[0]])
+                codec.set_cpu_isa(name)
+                codec.validate(enc[name])
+                if checksum:
+                    lib = _native.load()
+                    p = enc[name].copy()
+                    stored = int.from_bytes(p[48:56].tobytes(), "little")
+                    assert lib.qsgd_checksum_cpu(p.ctypes.data, p.size) == stored
+                    p[p.size // 2] ^= 0x10
+                    with pytest.raises(codec.PayloadError, match="checksum"):
+                        codec.validate(p)
+
+
+@pytest.mark.skipif(not OTHERS, reason="this CPU runs only the baseline variant")
+def test_scatter_allgather_chunk_steps_agree_across_variants(restore_isa):
+    from hvd_qsgd.settings import Settings
+    settings = Settings.make(bits=4, bucket_size=128)
+    x = _data(100_003, seed=4, kind="normal")
+    results = {}
+    for name in RUNNABLE:
+        codec.set_cpu_isa(name)
+        buf, lens = reduction.encode_chunks(x, settings, step_seed=11, n=3)
+        results[name] = np.asarray(buf).tobytes(), list(lens)
+    for name in OTHERS:
+        assert results[name] == results[RUNNABLE[0]], name
+
+
+def test_set_cpu_isa_refuses_unknown_and_unrunnable_variants(restore_isa):
+    with pytest.raises(ValueError, match="not-a-variant"):
+        codec.set_cpu_isa("not-a-variant")
+    for name, runs in VARIANTS.items():
+        if not runs:
+            with pytest.raises(ValueError, match="cannot run"):
+                codec.set_cpu_isa(name)
+    codec.set_cpu_isa(RUNNABLE[0])
+    assert codec.cpu_isa() == RUNNABLE[0]
+    codec.set_cpu_isa("auto")
+    assert codec.cpu_isa() == RUNNABLE[-1]
+
+
+def _in_fresh_process(env_value, code="from hvd_qsgd import codec; print(codec.cpu_isa())"):
+    env = dict(os.environ, HVD_QSGD_ISA=env_value)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True, timeout=120)
+
+
+def test_hvd_qsgd_isa_forces_a_variant_at_load():
+    for name in RUNNABLE:
+        proc = _in_fresh_process(name)
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.split()[-1] == name
+
+
+def test_hvd_qsgd_isa_with_a_bad_value_is_an_import_error_not_a_silent_fallback():
+    proc = _in_fresh_process("avx9000")
+    assert proc.returncode != 0
+    assert "ImportError" in proc.stderr and "HVD_QSGD_ISA='avx9000'" in proc.stderr
+    assert "is not one of its variants" in proc.stderr
+    unrunnable = [name for name, runs in VARIANTS.items() if not runs]
+    if unrunnable:
+        proc = _in_fresh_process(unrunnable[0])
+        assert proc.returncode != 0
+        assert "cannot run on this CPU" in proc.stderr and unrunnable[0] in proc.stderr
