@@ -9,6 +9,15 @@ input: 4 * numel / seconds (1 GB = 1e9 bytes; e+d uses t_encode + t_decode); eac
 of ``--repeats`` runs after one warm-up. Before timing, a self-check verifies every implementation
 (error within one level spacing, unbiasedness, scales and bit layout equal to the codec's). With a
 CUDA device and the codec's CUDA library, the CUDA kernels are timed against a device-to-device copy.
+
+Every row names the CPU kernels' instruction-set variant (``--isa`` times several side by side in
+one run; the default is the one in use: the widest this CPU runs, or HVD_QSGD_ISA) and gives the
+time per element per thread (t * threads / numel: what one core costs per element). The roofline
+table then sets each kernel against the bytes it must move: encode reads 4 bytes per element and
+writes the payload, decode reads the payload and writes 4 bytes per element, memcpy reads and writes
+4; at the memory bandwidth this machine's memcpy reached in the same run (8 * numel / t_memcpy),
+that traffic takes a floor time, and "of floor" is floor / measured (1.00 = as fast as the memory
+allows; a write-allocating store moves the destination twice, so plain stores reach ~0.7).
 """
 import argparse
 import ctypes
@@ -49,6 +58,19 @@ def parse_sizes(text):
 parse_bits = bit_widths(2)
 
 
+def parse_isas(text):
+    """'avx2,baseline' -> ['avx2', 'baseline']; 'all' -> every variant this CPU runs."""
+    runs = [name for name, ok in codec.cpu_isas().items() if ok]
+    if text.strip() == "all":
+        return runs
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in runs]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--isa: {', '.join(bad) or '(none)'} not among the variants this CPU "
+                                         f"runs ({', '.join(runs)})")
+    return names
+
+
 def fmt_size(n):
     for unit in ("G", "M", "K"):
         if n % _UNITS[unit] == 0:
@@ -68,6 +90,9 @@ def add_arguments(p):
     p.add_argument("--baseline-max", type=parse_size, default="16M",
                    help="skip the NumPy/PyTorch baselines above this many elements (default %(default)s)")
     p.add_argument("--threads", type=int, default=0, help="codec CPU threads (0: the codec's default)")
+    p.add_argument("--isa", type=parse_isas, default=None,
+                   help="CPU kernel variants to time side by side, comma-separated, or 'all' (every variant "
+                        "this CPU runs); default: the one in use")
     p.add_argument("--no-checksum", action="store_true", help="encode without the payload checksum")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and of the quantizers")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
@@ -180,8 +205,9 @@ def self_check(bits_list, bucket, checksum, seed):
 
 
 # ---- CPU timing ----------------------------------------------------------------------------------
-_COLS = [("size", 6), ("bits", 4), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
-         ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11), ("checksum", 9)]
+_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
+         ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11), ("enc ns/el", 10),
+         ("dec ns/el", 10), ("checksum", 9)]
 
 
 def _row_text(cells):
@@ -192,17 +218,31 @@ def _num(v, ratio=False):
     return "-" if v is None else (f"{v:.2f}x" if ratio else f"{v:.2f}")
 
 
+def kernel_threads(n):
+    """Threads the CPU kernels use for n elements (kernels/qsgd_cpu.cc: one below 2^16 elements)."""
+    return codec.get_num_threads() if n >= 1 << 16 else 1
+
+
 def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselines):
-    """Measure one (size, bits) cell; returns the row dict (None where not measured)."""
-    row = dict(numel=n, bits=bits, memcpy_s=memcpy_s, memcpy_gbps=gbps(n, memcpy_s))
-    enc, _ = _implementations(bits, bucket, checksum)["hvd_qsgd"]
-    te, payload = median_time(lambda: enc(x, seed), repeats)
+    """Measure one (size, bits) cell with the variant in use; returns the row dict (None where not
+    measured)."""
+    threads = kernel_threads(n)
+    row = dict(numel=n, bits=bits, isa=codec.cpu_isa(), threads=threads, memcpy_s=memcpy_s,
+               memcpy_gbps=gbps(n, memcpy_s))
+    # encode into a caller-owned buffer, as decode and memcpy write into existing arrays: a fresh
+    # array would time the page faults of its first touch, not the codec
+    buf = np.empty(codec.max_payload_nbytes(n, bits, bucket), dtype=np.uint8)
+    te, payload = median_time(lambda: codec.encode(x, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum,
+                                                   out=buf), repeats)
+    payload = payload.copy()
     # decode into a caller-owned buffer, as the reduction does (into the gradient) and as memcpy's
     # destination is: a fresh 256 MB array would time the kernel's page faults, not the codec
     out = np.empty(n, dtype=np.float32)
     td, _ = median_time(lambda: codec.decode_sum([payload], out=out), repeats)
     row.update(payload_bytes=int(payload.size), qsgd_encode_s=te, qsgd_decode_s=td,
-               qsgd_encode_gbps=gbps(n, te), qsgd_decode_gbps=gbps(n, td), qsgd_ed_gbps=gbps(n, te + td))
+               qsgd_encode_gbps=gbps(n, te), qsgd_decode_gbps=gbps(n, td), qsgd_ed_gbps=gbps(n, te + td),
+               encode_ns_per_elem_thread=te * threads / n * 1e9, decode_ns_per_elem_thread=td * threads / n * 1e9)
+    row.update(roofline(n, int(payload.size), memcpy_s, te, td))
     # the checksum's cost, side by side: encode + decode with it over without it, round by round
     with_ck, _ = _implementations(bits, bucket, True)["hvd_qsgd"]
     without_ck, _ = _implementations(bits, bucket, False)["hvd_qsgd"]
@@ -227,11 +267,38 @@ def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselin
     return row
 
 
+def roofline(n, payload_bytes, memcpy_s, encode_s, decode_s):
+    """The bytes each kernel must move, the floor time they take at the bandwidth memcpy reached
+    (8 * n bytes moved in memcpy_s), and floor / measured."""
+    bandwidth = 8 * n / memcpy_s
+    enc_bytes, dec_bytes = 4 * n + payload_bytes, payload_bytes + 4 * n
+    return dict(memory_gbps=bandwidth / 1e9, encode_bytes=enc_bytes, decode_bytes=dec_bytes,
+                encode_floor_s=enc_bytes / bandwidth, decode_floor_s=dec_bytes / bandwidth,
+                encode_of_floor=enc_bytes / bandwidth / encode_s, decode_of_floor=dec_bytes / bandwidth / decode_s)
+
+
 def _print_cpu_row(r):
-    print(_row_text([fmt_size(r["numel"]), r["bits"], _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
+    print(_row_text([fmt_size(r["numel"]), r["bits"], r["isa"], _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
                      _num(r["qsgd_decode_gbps"]), _num(r["qsgd_ed_gbps"]), _num(r["numpy_ed_gbps"]),
                      _num(r["torch_ed_gbps"]), _num(r["ratio_qsgd_torch"], True),
-                     _num(r["ratio_qsgd_memcpy"], True), f"{100 * r['checksum_cost']:+.1f}%"]), flush=True)
+                     _num(r["ratio_qsgd_memcpy"], True), f"{r['encode_ns_per_elem_thread']:.2f}",
+                     f"{r['decode_ns_per_elem_thread']:.2f}", f"{100 * r['checksum_cost']:+.1f}%"]), flush=True)
+
+
+_ROOF_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("mem GB/s", 9), ("enc B/el", 9), ("dec B/el", 9),
+              ("enc floor", 10), ("dec floor", 10), ("enc of floor", 13), ("dec of floor", 13)]
+
+
+def _print_roofline(rows):
+    print("\nroofline: bytes each kernel moves per element, its floor time (ns per element, all threads) at "
+          "the memory bandwidth memcpy reached (8 B/el), and floor / measured")
+    print("  ".join(c.rjust(w) for c, w in _ROOF_COLS))
+    for r in rows:
+        n = r["numel"]
+        cells = [fmt_size(n), r["bits"], r["isa"], f"{r['memory_gbps']:.1f}", f"{r['encode_bytes'] / n:.2f}",
+                 f"{r['decode_bytes'] / n:.2f}", f"{r['encode_floor_s'] / n * 1e9:.3f}",
+                 f"{r['decode_floor_s'] / n * 1e9:.3f}", f"{r['encode_of_floor']:.2f}", f"{r['decode_of_floor']:.2f}"]
+        print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, _ROOF_COLS)))
 
 
 # ---- CUDA timing ---------------------------------------------------------------------------------
@@ -328,9 +395,14 @@ def run(args):
     info = machine_info()
     torch_text = (f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"]
                   else "torch absent")
+    in_use = codec.cpu_isa()
+    isas = args.isa or [in_use]
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); codec threads "
           f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; "
           f"load average {info['load_avg_1min']:.2f}")
+    print(f"CPU kernels: variant in use {codec.cpu_isa()}; compiled: "
+          + ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in codec.cpu_isas().items())
+          + f"; timed: {', '.join(isas)}")
     if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
         print("warning: other processes are using the CPUs (load average above half the usable cores); "
               "the timings below are shared with them")
@@ -352,15 +424,22 @@ def run(args):
         memcpy_s, _ = median_time(lambda: np.copyto(dst, x), args.repeats)
         del dst
         for bits in args.bits:
-            r = time_cpu(n, bits, args.bucket_size, args.repeats, args.seed, checksum, x, memcpy_s,
-                         n <= args.baseline_max)
-            rows.append(r)
-            _print_cpu_row(r)
+            for isa in isas:
+                codec.set_cpu_isa(isa)
+                try:
+                    r = time_cpu(n, bits, args.bucket_size, args.repeats, args.seed, checksum, x, memcpy_s,
+                                 n <= args.baseline_max and isa == isas[0])
+                finally:
+                    codec.set_cpu_isa(in_use)
+                rows.append(r)
+                _print_cpu_row(r)
         del x
     print("memcpy = np.copyto into an existing array (counts the 4 * numel bytes read; it also writes as "
-          "many); qsgd dec = decode_sum into an existing array; qsgd enc includes the checksum; checksum = "
+          "many); qsgd enc = encode into an existing buffer, including the checksum; qsgd dec = decode_sum "
+          "into an existing array; ns/el = ns per element per thread (t * threads / numel); checksum = "
           "median of t(encode+decode with the checksum) / t(without) - 1, timed back to back per round; "
           f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
+    _print_roofline(rows)
     status, cuda = 0, dict(measured=False, reason=cuda_unavailable_reason(), rows=[])
     if cuda["reason"] is not None:
         print(f"\nCUDA: not measured ({cuda['reason']})")
@@ -373,7 +452,7 @@ def run(args):
             print(f"CUDA: not measured (failed: {e})")
             status = 1
     if args.json:
-        config = dict(sizes=args.sizes, bits=args.bits, bucket_size=args.bucket_size, repeats=args.repeats,
+        config = dict(sizes=args.sizes, bits=args.bits, isa=isas, bucket_size=args.bucket_size, repeats=args.repeats,
                       baseline_max=args.baseline_max, checksum=checksum, seed=args.seed, gb=1e9)
         result = dict(machine=info, config=config, cpu=rows, cuda=cuda, load_avg_1min_end=os.getloadavg()[0])
         with open(args.json, "w") as f:

@@ -186,7 +186,7 @@ def _as_bytes(payload, what):
 
 def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
            fingerprint: int = 0, checksum: bool = True, name: str = "tensor",
-           source_dtype: Optional[str] = None) -> np.ndarray:
+           source_dtype: Optional[str] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
     """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
 
     ``norm``: the bucket scale, "max" or "l2" (QSGD), or "sign" (with ``bits=1`` and the fixed coding:
@@ -195,7 +195,9 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     identifies the tensor (see ``tensor_fingerprint()``); ``checksum`` adds a checksum the decoder verifies.
     ``source_dtype`` ("float32", "float16" or "bfloat16") overrides the dtype recorded in the header,
     for a float32 copy of a lower-precision tensor. Returns a 1-D uint8 array. ``name`` only labels
-    error messages.
+    error messages. ``out``: a caller-owned contiguous 1-D uint8 array of at least
+    ``max_payload_nbytes(...)`` bytes to encode into (the result is then a view of its first bytes),
+    which spares a fresh allocation's page faults when the same tensor is encoded every step.
     """
     cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum)
     flat, cfg.dtype = _as_float32(x, name)
@@ -203,12 +205,23 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
         cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
     n = flat.size
     cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
-    out = np.empty(cap, dtype=np.uint8)
+    given = out is not None
+    if not given:
+        out = np.empty(cap, dtype=np.uint8)
+    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+              and out.flags.c_contiguous and out.flags.writeable and out.size >= cap):
+        raise ValueError(f"{name}: encode out= must be a writeable contiguous 1-D uint8 array of at least "
+                         f"{cap} bytes, got {getattr(out, 'dtype', type(out).__name__)} "
+                         f"{getattr(out, 'shape', '')}")
+    else:
+        cap = out.size
     out_len = ctypes.c_uint64(0)
     st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
                                         ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
+    if given:
+        return out[: out_len.value]
     if out_len.value != cap:
         out = out[: out_len.value].copy()
     return out

@@ -440,6 +440,14 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     float* acc = (float*)buf;
     uint8_t* codes = (uint8_t*)buf + acc_bytes;
     const uint64_t lo = u * unit, m = std::min(unit, n - lo);
+    if (count == 1 && !elias) { /* one payload: decoded straight into out */
+      const qsgd_header* h = &hs[0];
+      const uint8_t* scales = payloads[0] + QSGD_HEADER_BYTES;
+      const uint8_t* data = scales + 4 * qsgd_num_buckets(h->numel, h->bucket_size);
+      K.decode_to(h->bits, data, data + qsgd_packed_bytes(h->numel, h->bits), scales, h->bucket_size, lo, m,
+                  codes, acc, out + lo, alpha, accumulate);
+      return;
+    }
     memset(acc, 0, sizeof(float) * m);
     for (int32_t p = 0; p < count; ++p) {
       if (elias) elias_decode_segment_add(payloads[p], &hs[p], u, acc);

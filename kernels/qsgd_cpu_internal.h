@@ -83,6 +83,11 @@ struct Kernels {
    * past their last byte; scales: its bucket scales; lo a multiple of 8; codes: scratch of n bytes) */
   void (*decode_add)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
                      uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc);
+  /* one payload's decode_sum of elements [lo, lo+n) straight into out[0:n): out = alpha * (0 + v)
+   * (accumulate == 0) or out = out + alpha * (0 + v); acc (n floats) and codes are scratch */
+  void (*decode_to)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
+                    uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out,
+                    float alpha, int accumulate);
   /* out = alpha * acc (accumulate == 0) or out = out + alpha * acc */
   void (*finish)(float* out, const float* acc, uint64_t n, float alpha, int accumulate);
   /* the sum (mod 2^64) of qsgd_checksum_term over the 64-bit words k0 .. k1-1 of the payload p,

@@ -338,9 +338,23 @@ inline __m256i load_codes8(const uint8_t* p, __m256i gather, __m256i shifts) {
 /* acc[0:n) += the decoded elements [lo, lo+n) of a fixed-coding payload: data holds the packed codes
  * of every element (data_end is one past its last byte), scales the bucket scales; lo is a multiple of
  * 8; codes is scratch for n codes. */
-template <int BITS>
-void decode_add_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
-                  uint64_t lo, uint64_t n, uint8_t* codes, float* acc) {
+/* out = alpha * acc, or out = out + alpha * acc */
+void finish(float* __restrict out, const float* __restrict acc, uint64_t n, float alpha, int accumulate) {
+  if (accumulate)
+    for (uint64_t k = 0; k < n; ++k) out[k] = out[k] + alpha * acc[k];
+  else
+    for (uint64_t k = 0; k < n; ++k) out[k] = alpha * acc[k];
+}
+
+/* What a fused decode does with each decoded value v of element k: ADD acc[k] += v (the sum of
+ * several payloads); SET out[k] = alpha * (0 + v) and ACCUMULATE out[k] = out[k] + alpha * (0 + v),
+ * one payload's decode_sum written straight to out: the operations decode_sum does through its
+ * zeroed accumulator and finish, in the same order. */
+enum { ADD = 0, SET = 1, ACCUMULATE = 2 };
+
+template <int BITS, int MODE>
+void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
+              uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out, float alpha) {
   const float s = (float)qsgd_levels_of(BITS);
 #if defined(__AVX2__)
   if (bucket % 8 == 0) {
@@ -366,13 +380,26 @@ void decode_add_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* s
       const uint8_t* p = data + i / 8 * BITS;
       uint64_t k = 0;
       const uint64_t m = hi - i;
+      float* o = out + (i - lo);
+      const __m256 valpha = _mm256_set1_ps(alpha), zero = _mm256_setzero_ps();
       for (; k + 8 <= m && p + 8 <= data_end; k += 8, p += BITS) {
         const __m256 v = dequantize8<BITS>(load_codes8<BITS>(p, gather, shifts), vstep);
-        _mm256_storeu_ps(a + k, _mm256_add_ps(_mm256_loadu_ps(a + k), v));
+        if (MODE == ADD) {
+          _mm256_storeu_ps(a + k, _mm256_add_ps(_mm256_loadu_ps(a + k), v));
+        } else {
+          const __m256 t = _mm256_mul_ps(valpha, _mm256_add_ps(zero, v));
+          _mm256_storeu_ps(o + k, MODE == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
+        }
       }
       if (k < m) {
         unpack_t<BITS>(data + (i + k) / 8 * BITS, m - k, codes);
-        dequantize_add_t<BITS>(codes, m - k, step, a + k);
+        if (MODE == ADD) {
+          dequantize_add_t<BITS>(codes, m - k, step, a + k);
+        } else {
+          memset(a + k, 0, sizeof(float) * (m - k));
+          dequantize_add_t<BITS>(codes, m - k, step, a + k);
+          finish(o + k, a + k, m - k, alpha, MODE == ACCUMULATE);
+        }
       }
       i = hi;
     }
@@ -380,6 +407,12 @@ void decode_add_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* s
   }
 #endif
   (void)data_end;
+  if (MODE != ADD) { /* through the accumulator */
+    memset(acc, 0, sizeof(float) * n);
+    decode_t<BITS, ADD>(data, data_end, scales, bucket, lo, n, codes, acc, nullptr, 0.0f);
+    finish(out, acc, n, alpha, MODE == ACCUMULATE);
+    return;
+  }
   unpack_t<BITS>(data + lo / 8 * BITS, n, codes);
   for (uint64_t i = lo; i < lo + n;) {
     const uint64_t b = i / bucket, hi = std::min(lo + n, (b + 1) * bucket);
@@ -390,7 +423,17 @@ void decode_add_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* s
 
 void decode_add(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
                 uint64_t lo, uint64_t n, uint8_t* codes, float* acc) {
-  dispatch_bits(bits, [&](auto b) { decode_add_t<b.value>(data, data_end, scales, bucket, lo, n, codes, acc); });
+  dispatch_bits(bits, [&](auto b) {
+    decode_t<b.value, ADD>(data, data_end, scales, bucket, lo, n, codes, acc, nullptr, 0.0f);
+  });
+}
+
+void decode_to(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
+               uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out, float alpha, int accumulate) {
+  dispatch_bits(bits, [&](auto b) {
+    if (accumulate) decode_t<b.value, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+    else decode_t<b.value, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+  });
 }
 
 void unpack(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
@@ -399,14 +442,6 @@ void unpack(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
 
 void dequantize_add(int bits, const uint8_t* codes, uint64_t n, float step, float* acc) {
   dispatch_bits(bits, [&](auto b) { dequantize_add_t<b.value>(codes, n, step, acc); });
-}
-
-/* out = alpha * acc, or out = out + alpha * acc */
-void finish(float* __restrict out, const float* __restrict acc, uint64_t n, float alpha, int accumulate) {
-  if (accumulate)
-    for (uint64_t k = 0; k < n; ++k) out[k] = out[k] + alpha * acc[k];
-  else
-    for (uint64_t k = 0; k < n; ++k) out[k] = alpha * acc[k];
 }
 
 /* sum over k in [k0, k1) of qsgd_checksum_term(word k of p, k), the checksum field read as zero */
@@ -427,7 +462,7 @@ uint64_t checksum_terms(const uint8_t* p, uint64_t k0, uint64_t k1) {
 extern const Kernels QSGD_CAT(kernels_, QSGD_ISA);
 const Kernels QSGD_CAT(kernels_, QSGD_ISA) = {
     QSGD_STR(QSGD_ISA), QSGD_ISA::bucket_scale, QSGD_ISA::quantize, QSGD_ISA::sign, QSGD_ISA::pack,
-    QSGD_ISA::unpack,   QSGD_ISA::dequantize_add, QSGD_ISA::decode_add, QSGD_ISA::finish,
+    QSGD_ISA::unpack,   QSGD_ISA::dequantize_add, QSGD_ISA::decode_add, QSGD_ISA::decode_to, QSGD_ISA::finish,
     QSGD_ISA::checksum_terms,
 };
 

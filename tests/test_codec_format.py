@@ -377,3 +377,18 @@ def test_sign_scale_follows_the_documented_summation_order():
     assert documented_sign_scales(x, 32)[0] == want
     p = codec.encode(x, bits=1, bucket_size=32, norm="sign")
     assert p[56:60].view(np.float32)[0] == want
+
+
+def test_encode_into_a_caller_buffer_gives_the_same_bytes_and_checks_the_buffer():
+    x = np.random.default_rng(2).standard_normal(10_000).astype(np.float32)
+    for coding in ("fixed", "elias"):
+        ref = codec.encode(x, bits=4, seed=3, coding=coding)
+        buf = np.full(codec.max_payload_nbytes(x.size, 4, 512, coding) + 10, 0xAB, dtype=np.uint8)
+        got = codec.encode(x, bits=4, seed=3, coding=coding, out=buf)
+        assert np.array_equal(got, ref)
+        assert np.shares_memory(got, buf) and got.size == ref.size
+    small = np.empty(codec.payload_nbytes(x.size, 4, 512) - 1, dtype=np.uint8)
+    with pytest.raises(ValueError, match="grads: encode out= must be .* at least"):
+        codec.encode(x, bits=4, out=small, name="grads")
+    with pytest.raises(ValueError, match="out="):
+        codec.encode(x, bits=4, out=np.empty(codec.payload_nbytes(x.size, 4, 512), dtype=np.float32))

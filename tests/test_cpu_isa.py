@@ -49,6 +49,9 @@ def _data(n, seed, kind):
         x = rng.integers(-7, 8, n).astype(np.float32) / 7.0
         x = np.where(rng.random(n) < 0.5, x, np.nextafter(x, np.float32(2.0)))
         return x.astype(np.float32)
+    if kind == "tiny":  # the smallest subnormals: the level spacing scale / s rounds to 0, so negative
+        # codes decode to -0 and the order of decode's operations shows in the sign of zeros
+        return (rng.integers(-3, 4, n) * np.float32(2.0 ** -149)).astype(np.float32)
     if kind == "special":  # non-finite values in some buckets
         x = rng.standard_normal(n).astype(np.float32)
         for v in (np.inf, -np.inf, np.nan):
@@ -106,7 +109,7 @@ SIZES = [0, 1, 7, 8, 31, 33, 1000, 4097, 70_001]
 @pytest.mark.parametrize("bits,norm,coding,bucket", CASES)
 def test_every_variant_encodes_and_decodes_like_the_baseline(restore_isa, bits, norm, coding, bucket):
     for n in SIZES:
-        for kind in ("normal", "wide", "levels", "special"):
+        for kind in ("normal", "wide", "levels", "tiny", "special"):
             if kind == "special" and coding == "elias" and n > 1000:
                 continue  # covered at the smaller sizes; Elias of NaN buckets is slow to build
             x = _data(n, seed=n * 7 + bits, kind=kind)
@@ -115,15 +118,17 @@ def test_every_variant_encodes_and_decodes_like_the_baseline(restore_isa, bits, 
             base = enc[RUNNABLE[0]]
             for name in OTHERS:
                 assert np.array_equal(enc[name], base), (name, n, kind, kw)
-            # two payloads summed, scaled, into zeros and accumulated onto data
+            # one payload (decoded straight into out) and two (summed first), scaled, into zeros and
+            # accumulated onto data
             other = codec.encode(_data(n, seed=n + 99, kind="normal"), **dict(kw, seed=n + 2))
             start = _data(n, seed=3, kind="normal")
-            for alpha, accumulate in ((1.0, False), (0.5, True)):
+            for payloads, alpha, accumulate in (([base], 1.0, False), ([base], -0.25, True),
+                                                ([base, other], 1.0, False), ([base, other], 0.5, True)):
                 dec = {}
                 for name in RUNNABLE:
                     codec.set_cpu_isa(name)
                     out = start.copy()
-                    codec.decode_sum([base, other], alpha, out=out, accumulate=accumulate)
+                    codec.decode_sum(payloads, alpha, out=out, accumulate=accumulate)
                     dec[name] = out
                 for name in OTHERS:
                     assert np.array_equal(dec[name].view(np.uint32), dec[RUNNABLE[0]].view(np.uint32)), (
