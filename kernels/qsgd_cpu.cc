@@ -400,13 +400,14 @@ static int same_tensor(const qsgd_header* a, const qsgd_header* b) {
          a->dtype == b->dtype;
 }
 
-/* acc[0:n) += payload's elements [lo, lo+n), lo a multiple of 8 (fixed coding) */
-static void fixed_decode_add(const Kernels& K, const uint8_t* p, const qsgd_header* h, uint64_t lo, uint64_t n,
-                             uint8_t* codes, float* acc) {
+/* One payload's step of the fixed coding's decode_sum over [lo, lo+n) (Kernels::decode_step) */
+static void fixed_decode_step(const Kernels& K, const uint8_t* p, const qsgd_header* h, uint64_t lo, uint64_t n,
+                              uint8_t* codes, float* acc, int first, int fin, float* out, float alpha) {
   const uint64_t B = h->bucket_size, nb = qsgd_num_buckets(h->numel, B);
   const uint8_t* scales = p + QSGD_HEADER_BYTES;
   const uint8_t* data = scales + 4 * nb;
-  K.decode_add(h->bits, data, data + qsgd_packed_bytes(h->numel, h->bits), scales, B, lo, n, codes, acc);
+  K.decode_step(h->bits, data, data + qsgd_packed_bytes(h->numel, h->bits), scales, B, lo, n, codes, acc, first,
+                fin, out, alpha);
 }
 
 extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens,
@@ -440,19 +441,14 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     float* acc = (float*)buf;
     uint8_t* codes = (uint8_t*)buf + acc_bytes;
     const uint64_t lo = u * unit, m = std::min(unit, n - lo);
-    if (count == 1 && !elias) { /* one payload: decoded straight into out */
-      const qsgd_header* h = &hs[0];
-      const uint8_t* scales = payloads[0] + QSGD_HEADER_BYTES;
-      const uint8_t* data = scales + 4 * qsgd_num_buckets(h->numel, h->bucket_size);
-      K.decode_to(h->bits, data, data + qsgd_packed_bytes(h->numel, h->bits), scales, h->bucket_size, lo, m,
-                  codes, acc, out + lo, alpha, accumulate);
+    if (!elias) { /* the first payload starts the sum, the last one finishes it into out */
+      for (int32_t p = 0; p < count; ++p)
+        fixed_decode_step(K, payloads[p], &hs[p], lo, m, codes, acc, p == 0,
+                          p == count - 1 ? (accumulate ? 2 : 1) : 0, out + lo, alpha);
       return;
     }
     memset(acc, 0, sizeof(float) * m);
-    for (int32_t p = 0; p < count; ++p) {
-      if (elias) elias_decode_segment_add(payloads[p], &hs[p], u, acc);
-      else fixed_decode_add(K, payloads[p], &hs[p], lo, m, codes, acc);
-    }
+    for (int32_t p = 0; p < count; ++p) elias_decode_segment_add(payloads[p], &hs[p], u, acc);
     K.finish(out + lo, acc, m, alpha, accumulate);
   });
   free(hs);

@@ -75,19 +75,13 @@ struct Kernels {
   void (*sign)(const float* x, uint64_t n, uint8_t* codes);
   /* m byte codes -> qsgd_packed_bytes(m, bits) bytes at dst */
   void (*pack)(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst);
-  /* the inverse of pack */
-  void (*unpack)(int bits, const uint8_t* src, uint64_t m, uint8_t* codes);
-  /* acc[k] += qsgd_dequantize(codes[k], step, bits) */
-  void (*dequantize_add)(int bits, const uint8_t* codes, uint64_t n, float step, float* acc);
-  /* acc[0:n) += elements [lo, lo+n) of a fixed-coding payload (data: its packed codes, data_end one
-   * past their last byte; scales: its bucket scales; lo a multiple of 8; codes: scratch of n bytes) */
-  void (*decode_add)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
-                     uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc);
-  /* one payload's decode_sum of elements [lo, lo+n) straight into out[0:n): out = alpha * (0 + v)
-   * (accumulate == 0) or out = out + alpha * (0 + v); acc (n floats) and codes are scratch */
-  void (*decode_to)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
-                    uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out,
-                    float alpha, int accumulate);
+  /* One payload's step of decode_sum over elements [lo, lo+n) of a fixed-coding payload (data: its
+   * packed codes, data_end one past their last byte; scales: its bucket scales; lo a multiple of 8;
+   * codes: scratch of n bytes). With v the decoded values: s = (first ? 0 : acc) + v; then fin == 0
+   * keeps s in acc[0:n), fin == 1 writes out[0:n) = alpha * s, fin == 2 out = out + alpha * s. */
+  void (*decode_step)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
+                      uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc, int first,
+                      int fin, float* out, float alpha);
   /* out = alpha * acc (accumulate == 0) or out = out + alpha * acc */
   void (*finish)(float* out, const float* acc, uint64_t n, float alpha, int accumulate);
   /* the sum (mod 2^64) of qsgd_checksum_term over the 64-bit words k0 .. k1-1 of the payload p,

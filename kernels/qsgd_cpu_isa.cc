@@ -346,19 +346,21 @@ void finish(float* __restrict out, const float* __restrict acc, uint64_t n, floa
     for (uint64_t k = 0; k < n; ++k) out[k] = alpha * acc[k];
 }
 
-/* What a fused decode does with each decoded value v of element k: ADD acc[k] += v (the sum of
- * several payloads); SET out[k] = alpha * (0 + v) and ACCUMULATE out[k] = out[k] + alpha * (0 + v),
- * one payload's decode_sum written straight to out: the operations decode_sum does through its
- * zeroed accumulator and finish, in the same order. */
-enum { ADD = 0, SET = 1, ACCUMULATE = 2 };
+/* One payload's step of decode_sum over elements [lo, lo+n), fused: the sum runs in acc[0:n) from
+ * 0.0f, payload after payload (qsgd.h), and each step does with the decoded value v of element k
+ *   FIRST: s = 0 + v, else s = acc[k] + v;
+ *   FIN == KEEP: acc[k] = s;  FIN == SET: out[k] = alpha * s;  FIN == ACCUMULATE: out[k] = out[k] + alpha * s
+ * -- the operations of "zero acc; acc += v for each payload; finish" in the same order, without the
+ * passes that zero acc and finish it. */
+enum { KEEP = 0, SET = 1, ACCUMULATE = 2 };
 
-template <int BITS, int MODE>
+template <int BITS, bool FIRST, int FIN>
 void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
               uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out, float alpha) {
   const float s = (float)qsgd_levels_of(BITS);
 #if defined(__AVX2__)
   if (bucket % 8 == 0) {
-    /* fused: codes straight from the packed bytes into registers, 8 elements (BITS bytes) a time */
+    /* codes straight from the packed bytes into registers, 8 elements (BITS bytes) a time */
     alignas(32) int8_t g[32];
     alignas(32) int32_t sh[8];
     for (int j = 0; j < 8; ++j) {
@@ -370,6 +372,7 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
      * broadcasts the 8 bytes to both halves */
     const __m256i gather = _mm256_load_si256((const __m256i*)g);
     const __m256i shifts = _mm256_load_si256((const __m256i*)sh);
+    const __m256 valpha = _mm256_set1_ps(alpha), zero = _mm256_setzero_ps();
     uint64_t i = lo;
     const uint64_t end = lo + n;
     while (i < end) {
@@ -377,29 +380,25 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
       const float step = qsgd_step_of(load_scale(scales, b), s);
       const __m256 vstep = _mm256_set1_ps(step);
       float* a = acc + (i - lo);
-      const uint8_t* p = data + i / 8 * BITS;
-      uint64_t k = 0;
-      const uint64_t m = hi - i;
       float* o = out + (i - lo);
-      const __m256 valpha = _mm256_set1_ps(alpha), zero = _mm256_setzero_ps();
+      const uint8_t* p = data + i / 8 * BITS;
+      const uint64_t m = hi - i;
+      uint64_t k = 0;
       for (; k + 8 <= m && p + 8 <= data_end; k += 8, p += BITS) {
         const __m256 v = dequantize8<BITS>(load_codes8<BITS>(p, gather, shifts), vstep);
-        if (MODE == ADD) {
-          _mm256_storeu_ps(a + k, _mm256_add_ps(_mm256_loadu_ps(a + k), v));
+        const __m256 sum = _mm256_add_ps(FIRST ? zero : _mm256_loadu_ps(a + k), v);
+        if (FIN == KEEP) {
+          _mm256_storeu_ps(a + k, sum);
         } else {
-          const __m256 t = _mm256_mul_ps(valpha, _mm256_add_ps(zero, v));
-          _mm256_storeu_ps(o + k, MODE == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
+          const __m256 t = _mm256_mul_ps(valpha, sum);
+          _mm256_storeu_ps(o + k, FIN == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
         }
       }
-      if (k < m) {
+      if (k < m) { /* the bucket's last < 8 elements of the tensor */
         unpack_t<BITS>(data + (i + k) / 8 * BITS, m - k, codes);
-        if (MODE == ADD) {
-          dequantize_add_t<BITS>(codes, m - k, step, a + k);
-        } else {
-          memset(a + k, 0, sizeof(float) * (m - k));
-          dequantize_add_t<BITS>(codes, m - k, step, a + k);
-          finish(o + k, a + k, m - k, alpha, MODE == ACCUMULATE);
-        }
+        if (FIRST) memset(a + k, 0, sizeof(float) * (m - k));
+        dequantize_add_t<BITS>(codes, m - k, step, a + k);
+        if (FIN != KEEP) finish(o + k, a + k, m - k, alpha, FIN == ACCUMULATE);
       }
       i = hi;
     }
@@ -407,41 +406,30 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
   }
 #endif
   (void)data_end;
-  if (MODE != ADD) { /* through the accumulator */
-    memset(acc, 0, sizeof(float) * n);
-    decode_t<BITS, ADD>(data, data_end, scales, bucket, lo, n, codes, acc, nullptr, 0.0f);
-    finish(out, acc, n, alpha, MODE == ACCUMULATE);
-    return;
-  }
+  if (FIRST) memset(acc, 0, sizeof(float) * n);
   unpack_t<BITS>(data + lo / 8 * BITS, n, codes);
   for (uint64_t i = lo; i < lo + n;) {
     const uint64_t b = i / bucket, hi = std::min(lo + n, (b + 1) * bucket);
     dequantize_add_t<BITS>(codes + (i - lo), hi - i, qsgd_step_of(load_scale(scales, b), s), acc + (i - lo));
     i = hi;
   }
+  if (FIN != KEEP) finish(out, acc, n, alpha, FIN == ACCUMULATE);
 }
 
-void decode_add(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
-                uint64_t lo, uint64_t n, uint8_t* codes, float* acc) {
+void decode_step(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
+                 uint64_t lo, uint64_t n, uint8_t* codes, float* acc, int first, int fin, float* out, float alpha) {
   dispatch_bits(bits, [&](auto b) {
-    decode_t<b.value, ADD>(data, data_end, scales, bucket, lo, n, codes, acc, nullptr, 0.0f);
+    constexpr int B = b.value;
+    if (first) {
+      if (fin == SET) decode_t<B, true, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else if (fin == ACCUMULATE) decode_t<B, true, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else decode_t<B, true, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+    } else {
+      if (fin == SET) decode_t<B, false, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else if (fin == ACCUMULATE) decode_t<B, false, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else decode_t<B, false, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+    }
   });
-}
-
-void decode_to(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
-               uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out, float alpha, int accumulate) {
-  dispatch_bits(bits, [&](auto b) {
-    if (accumulate) decode_t<b.value, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-    else decode_t<b.value, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-  });
-}
-
-void unpack(int bits, const uint8_t* src, uint64_t m, uint8_t* codes) {
-  dispatch_bits(bits, [&](auto b) { unpack_t<b.value>(src, m, codes); });
-}
-
-void dequantize_add(int bits, const uint8_t* codes, uint64_t n, float step, float* acc) {
-  dispatch_bits(bits, [&](auto b) { dequantize_add_t<b.value>(codes, n, step, acc); });
 }
 
 /* sum over k in [k0, k1) of qsgd_checksum_term(word k of p, k), the checksum field read as zero */
@@ -462,7 +450,7 @@ uint64_t checksum_terms(const uint8_t* p, uint64_t k0, uint64_t k1) {
 extern const Kernels QSGD_CAT(kernels_, QSGD_ISA);
 const Kernels QSGD_CAT(kernels_, QSGD_ISA) = {
     QSGD_STR(QSGD_ISA), QSGD_ISA::bucket_scale, QSGD_ISA::quantize, QSGD_ISA::sign, QSGD_ISA::pack,
-    QSGD_ISA::unpack,   QSGD_ISA::dequantize_add, QSGD_ISA::decode_add, QSGD_ISA::decode_to, QSGD_ISA::finish,
+    QSGD_ISA::decode_step, QSGD_ISA::finish,
     QSGD_ISA::checksum_terms,
 };
 
