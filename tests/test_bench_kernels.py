@@ -11,19 +11,33 @@ from tests.helpers import ROOT
 def test_kernel_benchmark_writes_every_measurement(tmp_path):
     out = tmp_path / "k.json"
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--sizes", "64K", "--bits", "2,4",
-                           "--repeats", "1", "--json", str(out)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120)
+                           "--repeats", "1", "--isa", "all", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "64K" in proc.stdout and "e+d/memcpy" in proc.stdout
+    assert "64K" in proc.stdout and "e+d/memcpy" in proc.stdout and "roofline" in proc.stdout
+    assert f"variant in use {codec.cpu_isa()}" in proc.stdout
     rows = json.loads(out.read_text())["cpu"]
-    assert sorted((r["numel"], r["bits"]) for r in rows) == [(65536, 2), (65536, 4)]
+    runnable = [name for name, runs in codec.cpu_isas().items() if runs]
+    assert sorted((r["numel"], r["bits"], r["isa"]) for r in rows) == sorted(
+        (65536, b, isa) for b in (2, 4) for isa in runnable)
     for r in rows:
-        assert r["payload_bytes"] == codec.payload_nbytes(65536, r["bits"], 512)
+        payload = codec.payload_nbytes(65536, r["bits"], 512)
+        assert r["payload_bytes"] == payload
         assert r["qsgd_encode_s"] > 0 and r["qsgd_decode_s"] > 0 and r["memcpy_s"] > 0
         assert -1.0 < r["checksum_cost"] < 100.0
+        assert r["threads"] == codec.get_num_threads()  # 2^16 elements: the parallel threshold
+        assert abs(r["encode_ns_per_elem_thread"] - r["qsgd_encode_s"] * r["threads"] / 65536 * 1e9) < 1e-6
+        # the roofline: bytes moved and floor time at memcpy's bandwidth (8 bytes per element)
+        assert r["encode_bytes"] == r["decode_bytes"] == 4 * 65536 + payload
+        bandwidth = 8 * 65536 / r["memcpy_s"]
+        assert abs(r["encode_of_floor"] - r["encode_bytes"] / bandwidth / r["qsgd_encode_s"]) < 1e-9
+
 
 
 def test_kernel_benchmark_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--bits", "9"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "bits must be integers in 2..8" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--isa", "avx9000"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "--isa: avx9000 not among the variants this CPU runs" in proc.stderr
