@@ -27,8 +27,15 @@
 #include "qsgd_cpu_internal.h"
 #include "qsgd_math.h"
 
-#if defined(__AVX2__)
+/* The hand-written AVX2 loops are the avx2 variant's. The avx512 variant keeps the compiler's AVX-512
+ * vectorisation of the C++ loops, the code -march=native builds had before there were variants, so
+ * that an AVX-512 CPU is never slower than it was; `python -m benchmarks kernels --isa all` on such
+ * a CPU shows whether the avx2 variant (which it also runs) is faster there. */
+#if defined(__AVX2__) && !defined(__AVX512F__)
+#define QSGD_HAND_AVX2 1
 #include <immintrin.h>
+#else
+#define QSGD_HAND_AVX2 0
 #endif
 
 #ifndef QSGD_ISA
@@ -65,7 +72,7 @@ double lane_sum(const float* x, uint64_t n) {
 uint32_t absmax_bits(const float* x, uint64_t n) {
   uint32_t m = 0;
   uint64_t k = 0;
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
   __m256i v0 = _mm256_setzero_si256(), v1 = v0;
   const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
   for (; k + 16 <= n; k += 16) {
@@ -90,7 +97,7 @@ float bucket_scale(const float* x, uint64_t n, int norm) {
 }
 
 /* ---- the quantizer ------------------------------------------------------------------------------ */
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
 /* x >> 16 and x >> 8 in each 32-bit lane, as byte shuffles: they run on other execution ports
  * than the vector shifts and multiplies, which the hash has enough of */
 inline __m256i srl16(__m256i x) {
@@ -157,7 +164,7 @@ void quantize_page(const float* __restrict x, uint64_t n, uint64_t key, uint32_t
                    uint8_t* __restrict codes) {
   const float s = (float)qsgd_levels_of(BITS);
   uint64_t k = 0;
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
   const __m256i key_lo = _mm256_set1_epi32((int)(uint32_t)key);
   const __m256i key_hi = _mm256_set1_epi32((int)(uint32_t)(key >> 32));
   const __m256 vscale = _mm256_set1_ps(scale), vs = _mm256_set1_ps(s);
@@ -221,7 +228,7 @@ void pack_scalar(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restric
   }
 }
 
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
 /* 32 byte codes of BITS bits each -> each 64-bit lane holds its 8 codes' 8*BITS bits at its low
  * end (code j of the lane at bit j*BITS): merge neighbours in 16-, 32-, then 64-bit lanes. */
 template <int BITS>
@@ -237,7 +244,7 @@ inline __m256i merge_codes(__m256i v) {
 
 template <int BITS>
 void pack_t(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restrict dst) {
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
   if (BITS != 8) {
     uint64_t k = 0;
     if (BITS == 1) {
@@ -314,7 +321,7 @@ void dequantize_add_t(const uint8_t* __restrict codes, uint64_t n, float step, f
   for (uint64_t k = 0; k < n; ++k) acc[k] += qsgd_dequantize(codes[k], step, BITS);
 }
 
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
 /* qsgd_dequantize of 8 codes (32-bit lanes) */
 template <int BITS>
 inline __m256 dequantize8(__m256i code, __m256 step) {
@@ -358,7 +365,7 @@ template <int BITS, bool FIRST, int FIN>
 void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
               uint64_t lo, uint64_t n, uint8_t* codes, float* acc, float* out, float alpha) {
   const float s = (float)qsgd_levels_of(BITS);
-#if defined(__AVX2__)
+#if QSGD_HAND_AVX2
   if (bucket % 8 == 0) {
     /* codes straight from the packed bytes into registers, 8 elements (BITS bytes) a time */
     alignas(32) int8_t g[32];
