@@ -21,8 +21,8 @@ code and the TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (def
 
 One portable build, the fastest kernels chosen at run time: the codec's per-element loops
 (``kernels/qsgd_cpu_isa.cc``) are compiled once per instruction-set variant (``ISA_VARIANTS``: on
-x86-64 ``baseline`` for -march=x86-64, ``avx2`` for x86-64-v3, ``avx512`` for x86-64-v4; elsewhere
-one ``generic``) and the library picks the widest the CPU runs when it is first used (CPUID and
+x86-64 ``baseline`` for -march=x86-64, ``sse4`` for x86-64-v2, ``avx2`` for x86-64-v3, ``avx512``
+for x86-64-v4; elsewhere one ``generic``) and the library picks the widest the CPU runs when it is first used (CPUID and
 XGETBV; ``HVD_QSGD_ISA`` forces one). The rest of the library is compiled for baseline x86-64
 (SSE2) with ``-mtune=native`` (scheduling only), so the library runs on any x86-64 CPU.
 ``HVD_QSGD_MARCH=native`` (or any other -march value) compiles that common code for another target;
@@ -175,6 +175,7 @@ class BuildNative(build_ext):
 # The x86-64 micro-architecture levels (the x86-64 psABI) of the ISA variants, as explicit -m options
 # for a compiler that does not know -march=x86-64-vN (GCC < 11).
 X86_64_LEVEL_OPTIONS = {
+    "x86-64-v2": ["-march=x86-64", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-mssse3", "-msse4.1", "-msse4.2"],
     "x86-64-v3": ["-march=x86-64", "-mcx16", "-msahf", "-mpopcnt", "-msse3", "-mssse3", "-msse4.1", "-msse4.2",
                   "-mavx", "-mavx2", "-mbmi", "-mbmi2", "-mf16c", "-mfma", "-mlzcnt", "-mmovbe", "-mxsave"],
 }
@@ -182,7 +183,7 @@ X86_64_LEVEL_OPTIONS["x86-64-v4"] = X86_64_LEVEL_OPTIONS["x86-64-v3"] + [
     "-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl"]
 # The ISA variants on x86-64: (name, -march level), narrowest first; kernels/qsgd_cpu.cc declares the
 # same names in the same order and checks each one's instructions with CPUID before using it.
-ISA_VARIANTS = [("baseline", "x86-64"), ("avx2", "x86-64-v3"), ("avx512", "x86-64-v4")]
+ISA_VARIANTS = [("baseline", "x86-64"), ("sse4", "x86-64-v2"), ("avx2", "x86-64-v3"), ("avx512", "x86-64-v4")]
 
 # Instruction set extensions a compiler may emit, by the macro it predefines when allowed to, and
 # the /proc/cpuinfo flag of each (what _build_target.json records and _native.check_cpu checks).

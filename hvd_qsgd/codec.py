@@ -346,8 +346,8 @@ def get_num_threads() -> int:
 
 
 def cpu_isa() -> str:
-    """The instruction-set variant of the CPU kernels in use ("baseline", "avx2", "avx512" on
-    x86-64; "generic" elsewhere): the widest this CPU runs, or the one HVD_QSGD_ISA names. Every
+    """The instruction-set variant of the CPU kernels in use ("baseline", "sse4", "avx2", "avx512"
+    on x86-64; "generic" elsewhere): the widest this CPU runs, or the one HVD_QSGD_ISA names. Every
     variant produces the same payload bytes and the same decoded sums."""
     return _native.load().qsgd_cpu_isa().decode()
 

@@ -131,7 +131,7 @@ void qsgd_set_num_threads(int32_t n);
 int32_t qsgd_get_num_threads(void);
 
 /* ---- instruction-set variants of the CPU codec ---------------------------------------------
- * The per-element loops are compiled once per variant ("baseline", "avx2", "avx512" on x86-64;
+ * The per-element loops are compiled once per variant ("baseline", "sse4", "avx2", "avx512" on x86-64;
  * "generic" elsewhere) and all produce the same bytes and sums. The one in use is chosen at the
  * first call: HVD_QSGD_ISA=<name> when set (and not "auto"), else the widest this CPU and OS run. */
 /* The name of the variant in use. */

@@ -44,30 +44,34 @@ IeeeFpScope::~IeeeFpScope() { _mm_setcsr(saved); }
 /* ---- the instruction-set variants ------------------------------------------------------------
  * qsgd_cpu_isa.cc compiled once per variant (setup.py: ISA_VARIANTS), narrowest first. */
 #if defined(__x86_64__) || defined(_M_X64)
-extern const Kernels kernels_baseline, kernels_avx2, kernels_avx512;
-static const Kernels* const kVariants[] = {&kernels_baseline, &kernels_avx2, &kernels_avx512};
+extern const Kernels kernels_baseline, kernels_sse4, kernels_avx2, kernels_avx512;
+static const Kernels* const kVariants[] = {&kernels_baseline, &kernels_sse4, &kernels_avx2, &kernels_avx512};
 
-/* What the CPU and the OS support: CPUID for the instructions (the ones each variant's -march may
- * emit: x86-64-v3 for avx2, x86-64-v4 for avx512), XGETBV for the register state the OS saves. */
+/* What the CPU and the OS support: CPUID for the instructions each variant's -march level may emit
+ * (x86-64-v2 for sse4, v3 for avx2, v4 for avx512), XGETBV for the register state the OS saves. */
 static bool variant_runs(int v) {
   if (v == 0) return true;
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return false;
   const unsigned c1 = c;
-  /* SSE3, SSSE3, FMA, CX16, SSE4.1, SSE4.2, MOVBE, POPCNT, XSAVE, OSXSAVE, AVX, F16C */
-  const unsigned need1 = (1u << 0) | (1u << 9) | (1u << 12) | (1u << 13) | (1u << 19) | (1u << 20) |
-                         (1u << 22) | (1u << 23) | (1u << 26) | (1u << 27) | (1u << 28) | (1u << 29);
-  if ((c1 & need1) != need1) return false;
-  if (!__get_cpuid(0x80000001, &a, &b, &c, &d) || !(c & (1u << 5)) || !(c & 1u)) return false; /* LZCNT, LAHF */
+  /* x86-64-v2: SSE3, SSSE3, CX16, SSE4.1, SSE4.2, POPCNT; LAHF/SAHF in 64-bit mode */
+  const unsigned v2 = (1u << 0) | (1u << 9) | (1u << 13) | (1u << 19) | (1u << 20) | (1u << 23);
+  if ((c1 & v2) != v2) return false;
+  if (!__get_cpuid(0x80000001, &a, &b, &c, &d) || !(c & 1u)) return false;
+  const unsigned c81 = c;
+  if (v == 1) return true;
+  /* x86-64-v3: FMA, MOVBE, XSAVE, OSXSAVE, AVX, F16C; LZCNT; BMI1, AVX2, BMI2 */
+  const unsigned v3 = (1u << 12) | (1u << 22) | (1u << 26) | (1u << 27) | (1u << 28) | (1u << 29);
+  if ((c1 & v3) != v3 || !(c81 & (1u << 5))) return false;
   if (__get_cpuid_max(0, nullptr) < 7) return false;
   __cpuid_count(7, 0, a, b, c, d);
   const unsigned b7 = b;
-  if ((b7 & ((1u << 3) | (1u << 5) | (1u << 8))) != ((1u << 3) | (1u << 5) | (1u << 8))) return false; /* BMI1, AVX2, BMI2 */
+  if ((b7 & ((1u << 3) | (1u << 5) | (1u << 8))) != ((1u << 3) | (1u << 5) | (1u << 8))) return false;
   unsigned lo, hi;
   __asm__("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
   if ((lo & 0x6u) != 0x6u) return false; /* XMM and YMM state */
-  if (v == 1) return true;
-  /* AVX512F, AVX512DQ, AVX512CD, AVX512BW, AVX512VL; opmask, ZMM_Hi256 and Hi16_ZMM state */
+  if (v == 2) return true;
+  /* x86-64-v4: AVX512F, AVX512DQ, AVX512CD, AVX512BW, AVX512VL; opmask, ZMM_Hi256 and Hi16_ZMM state */
   const unsigned need7 = (1u << 16) | (1u << 17) | (1u << 28) | (1u << 30) | (1u << 31);
   return (b7 & need7) == need7 && (lo & 0xE0u) == 0xE0u;
 }

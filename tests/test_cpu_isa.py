@@ -25,6 +25,7 @@ OTHERS = [name for name in RUNNABLE if name != RUNNABLE[0]]
 # /proc/cpuinfo flags each x86-64 variant needs (its -march level's instructions, AVX-512 subsets)
 NEEDS = {
     "baseline": (),
+    "sse4": ("cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"),
     "avx2": ("avx", "avx2", "bmi1", "bmi2", "fma", "f16c", "movbe", "abm", "sse4_2", "popcnt"),
     "avx512": ("avx", "avx2", "bmi1", "bmi2", "fma", "avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"),
 }
