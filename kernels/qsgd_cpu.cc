@@ -1,7 +1,7 @@
 /*
  * CPU implementation of the codec (fixed-width coding, header, checksum, decode-and-accumulate),
- * multi-threaded with OpenMP and written so that the compiler vectorises the per-element loops
- * (the quantizer and the unpacking are templated on the bit width).
+ * multi-threaded with OpenMP; the per-element loops are qsgd_cpu_isa.cc's, one copy per
+ * instruction-set variant, chosen here at the first call (active_kernels).
  *
  * Work is split into chunks of whole buckets whose first element is a multiple of 8, so every
  * chunk owns whole bytes of the packed stream (8 codes of b bits are exactly b bytes) and threads
@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <vector>
 
 #include "qsgd.h"
 #include "qsgd_cpu_internal.h"
@@ -148,10 +147,6 @@ static void sign_run_with(const Kernels& K, const float* x, uint64_t n, float sc
   else K.sign(x, n, codes);
 }
 
-void sign_run(const float* x, uint64_t n, float scale, uint8_t* codes) {
-  sign_run_with(active_kernels(), x, n, scale, codes);
-}
-
 int32_t check_scales(const uint8_t* scales, uint64_t nb) {
   for (uint64_t b = 0; b < nb; ++b) {
     const uint32_t u = (uint32_t)qsgd_load_le(scales + 4 * b, 4);
@@ -255,15 +250,16 @@ extern "C" int32_t qsgd_parse_header(const uint8_t* p, uint64_t len, qsgd_header
   return QSGD_OK;
 }
 
-/* The checksum's sum of terms over the words not in [covered[2c], covered[2c+1]) for any c (sorted,
- * disjoint ranges of whole words), plus the zero-padded last partial word. */
-static uint64_t checksum_gaps(const Kernels& K, const uint8_t* p, uint64_t len, const uint64_t* covered,
-                              uint64_t ncovered) {
+/* The checksum's sum of terms over a whole payload, given per chunk c the sum of the terms of the
+ * words [chunks[3c+1], chunks[3c+2]) in chunks[3c] (sorted, disjoint ranges of whole words): those
+ * sums, the terms of the words between the ranges, and the zero-padded last partial word. */
+static uint64_t checksum_with_chunks(const Kernels& K, const uint8_t* p, uint64_t len, const uint64_t* chunks,
+                                     uint64_t nchunks) {
   const uint64_t words = len / 8;
   uint64_t sum = 0, k = 0;
-  for (uint64_t c = 0; c < ncovered; ++c) {
-    sum += K.checksum_terms(p, k, covered[2 * c]);
-    k = covered[2 * c + 1];
+  for (uint64_t c = 0; c < nchunks; ++c) {
+    sum += K.checksum_terms(p, k, chunks[3 * c + 1]) + chunks[3 * c];
+    k = chunks[3 * c + 2];
   }
   sum += K.checksum_terms(p, k, words);
   if (len % 8) sum += qsgd_checksum_term(qsgd_load_le(p + 8 * words, (int)(len % 8)), words);
@@ -352,16 +348,8 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       sums[3 * c + 1] = k0, sums[3 * c + 2] = k1;
     }
   });
-  if (status == QSGD_OK && checksum) {
-    uint64_t sum = 0;
-    std::vector<uint64_t> covered(2 * nchunks);
-    for (uint64_t c = 0; c < nchunks; ++c) {
-      sum += sums[3 * c];
-      covered[2 * c] = sums[3 * c + 1], covered[2 * c + 1] = sums[3 * c + 2];
-    }
-    sum += checksum_gaps(K, out, need, covered.data(), nchunks);
-    qsgd_store_le(out + 48, qsgd_checksum_final(sum, need), 8);
-  }
+  if (status == QSGD_OK && checksum)
+    qsgd_store_le(out + 48, qsgd_checksum_final(checksum_with_chunks(K, out, need, sums, nchunks), need), 8);
   free(sums);
   return status;
 }

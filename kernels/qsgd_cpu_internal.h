@@ -100,10 +100,6 @@ float bucket_scale(const float* x, uint64_t n, int norm);
 void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
                   uint8_t* codes);
 
-/* codes[k] = the sign norm's code of x[k] (qsgd_sign_code), all zero where the scale does not
- * quantize. */
-void sign_run(const float* x, uint64_t n, float scale, uint8_t* codes);
-
 /* Scales are stored little-endian fp32 right after the header. */
 inline float load_scale(const uint8_t* scales, uint64_t b) {
   float v;

@@ -344,9 +344,6 @@ inline __m256i load_codes8(const uint8_t* p, __m256i gather, __m256i shifts) {
 }
 #endif
 
-/* acc[0:n) += the decoded elements [lo, lo+n) of a fixed-coding payload: data holds the packed codes
- * of every element (data_end is one past its last byte), scales the bucket scales; lo is a multiple of
- * 8; codes is scratch for n codes. */
 /* out = alpha * acc, or out = out + alpha * acc */
 void finish(float* __restrict out, const float* __restrict acc, uint64_t n, float alpha, int accumulate) {
   if (accumulate)

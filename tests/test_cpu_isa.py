@@ -70,14 +70,6 @@ def _encode_all(variants, x, **kw):
     return out
 
 
-def _decode_all(variants, payloads, **kw):
-    out = {}
-    for name in variants:
-        codec.set_cpu_isa(name)
-        out[name] = codec.decode_sum(payloads, **kw)
-    return out
-
-
 def test_the_variants_and_the_one_in_use():
     assert RUNNABLE and RUNNABLE[0] in ("baseline", "generic"), VARIANTS
     # the widest runnable variant is in use (unless HVD_QSGD_ISA forces one)
