@@ -40,13 +40,17 @@ class QSGD:
                      (``hvd_qsgd.error_feedback``; ``follow_learning_rate(optimizer)`` rescales the
                      residuals when the learning rate changes; ``state_dict`` checkpoints them)
     checksum:        add a checksum to every payload (verified by every receiver)
-    reduction:       "allgather" (every rank receives every payload: (n-1) P bytes), "scatter_allgather"
-                     (alltoall of chunks, reduce, allgather of the re-quantized chunks: 2 (n-1)/n P
-                     bytes, flat in n; see ``hvd_qsgd.reduction``) or "auto" (per tensor, the faster
-                     by the latency/bandwidth model of ``hvd_qsgd.cost_model``)
+    reduction:       "auto" (default: per tensor, the faster by the latency/bandwidth model of
+                     ``hvd_qsgd.cost_model``: allgather on 2 ranks and for small tensors,
+                     scatter_allgather for large ones), "allgather" (every rank receives every
+                     payload: (n-1) P bytes) or "scatter_allgather" (alltoall of chunks, reduce,
+                     allgather of the re-quantized chunks: 2 (n-1)/n P bytes, flat in n; see
+                     ``hvd_qsgd.reduction``)
     server_error_feedback: with scatter_allgather, the rank that reduces chunk j keeps the residual
                      of its re-quantization and adds it to chunk j's sum next time (two-way error
                      feedback, as dist-EF-SGDM's server; ``hvd_qsgd.error_feedback``)
+    link_gbps:       the bandwidth between ranks, Gbit/s, that "auto" assumes (default None:
+                     ``HVD_QSGD_BANDWIDTH_GBITS``, else 10); the same on every rank
 
     and, by name only:
 
@@ -75,7 +79,8 @@ class QSGD:
         s = self.settings
         return (f"hvd_qsgd.{type(self).__name__}(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
-                f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback})")
+                f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
+                + (f", link_gbps={s.link_gbps:g})" if s.link_gbps is not None else ")"))
 
     def _policy(self, framework: str) -> FixedBits:
         """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""

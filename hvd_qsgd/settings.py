@@ -5,9 +5,13 @@ counters, the creation index that names a compressor's exchanges, and a process 
 Defaults follow the QSGD paper's experiments (section 5): max-norm scaling, bucket size 512 for
 4 and 8 bits and 128 for 2 bits or fewer, and tensors of fewer than 10,000 elements left
 unquantized (they go through Horovod's own allreduce, with the same Sum/Average semantics).
+The reduction defaults to "auto": per tensor, the faster of allgather and scatter_allgather by
+``hvd_qsgd.cost_model`` (allgather on 2 ranks and for small tensors, scatter_allgather for large
+tensors from 3 ranks on, whose bytes per rank stay flat as ranks are added).
 """
 import inspect
 import itertools
+import math
 import threading
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, Iterable, List, Optional, Sequence
@@ -44,7 +48,9 @@ def default_bucket_size(bits: int) -> int:
 @dataclass(frozen=True)
 class Settings:
     """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum``,
-    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice."""
+    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice. ``link_gbps`` only
+    enters through the reduction "auto" resolves to, which is in the tag: ranks whose links make them
+    resolve a tensor differently are told apart, never left to wait on different collectives."""
 
     bits: int = 4
     bucket_size: int = 512
@@ -54,13 +60,15 @@ class Settings:
     seed: int = 0
     error_feedback: bool = False
     checksum: bool = True
-    reduction: str = "allgather"
+    reduction: str = "auto"
     server_error_feedback: bool = False
+    link_gbps: Optional[float] = None
 
     @classmethod
     def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
              min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
-             reduction: str = "allgather", server_error_feedback: bool = False) -> "Settings":
+             reduction: str = "auto", server_error_feedback: bool = False,
+             link_gbps: Optional[float] = None) -> "Settings":
         """Settings with every parameter checked (ValueError naming the parameter).
 
         This signature is the one place the settings parameters are written out: the compressors
@@ -77,8 +85,15 @@ class Settings:
                            ("server_error_feedback", server_error_feedback)):
             if not codec.is_bool(flag):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
+        if link_gbps is not None:
+            if codec.is_bool(link_gbps) or not isinstance(link_gbps, (int, float)) or not (
+                    math.isfinite(link_gbps) and link_gbps > 0):
+                raise ValueError(f"link_gbps must be a positive number of Gbit/s (or None: "
+                                 f"HVD_QSGD_BANDWIDTH_GBITS, else {cost_model.BANDWIDTH_BPS * 8e-9:g}), "
+                                 f"got {link_gbps!r}")
+            link_gbps = float(link_gbps)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
-                   bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback))
+                   bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps)
 
     @classmethod
     def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
@@ -128,8 +143,13 @@ class Settings:
         "auto" the faster by ``cost_model.choose`` (the same on every rank: it depends on n, numel and
         the settings only)."""
         if self.reduction == "auto":
-            return cost_model.choose(n, numel, self.bits, self.bucket_size)
+            return cost_model.choose(n, numel, self.bits, self.bucket_size, bandwidth_bps=self.link_bps())
         return self.reduction
+
+    def link_bps(self) -> Optional[float]:
+        """The link bandwidth in bytes/s that ``link_gbps`` sets, or None (the cost model's default:
+        ``HVD_QSGD_BANDWIDTH_GBITS``, else 10 Gbit/s)."""
+        return None if self.link_gbps is None else self.link_gbps * 1e9 / 8
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)

@@ -21,10 +21,36 @@ def test_defaults_follow_the_paper():
     (dict(seed=-1), "seed"), (dict(norm="l1"), "norm"), (dict(coding="huffman"), "coding"),
     (dict(min_numel=0), "min_numel"), (dict(min_numel=1.5), "min_numel"),
     (dict(reduction="ring"), "reduction"), (dict(bits=1, coding="elias"), "elias"),
+    (dict(link_gbps=0), "link_gbps"), (dict(link_gbps=-1.0), "link_gbps"), (dict(link_gbps=float("inf")), "link_gbps"),
+    (dict(link_gbps="10"), "link_gbps"), (dict(link_gbps=True), "link_gbps"),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
         hvd_qsgd.QSGD(**kwargs)
+
+
+def test_the_default_reduction_is_auto_and_resolves_by_the_cost_model():
+    """"auto" by default: allgather on 2 ranks and for small tensors; from 3 ranks on, a tensor whose
+    payload P exceeds alpha beta n / (n - 2) (62.5 kB n / (n - 2) at 50 us and 10 Gbit/s) goes by
+    scatter_allgather, whose bytes per rank stay 2 (n-1)/n P."""
+    s = hvd_qsgd.QSGD(4).settings
+    assert s.reduction == "auto" and s.link_gbps is None
+    assert s.exchange_reduction(2, 10**7) == "allgather"
+    for n in (8, 16):
+        assert s.exchange_reduction(n, 10**6) == "scatter_allgather"
+        assert s.exchange_reduction(n, 20000) == "allgather"
+    # 150,000 elements at 4 bits: P ~ 76 kB, above the 71 kB threshold at 16 ranks; at 1000 Gbit/s
+    # the threshold is 100x higher, so the latency of scatter_allgather's extra messages wins
+    assert s.exchange_reduction(16, 150000) == "scatter_allgather"
+    fast = hvd_qsgd.QSGD(4, link_gbps=1000).settings
+    assert fast.link_gbps == 1000.0 and fast.exchange_reduction(16, 150000) == "allgather"
+    assert "link_gbps=1000" in repr(hvd_qsgd.QSGD(4, link_gbps=1000))
+
+
+def test_link_gbps_overrides_the_environment(monkeypatch):
+    monkeypatch.setenv("HVD_QSGD_BANDWIDTH_GBITS", "1000")
+    assert Settings.make(4).exchange_reduction(16, 150000) == "allgather"
+    assert Settings.make(4, link_gbps=10).exchange_reduction(16, 150000) == "scatter_allgather"
 
 
 def test_settings_tag_covers_what_ranks_must_share_and_only_that():

@@ -48,6 +48,15 @@ def test_scatter_allgather_equals_the_two_phase_simulation_on_every_rank(np_, co
         assert ok_lines(out, s) == np_, f"{s}:\n{out[-3000:]}"
 
 
+@pytest.mark.parametrize("np_", [8, 16])
+def test_the_default_reduction_pays_at_8_and_16_ranks(np_):
+    """hvd_qsgd.QSGD(4) with its defaults under hvd.DistributedOptimizer: the 1,000,000-element
+    gradient goes by scatter_allgather and each rank receives <= 1.2 x 2(n-1)/n x d x 4/8 bytes of
+    it (counted in stats); every gradient equals its reference and every replica is identical."""
+    out = launch(np_, "gloo", [WORKER, "default-large"], timeout=400)
+    assert ok_lines(out, "default-large") == np_, out[-3000:]
+
+
 MISMATCHES = {
     # scenario: (ranks that must raise, pattern of the error)
     "bits": (2, r"MismatchError: .*disagree on the compressor settings"),

@@ -21,7 +21,8 @@ def compressors(named):
     return {
         "qsgd": hvd_qsgd.QSGD(4, error_feedback=True, reduction="scatter_allgather", server_error_feedback=True,
                               named_parameters=named).follow_learning_rate(lambda key: 0.05),
-        "dqsgd": hvd_qsgd.DynamicQSGD(3.0, error_feedback=True, named_parameters=named),
+        # made with the default of a518ccf, reduction="allgather" (the default is "auto" since)
+        "dqsgd": hvd_qsgd.DynamicQSGD(3.0, error_feedback=True, reduction="allgather", named_parameters=named),
         "blocksign": hvd_qsgd.BlockSign(named_parameters=named),
     }
 
@@ -64,6 +65,8 @@ def main():
         for field, value in saved[k]["torch"].items():
             if field == "stats":  # fields added since keep their zero
                 value = {**{f: 0 for f in now["stats"]}, **value, "ratio": now["stats"]["ratio"]}
+            if field == "settings":  # settings added since keep their default
+                value = {**{f: v for f, v in now["settings"].items() if f not in value}, **value}
             same(value, now[field], f"{k}.{field}")
         assert now["residuals"] and (k != "qsgd" or (now["server_residuals"] and now["residual_lr"]))
         step(c, params, 3)

@@ -312,6 +312,41 @@ def scenario(s):
             check_identical(p.grad, name)
         st = c.stats
         assert st["tensors"] == 3 and st["bytes_sent"] == sent and st["bytes_received"] == received, (st, sent, received)
+    elif s == "default-large":
+        # hvd_qsgd.QSGD(4) as the README has it: a 1,000,000-element gradient resolves to
+        # scatter_allgather from 3 ranks on; each rank receives <= 1.2 x 2(n-1)/n x d x b/8 bytes of it
+        model = nn.Sequential(nn.Linear(64, 1000), nn.ReLU(), nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10))
+        c = hvd_qsgd.QSGD(4, seed=SEED, named_parameters=model.named_parameters())
+        assert c.settings.reduction == "auto"
+        g = torch.Generator().manual_seed(rank)
+        x, y = torch.randn(16, 64, generator=g), torch.randint(0, 10, (16,), generator=g)
+        m = copy.deepcopy(model)
+        nn.functional.cross_entropy(m(x), y).backward()
+        all_grads = {k: gather(p.grad) for k, p in m.named_parameters()}
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=c)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        received = 0
+        for name, p in model.named_parameters():
+            if p.numel() < 10000:
+                continue
+            exchange = f"hvd_qsgd.{c._creation_index}.p.{name}"
+            chosen = c.settings.exchange_reduction(n, p.numel())
+            if chosen == "scatter_allgather":
+                ref, ph1, red = scatter_reference(all_grads[name], exchange, p.shape, p.dtype, c.settings, 1.0 / n, name)
+                into = scatter_bytes(ph1, red, rank)[1]
+            else:
+                ref = reference(all_grads[name], exchange, name, p.shape, p.dtype, 4, 512, 1.0 / n, name)
+                into = (n - 1) * codec.payload_nbytes(p.numel(), 4, 512)
+            if p.numel() == 10**6:
+                bound = 1.2 * 2 * (n - 1) / n * p.numel() * 4 / 8
+                assert chosen == "scatter_allgather" and into <= bound, (name, chosen, into, bound)
+            assert torch.equal(p.grad, ref), f"{name} ({chosen}): max diff {(p.grad - ref).abs().max()}"
+            check_identical(p.grad, name)
+            received += into
+        assert c.stats["bytes_received"] == received, (c.stats, received)
     elif s == "scatter-allreduce":
         c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather", min_numel=1)
         g = torch.Generator().manual_seed(rank)
