@@ -26,15 +26,25 @@ repetition's time is the maximum over ranks (the collective is done when its las
 point's time the median over repetitions (``--stat min``: the minimum). Every op keeps one name
 across repetitions, so Horovod's response cache serves it as in a training loop.
 
+In flight (``--inflight K``, default 1). A timed operation is K tensors of S bytes, each with a
+name of its own, started at once with the ``*_async`` calls and then all waited for (for
+scatter_allgather: K alltoalls, then K allgathers), as a training step's gradients are; the time
+recorded is the operation's divided by K. With K = 1 every operation pays Horovod's whole fixed
+cost (a background-thread cycle, ``HOROVOD_CYCLE_TIME``, and the negotiation); with K > 1 the K
+tensors share one cycle, and what is left per tensor is the cost a tensor adds to a busy step.
+
 The fit (``fit``, a pure function). For each (n, collective), weighted least squares of the points'
 (m, b) -> time against ``t = m alpha + b x`` with x = 1/beta, each point weighted by 1/t so that
 the residuals are relative (a sweep over 1 KB .. 64 MB spans four decades of time; unweighted, the
-largest sizes alone would set alpha). alpha and x are kept >= 0 (if the unconstrained solution has
-one negative, it is set to 0 and the other refitted). Also fitted: ``joint``, every collective's
-points of one n together (the single (alpha, beta) the cost model uses for all of them), and with
-several n, every n's points of one collective together (whether alpha is really per message: a
-per-collective overhead shows as points of different n that do not fit one line). Reported: alpha
-(us), beta (Gbit/s), the per-op latency m alpha, and the residuals' RMS and maximum (relative).
+largest sizes alone would set alpha); the coefficients are kept >= 0 (exact non-negative least
+squares over the few columns). Also fitted: ``joint``, every collective's points of one n together
+(the single (alpha, beta) the cost model uses for all of them); and with several n, every
+collective (and ``joint``) over all n, once in the model's form and once with a third term, a fixed
+overhead per Horovod operation, ``t = k overhead + m alpha + b x`` (k = 2 for scatter_allgather's two
+operations, else 1), which tells Horovod's per-operation cost (background-thread cycle, negotiation)
+apart from a per-message latency: at one n the two are confounded, the model-form alpha being
+``alpha + k overhead / m``. Reported: alpha (us per message), beta (Gbit/s), m alpha at that n (the
+latency of one operation), the overhead per op, and the residuals' RMS and maximum (relative).
 
 The crossover. ``reduction="auto"`` picks scatter_allgather for a payload P > alpha beta n/(n-2)
 (n >= 3). Printed for each n >= 3: that size with the ``joint`` fit's alpha and beta; where the
@@ -77,48 +87,80 @@ def model_terms(collective, n, size):
     raise ValueError(f"unknown collective {collective!r}")
 
 
-def fit(messages, nbytes, seconds, weighting="relative"):
-    """Least-squares fit of ``seconds[i] ~ messages[i] alpha + nbytes[i] / beta``.
+def model_ops(collective):
+    """Horovod operations a collective takes: 2 for scatter_allgather (alltoall, then allgather), else 1."""
+    return 2 if collective == "scatter_allgather" else 1
+
+
+def _nnls(a, y):
+    """min ||a x - y|| over x >= 0, for a few columns: the least-squares solution on every subset of
+    the columns (the rest 0), the best one whose coefficients are all >= 0 (an exact NNLS)."""
+    import itertools
+
+    import numpy as np
+
+    k = a.shape[1]
+    best = (np.inf, np.zeros(k))
+    for r in range(k, 0, -1):
+        for cols in itertools.combinations(range(k), r):
+            sub = a[:, cols]
+            if np.linalg.matrix_rank(sub) < r:
+                continue
+            coef, *_ = np.linalg.lstsq(sub, y, rcond=None)
+            if np.any(coef < 0):
+                continue
+            x = np.zeros(k)
+            x[list(cols)] = coef
+            res = float(np.sum((a @ x - y) ** 2))
+            if res < best[0] * (1 - 1e-12):
+                best = (res, x)
+    return best[1]
+
+
+def fit(messages, nbytes, seconds, weighting="relative", ops=None):
+    """Least-squares fit of ``seconds[i] ~ messages[i] alpha + nbytes[i] / beta`` (the cost model's
+    form), or with ``ops`` of ``seconds[i] ~ ops[i] overhead + messages[i] alpha + nbytes[i] / beta``
+    (a fixed cost per Horovod operation besides the per-message one; it needs points of several n).
 
     weighting: "relative" (each point weighted by 1/seconds[i]: minimises the relative residuals) or
-    "absolute". alpha and 1/beta are kept >= 0. Returns a dict: alpha_s, beta_Bps (inf where the
-    times show no bandwidth term), inv_beta_s_per_B, rms_rel_residual and max_rel_residual (of
-    (model - measured) / measured), points, clamped (the parameter set to 0, or None).
+    "absolute". Every coefficient is kept >= 0 (an exact non-negative least squares). Returns a dict:
+    alpha_s, beta_Bps (inf where the times show no bandwidth term), inv_beta_s_per_B, overhead_s
+    (None without ``ops``), rms_rel_residual and max_rel_residual (of (model - measured) / measured),
+    points, clamped (the names of the coefficients held at 0, comma-separated, or None).
     """
     import numpy as np
 
     m = np.asarray(messages, dtype=np.float64)
     b = np.asarray(nbytes, dtype=np.float64)
     t = np.asarray(seconds, dtype=np.float64)
-    if not (m.shape == b.shape == t.shape and m.ndim == 1):
-        raise ValueError("messages, nbytes and seconds must be 1-D sequences of one length")
-    if len(t) < 2 or np.any(t <= 0) or np.any(m < 0) or np.any(b < 0):
-        raise ValueError("the fit needs at least two points with positive times and non-negative terms")
+    cols, names = [m, b], ["alpha", "inv_beta"]
+    if ops is not None:
+        cols, names = [np.asarray(ops, dtype=np.float64)] + cols, ["overhead"] + names
+    if not (all(c.shape == t.shape for c in cols) and t.ndim == 1):
+        raise ValueError("messages, nbytes, seconds (and ops) must be 1-D sequences of one length")
+    if len(t) < len(cols) or np.any(t <= 0) or any(np.any(c < 0) for c in cols):
+        raise ValueError(f"the fit needs at least {len(cols)} points with positive times and non-negative terms")
     if weighting == "relative":
         w = 1.0 / t
     elif weighting == "absolute":
         w = np.ones_like(t)
     else:
         raise ValueError(f"unknown weighting {weighting!r}")
-    a = np.stack([m * w, b * w], axis=1)
-    y = t * w
-    if np.linalg.matrix_rank(a) < 2:
-        raise ValueError("the points do not separate latency from bandwidth (need at least two distinct "
-                         "byte counts per message count)")
-    (alpha, inv_beta), *_ = np.linalg.lstsq(a, y, rcond=None)
-    clamped = None
-    if alpha < 0 or inv_beta < 0:
-        # the better of the two one-parameter fits on the boundary
-        candidates = []
-        for name, col in (("alpha", 1), ("inv_beta", 0)):
-            v = max(0.0, float(a[:, col] @ y / (a[:, col] @ a[:, col]))) if a[:, col].any() else 0.0
-            coef = (0.0, v) if col == 1 else (v, 0.0)
-            candidates.append((float(np.sum((a @ np.array(coef) - y) ** 2)), name, coef))
-        _, clamped, (alpha, inv_beta) = min(candidates)
-    rel = (m * alpha + b * inv_beta - t) / t
-    return dict(alpha_s=float(alpha), beta_Bps=(1.0 / inv_beta) if inv_beta > 0 else math.inf,
-                inv_beta_s_per_B=float(inv_beta), rms_rel_residual=float(np.sqrt(np.mean(rel ** 2))),
-                max_rel_residual=float(np.max(np.abs(rel))), points=int(len(t)), clamped=clamped)
+    a = np.stack(cols, axis=1) * w[:, None]
+    if np.linalg.matrix_rank(a) < len(cols):
+        raise ValueError("the points do not separate the terms (" + ", ".join(names) + "): latency from "
+                         "bandwidth needs two distinct byte counts per message count, a per-op overhead from "
+                         "a per-message latency two rank counts")
+    x = _nnls(a, t * w)
+    coef = dict(zip(names, x))
+    clamped = [nm for nm, v in coef.items() if v == 0.0]
+    pred = np.stack(cols, axis=1) @ x
+    rel = (pred - t) / t
+    inv_beta = float(coef["inv_beta"])
+    return dict(alpha_s=float(coef["alpha"]), beta_Bps=(1.0 / inv_beta) if inv_beta > 0 else math.inf,
+                inv_beta_s_per_B=inv_beta, overhead_s=float(coef["overhead"]) if ops is not None else None,
+                rms_rel_residual=float(np.sqrt(np.mean(rel ** 2))), max_rel_residual=float(np.max(np.abs(rel))),
+                points=int(len(t)), clamped=",".join(clamped) or None)
 
 
 def crossover_bytes(alpha, beta, n):
@@ -155,12 +197,21 @@ def measured_crossover(sizes, t_ag, t_sa):
     return found
 
 
+def _fit_points(ps, stat, with_ops=False):
+    return fit([p["messages"] for p in ps], [p["bytes_received"] for p in ps], [p[f"{stat}_s"] for p in ps],
+               ops=[model_ops(p["collective"]) for p in ps] if with_ops else None)
+
+
 def analyse(jobs, stat="median"):
-    """Fits and crossovers of the jobs' points (``run_worker``'s JSON, one per n)."""
+    """Fits and crossovers of the jobs' points (``run_worker``'s JSON, one job per n).
+
+    fits: for every n, every collective and ``joint`` (all of them); with several n also every
+    collective and ``joint`` over all n (n = "all"), in the model's form and with a per-op overhead
+    (``per_op`` True). crossovers: for every n >= 3 (see the module docstring)."""
     from hvd_qsgd import cost_model
 
     fits, crossovers = [], []
-    by_coll = {}
+    pooled = {}
     for job in jobs:
         n = job["n"]
         pts = job["points"]
@@ -168,13 +219,12 @@ def analyse(jobs, stat="median"):
         groups["joint"] = pts
         job_fits = {}
         for coll, ps in groups.items():
-            f = fit([p["messages"] for p in ps], [p["bytes_received"] for p in ps], [p[f"{stat}_s"] for p in ps])
+            f = _fit_points(ps, stat)
             m = model_terms(coll, n, 0)[0] if coll != "joint" else None
-            f.update(n=n, collective=coll, per_op_s=(m * f["alpha_s"]) if m is not None else None)
+            f.update(n=n, collective=coll, per_op=False, m_alpha_s=(m * f["alpha_s"]) if m is not None else None)
             job_fits[coll] = f
             fits.append(f)
-            if coll != "joint":
-                by_coll.setdefault(coll, []).extend(ps)
+            pooled.setdefault(coll, []).extend(ps)
         if n >= 3 and "allgather" in groups and "scatter_allgather" in groups:
             ag = sorted(groups["allgather"], key=lambda p: p["bytes"])
             sa = sorted(groups["scatter_allgather"], key=lambda p: p["bytes"])
@@ -185,11 +235,12 @@ def analyse(jobs, stat="median"):
                 measured_bytes=measured_crossover([p["bytes"] for p in ag], [p[f"{stat}_s"] for p in ag],
                                                   [p[f"{stat}_s"] for p in sa]),
                 default_bytes=crossover_bytes(cost_model.LATENCY_S, cost_model.BANDWIDTH_BPS, n)))
-    if len(jobs) > 1:
-        for coll, ps in by_coll.items():
-            f = fit([p["messages"] for p in ps], [p["bytes_received"] for p in ps], [p[f"{stat}_s"] for p in ps])
-            f.update(n="all", collective=coll, per_op_s=None)
-            fits.append(f)
+    if len({job["n"] for job in jobs}) > 1:
+        for with_ops in (False, True):
+            for coll, ps in pooled.items():
+                f = _fit_points(ps, stat, with_ops)
+                f.update(n="all", collective=coll, per_op=with_ops, m_alpha_s=None)
+                fits.append(f)
     return fits, crossovers
 
 
@@ -237,15 +288,18 @@ def job_bytes(size, n):
 
 
 def table(fits, crossovers):
-    lines = ["| n | collective | alpha (us) | beta (Gbit/s) | per-op latency m·alpha (us) | RMS residual "
-             "| max residual | points |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| n | collective | alpha (us per message) | beta (Gbit/s) | m·alpha at this n (us) "
+             "| overhead per op (us) | RMS residual | max residual | points |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for f in fits:
         beta = f"{f['beta_Bps'] * 8 / 1e9:.3g}" if math.isfinite(f["beta_Bps"]) else "inf"
-        per_op = f"{f['per_op_s'] * 1e6:.0f}" if f["per_op_s"] is not None else ""
-        clamp = f" ({f['clamped']} clamped to 0)" if f["clamped"] else ""
-        lines.append(f"| {f['n']} | {f['collective']}{clamp} | {f['alpha_s'] * 1e6:.1f} | {beta} | {per_op} | "
-                     f"{100 * f['rms_rel_residual']:.1f}% | {100 * f['max_rel_residual']:.1f}% | {f['points']} |")
+        m_alpha = f"{f['m_alpha_s'] * 1e6:.0f}" if f.get("m_alpha_s") is not None else ""
+        overhead = f"{f['overhead_s'] * 1e6:.0f}" if f.get("overhead_s") is not None else ""
+        clamp = f" ({f['clamped']} held at 0)" if f["clamped"] else ""
+        n = f"{f['n']} (+ op)" if f.get("per_op") else f["n"]
+        lines.append(f"| {n} | {f['collective']}{clamp} | {f['alpha_s'] * 1e6:.1f} | {beta} | {m_alpha} | "
+                     f"{overhead} | {100 * f['rms_rel_residual']:.1f}% | {100 * f['max_rel_residual']:.1f}% | "
+                     f"{f['points']} |")
     if crossovers:
         lines += ["", "reduction=\"auto\" crossover payload (scatter_allgather above it):", "",
                   "| n | alpha·beta·n/(n-2), joint fit | fitted allgather = fitted scatter_allgather "
@@ -275,6 +329,9 @@ def add_arguments(p):
                    help=f"which to time (default {','.join(COLLECTIVES)})")
     p.add_argument("--reps", type=positive_int, default=7, help="timed repetitions of every point (default 7)")
     p.add_argument("--warmup", type=nonnegative_int, default=2, help="untimed rounds first (default 2)")
+    p.add_argument("--inflight", type=positive_int, default=1,
+                   help="tensors exchanged at once in each timed operation (started asynchronously, as a training "
+                        "step's gradients are); the time recorded is per tensor (default 1)")
     p.add_argument("--stat", choices=("median", "min"), default="median",
                    help="a point's time over repetitions (default median)")
     p.add_argument("--rate", help="run over network namespaces with every link tbf-shaped to this rate "
@@ -289,7 +346,7 @@ def add_arguments(p):
 def _worker_argv(args, json_path):
     return ["-m", "benchmarks", "calibrate", "--worker", "--worker-json", json_path,
             "--sizes", ",".join(map(str, args.sizes)), "--collectives", ",".join(args.collectives),
-            "--reps", str(args.reps), "--warmup", str(args.warmup)]
+            "--reps", str(args.reps), "--warmup", str(args.warmup), "--inflight", str(args.inflight)]
 
 
 def run_worker(args):
@@ -304,17 +361,25 @@ def run_worker(args):
     bufs = {s: dict(f32=torch.full((s // 4,), float(rank + 1)), u8=torch.full((s,), rank, dtype=torch.uint8),
                     chunk=torch.full((s // n,), rank, dtype=torch.uint8)) for s in sizes}
 
+    k_inflight = args.inflight
+    # (Horovod operation, buffer, name) of each stage: scatter_allgather's allgather starts once its
+    # alltoall is done, as the compressor's reduction does
+    stages = dict(allreduce=[("allreduce", "f32", "cal.allreduce")], allgather=[("allgather", "u8", "cal.allgather")],
+                  alltoall=[("alltoall", "u8", "cal.alltoall")],
+                  scatter_allgather=[("alltoall", "u8", "cal.sa.alltoall"), ("allgather", "chunk", "cal.sa.allgather")])
+
+    def start(op, tensor, name):
+        if op == "allreduce":
+            return hvd.allreduce_async(tensor, op=hvd.Sum, name=name)
+        return getattr(hvd, f"{op}_async")(tensor, name=name)
+
     def run_op(coll, s):
-        buf = bufs[s]
-        if coll == "allreduce":
-            hvd.allreduce(buf["f32"], op=hvd.Sum, name=f"cal.allreduce.{s}")
-        elif coll == "allgather":
-            hvd.allgather(buf["u8"], name=f"cal.allgather.{s}")
-        elif coll == "alltoall":
-            hvd.alltoall(buf["u8"], name=f"cal.alltoall.{s}")
-        else:  # scatter_allgather
-            hvd.alltoall(buf["u8"], name=f"cal.sa.alltoall.{s}")
-            hvd.allgather(buf["chunk"], name=f"cal.sa.allgather.{s}")
+        """One timed operation: k_inflight tensors of s bytes at once (distinct names, started
+        asynchronously, then all waited for), stage by stage."""
+        for op, key, name in stages[coll]:
+            handles = [start(op, bufs[s][key], f"{name}.{s}.{i}") for i in range(k_inflight)]
+            for h in handles:
+                hvd.synchronize(h)
 
     keys = [(c, s) for s in sizes for c in args.collectives]
     times = {k: [] for k in keys}
@@ -323,7 +388,7 @@ def run_worker(args):
             hvd.barrier()
             t0 = time.perf_counter()
             run_op(c, s)
-            dt = time.perf_counter() - t0
+            dt = (time.perf_counter() - t0) / k_inflight
             if rnd >= args.warmup:
                 times[(c, s)].append(dt)
     mine = torch.tensor([times[k] for k in keys], dtype=torch.float64)
@@ -335,7 +400,7 @@ def run_worker(args):
             points.append(dict(collective=c, size=req, bytes=s, messages=m, bytes_received=b,
                                median_s=statistics.median(ts), min_s=min(ts), times_s=ts))
         job = dict(n=n, sizes=list(args.sizes), bytes=sizes, collectives=list(args.collectives), reps=args.reps,
-                   warmup=args.warmup, points=points,
+                   warmup=args.warmup, inflight=k_inflight, points=points,
                    horovod_env={k: v for k, v in os.environ.items()
                                 if k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY", "HOROVOD_FUSION_THRESHOLD")})
         with open(args.worker_json, "w") as f:
@@ -438,7 +503,8 @@ def run(args):
             signal.signal(s, h)
     fits, crossovers = analyse(jobs, args.stat)
     where = f"links tbf-shaped to {args.rate} between network namespaces" if args.rate else "loopback"
-    print(f"\n## Fitted alpha and beta ({where}; time = {args.stat} of {args.reps} of the slowest rank)\n")
+    per = f", per tensor of {args.inflight} in flight" if args.inflight > 1 else ""
+    print(f"\n## Fitted alpha and beta ({where}; time = {args.stat} of {args.reps} of the slowest rank{per})\n")
     print(table(fits, crossovers))
     if args.points:
         print("\n## Points\n")
@@ -452,7 +518,7 @@ def run(args):
         result = dict(argv=sys.argv[1:], machine=machine_info(),
                       network=dict(rate=args.rate) if args.rate else "loopback",
                       sizes=list(args.sizes), collectives=list(args.collectives), reps=args.reps,
-                      warmup=args.warmup, stat=args.stat,
+                      warmup=args.warmup, inflight=args.inflight, stat=args.stat,
                       model_defaults=dict(alpha_s=cost_model.LATENCY_S, beta_Bps=cost_model.BANDWIDTH_BPS),
                       jobs=jobs, fits=[{k: finite(v) for k, v in f.items()} for f in fits], crossovers=crossovers)
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)

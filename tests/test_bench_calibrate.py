@@ -86,6 +86,35 @@ def test_fit_under_bounded_relative_noise_stays_within_the_derived_bound(alpha, 
     assert worst[0] > 0.5 and worst[1] > 0.5
 
 
+def test_per_op_overhead_is_told_apart_from_the_per_message_latency():
+    """Times with a fixed cost per Horovod operation (k of them) besides the per-message latency: at
+    one n the model-form fit folds it into alpha (alpha + k overhead / m, exactly); over several n
+    the three-term fit separates them."""
+    overhead, alpha, beta = 800e-6, 30e-6, 5e9 / 8
+    cols = {k: [] for k in ("ops", "m", "b", "t")}
+    for n in (2, 4, 8):
+        for coll in calibrate.COLLECTIVES:
+            m, b = _design(coll, n)
+            k = calibrate.model_ops(coll)
+            t = k * overhead + m * alpha + b / beta
+            f = calibrate.fit(m, b, t)
+            assert f["alpha_s"] == pytest.approx(alpha + k * overhead / m[0], rel=1e-9)
+            assert f["beta_Bps"] == pytest.approx(beta, rel=1e-9)
+            for key, v in (("ops", np.full(len(t), k)), ("m", m), ("b", b), ("t", t)):
+                cols[key].extend(v)
+    f = calibrate.fit(cols["m"], cols["b"], cols["t"], ops=cols["ops"])
+    assert f["overhead_s"] == pytest.approx(overhead, rel=1e-9) and f["alpha_s"] == pytest.approx(alpha, rel=1e-9)
+    assert f["beta_Bps"] == pytest.approx(beta, rel=1e-9) and f["rms_rel_residual"] < 1e-9
+    # one n: the overhead and the latency cannot be told apart
+    with pytest.raises(ValueError):
+        calibrate.fit(m, b, t, ops=np.full(len(t), 1.0))
+    # without an overhead in the times the three-term fit holds it at 0
+    m, b = _design("allgather", 4)
+    m2, b2 = _design("allgather", 8)
+    f = calibrate.fit(np.r_[m, m2], np.r_[b, b2], np.r_[m, m2] * alpha + np.r_[b, b2] / beta, ops=np.ones(2 * len(m)))
+    assert f["overhead_s"] == pytest.approx(0.0, abs=1e-12) and f["alpha_s"] == pytest.approx(alpha, rel=1e-9)
+
+
 def test_fit_clamps_and_refuses():
     m = np.full(4, 2.0)
     b = np.array([1e3, 1e4, 1e5, 1e6])
@@ -144,11 +173,13 @@ def test_analyse_synthetic_jobs():
                                    bytes_received=b, median_s=t, min_s=t, times_s=[t]))
         jobs.append(dict(n=n, collectives=list(calibrate.COLLECTIVES), points=points))
     fits, crossovers = calibrate.analyse(jobs)
-    # every collective and the joint fit at each n, and every collective over both n
-    assert {(f["n"], f["collective"]) for f in fits} == {
-        (n, c) for n in (2, 4, "all") for c in calibrate.COLLECTIVES + ("joint",) if (n, c) != ("all", "joint")}
+    # every collective and the joint fit at each n, and over both n without and with a per-op overhead
+    assert sorted((str(f["n"]), f["collective"], f["per_op"]) for f in fits) == sorted(
+        [(str(n), c, False) for n in (2, 4, "all") for c in calibrate.COLLECTIVES + ("joint",)]
+        + [("all", c, True) for c in calibrate.COLLECTIVES + ("joint",)])
     for f in fits:
         assert f["alpha_s"] == pytest.approx(alpha, rel=1e-9) and f["beta_Bps"] == pytest.approx(beta, rel=1e-9)
+        assert f["overhead_s"] == (pytest.approx(0.0, abs=1e-12) if f["per_op"] else None)
     (c,) = crossovers
     p = alpha * beta * 4 / 2
     assert c["n"] == 4 and c["joint_fit_bytes"] == pytest.approx(p) and c["fitted_lines_bytes"] == pytest.approx(p)
@@ -172,14 +203,14 @@ def test_size_arguments():
 @pytest.mark.multirank
 def test_smoke_run_at_np_2(tmp_path):
     path = tmp_path / "calibrate.json"
-    sizes = ["4K", "256K", "4M"]
+    sizes = ["4K", "256K", "16M"]
     cmd = [sys.executable, "-m", "benchmarks", "calibrate", "--np", "2", "--sizes", ",".join(sizes), "--reps", "3",
-           "--warmup", "1", "--stat", "min", "--json", str(path)]
+           "--warmup", "1", "--stat", "min", "--inflight", "2", "--json", str(path)]
     status, out = run_bounded(cmd, timeout=90)
     assert status == 0, out[-4000:]
     assert "## Fitted alpha and beta" in out and "| 2 | joint |" in out
     r = json.loads(path.read_text())
-    assert r["sizes"] == [4096, 256 << 10, 4 << 20] and r["stat"] == "min" and r["reps"] == 3
+    assert r["sizes"] == [4096, 256 << 10, 16 << 20] and r["stat"] == "min" and r["reps"] == 3 and r["inflight"] == 2
     (job,) = r["jobs"]
     assert job["n"] == 2 and job["sizes"] == r["sizes"] and job["bytes"] == r["sizes"]  # multiples of 8 kept
     assert {(p["collective"], p["size"]) for p in job["points"]} == {
@@ -188,5 +219,5 @@ def test_smoke_run_at_np_2(tmp_path):
     fits = {f["collective"]: f for f in r["fits"] if f["n"] == 2}
     assert set(fits) == set(calibrate.COLLECTIVES) | {"joint"}
     for f in fits.values():
-        assert f["alpha_s"] > 0 and f["beta_Bps"] is not None and f["beta_Bps"] > 0, f
+        assert f["alpha_s"] > 0 and f["beta_Bps"] is not None and f["beta_Bps"] > 0, (f, out[-3000:])
     assert r["crossovers"] == []        # none at n = 2: scatter_allgather is never chosen there
