@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 5  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 6  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -170,6 +170,9 @@ def load():
         lib.qsgd_check_control.restype = _I32
         lib.qsgd_check_control.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, ctypes.POINTER(ctypes.c_double),
                                            ctypes.POINTER(_I32)]
+        lib.qsgd_check_control_present.restype = _I32
+        lib.qsgd_check_control_present.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, _P, _I32,
+                                                   ctypes.POINTER(ctypes.c_double), ctypes.POINTER(_I32)]
         lib.qsgd_chunk_range.restype = _I32
         lib.qsgd_chunk_range.argtypes = [_U64, ctypes.c_uint32, _I32, _I32, ctypes.POINTER(_U64),
                                          ctypes.POINTER(_U64)]

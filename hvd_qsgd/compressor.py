@@ -4,9 +4,13 @@ It holds the settings, checks them once, and hands each tensor to the adapter of
 (``hvd_qsgd.torch.QSGD`` for PyTorch tensors), created on first use. What the adapters share lives
 below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top of the package.
 """
+import atexit
+import sys
 import threading
+import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+from hvd_qsgd import report
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
@@ -58,7 +62,10 @@ class QSGD:
                      matched by parameter name, so ranks may hand gradients over in any order
     process_set:     Horovod process set of the reduction (default: all ranks)
 
-    ``stats`` is a dict of cumulative counters (see ``hvd_qsgd.settings.Stats``).
+    ``stats`` is a dict of cumulative counters (see ``hvd_qsgd.settings.Stats``); ``summary()`` what
+    they mean for the job (``hvd_qsgd.report``). A compressor that is never called while optimizer
+    steps happen, or whose codec time exceeds the wire time its bytes save at ``link_gbps``, says so
+    once on the ``hvd_qsgd`` logger.
     """
 
     def __init__(self, *args: Any, named_parameters: Optional[Iterable[Tuple[str, Any]]] = None,
@@ -74,6 +81,9 @@ class QSGD:
         self._adapters: Dict[str, Any] = {}
         self._lock = threading.Lock()
         self._learning_rate = None
+        self._calls = 0
+        self._never_called = report.NeverCalledWatch()
+        _watch(self)
 
     def __repr__(self) -> str:
         s = self.settings
@@ -108,6 +118,7 @@ class QSGD:
             return adapter
 
     def compress(self, tensor: Any) -> Tuple[Any, Any]:
+        self._calls += 1
         return self._adapter(_framework(tensor)).compress(tensor)
 
     def decompress(self, tensor: Any, ctx: Any) -> Any:
@@ -131,6 +142,20 @@ class QSGD:
         if len(adapters) == 1:  # TensorFlow graph mode returns counter tensors: pass them through
             return adapters[0].stats
         return Stats.merge(a.stats for a in adapters)
+
+    def summary(self, links_gbps: Iterable[float] = report.DEFAULT_LINKS_GBPS, print_on_rank0: bool = False
+                ) -> Dict[str, Any]:
+        """This rank's bytes saved against an fp32 allreduce, its codec and waiting time, and the
+        projected change of the time spent so far at each link speed (``hvd_qsgd.report.summary``:
+        a bandwidth-only projection). With ``print_on_rank0``, rank 0 also prints it."""
+        stats = self.stats
+        if any(not isinstance(v, (int, float)) for v in stats.values()):
+            raise TypeError(f"hvd_qsgd.{type(self).__name__}.summary: the statistics are graph tensors here; "
+                            "call it when executing eagerly (or evaluate .stats in the session)")
+        s = report.summary(stats, links_gbps)
+        if print_on_rank0 and _rank(self._adapters) == 0:
+            print(report.format_summary(s, repr(self)), flush=True)
+        return s
 
     def follow_learning_rate(self, optimizer: Any) -> "QSGD":
         """Rescale error-feedback residuals when the learning rate changes (see
@@ -163,6 +188,59 @@ class QSGD:
 
 
 QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)
+
+# -- the no-op warning (hvd_qsgd.report.NeverCalledWatch) -------------------------------------------
+
+_live: "weakref.WeakSet[QSGD]" = weakref.WeakSet()
+_hooked = threading.Lock()
+_hooks = {"torch": False, "atexit": False}
+
+
+def _watch(compressor: QSGD) -> None:
+    """Follow a new compressor: every PyTorch optimizer step counts towards its no-op warning (a
+    global step hook, registered once), and at exit one that was never called in a Horovod job says
+    so (TensorFlow offers no step hook)."""
+    _live.add(compressor)
+    with _hooked:
+        optim = sys.modules.get("torch.optim.optimizer")
+        if not _hooks["torch"] and hasattr(optim, "register_optimizer_step_post_hook"):
+            optim.register_optimizer_step_post_hook(_on_optimizer_step)
+            _hooks["torch"] = True
+        if not _hooks["atexit"]:
+            atexit.register(_at_exit)
+            _hooks["atexit"] = True
+
+
+def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    for c in list(_live):
+        c._never_called.step(c._calls, repr(c))
+
+
+def _at_exit() -> None:
+    if not _horovod_initialized():
+        return
+    for c in list(_live):
+        c._never_called.at_exit(c._calls, repr(c))
+
+
+def _horovod_initialized() -> bool:
+    for name in ("horovod.torch", "horovod.tensorflow"):
+        module = sys.modules.get(name)
+        try:
+            if module is not None and module.is_initialized():
+                return True
+        except Exception:  # Horovod already shut down
+            continue
+    return False
+
+
+def _rank(adapters: Dict[str, Any]) -> int:
+    """This process's Horovod rank, through the framework of the first adapter (0 without one)."""
+    for framework in adapters:
+        module = sys.modules.get("horovod.torch" if framework == "torch" else "horovod.tensorflow")
+        if module is not None:
+            return int(module.rank())
+    return 0
 
 
 class DynamicQSGD(QSGD):

@@ -1,33 +1,41 @@
-"""The two-phase driver of scatter_allgather exchanges, framework-free.
+"""The driver of exchanges whose collectives run in stages, framework-free.
 
-A scatter_allgather exchange has two collectives: the alltoall of chunk payloads (phase 1,
-started by ``compress``) and the allgather of the reduced chunks (phase 2), which can only start
-once this rank's alltoall has completed and its chunk is reduced. Many exchanges are in flight at
-once (every gradient of a step), finishing in any order, and Horovod gives no callback. So:
+An exchange may need several collectives one after another, each started only once the one before
+has completed on this rank:
 
-* every ``compress`` and ``decompress`` first ``advance``s: the second phase of every exchange whose
-  alltoall has completed starts now;
+* every compressed exchange first allreduces a presence vector (``protocol.presence_vector``): only
+  once it is known that no rank of the set has joined (``hvd.join``) may the payloads' allgather or
+  alltoall start, which Horovod cannot carry through a join;
+* a scatter_allgather exchange then has the alltoall of chunk payloads and the allgather of the
+  reduced chunks, which can only start once this rank's chunk is reduced.
+
+Many exchanges are in flight at once (every gradient of a step), finishing in any order, and
+Horovod gives no callback. So:
+
+* every ``compress`` and ``decompress`` first ``advance``s: the next stage of every exchange whose
+  current collective has completed starts now;
 * waiting for a collective is a poll loop (``wait``) that keeps advancing the other exchanges, with
   a sleep that doubles from 20 us to 1 ms;
-* ``advance(block_on=ex)`` starts ex's second phase even if its alltoall is still running (the
-  control check has proved that every rank started it, so waiting on it cannot hang).
+* ``advance(block_on=ex)`` runs ex's next stage even if its collective is still running (the
+  caller has proved that every rank started it, so waiting on it cannot hang).
 
-Second phases start as soon as their first phases finish, in whatever order, and no rank waits
-on a phase another rank has not started. The collectives (``poll``, ``synchronize``) and the
-second phase itself (``second_phase(exchange)``) are the adapter's; an exchange needs a ``handle``
-(its alltoall) and a ``started`` event, which the driver sets once its second phase has run.
+Stages start as soon as the stage before finishes, in whatever order, and no rank waits on a
+collective another rank has not started. The collectives (``poll``, ``synchronize``) and the stage
+itself (``next_stage(exchange)``, which returns True when it started another collective that the
+exchange now waits on, in ``exchange.handle``) are the adapter's; an exchange needs a ``handle``
+and gets a ``started`` event, which the driver sets once its last stage has run.
 """
 import threading
 import time
 from typing import Any, Callable, List
 
 
-class TwoPhaseDriver:
-    """Exchanges whose first phase is in flight (see the module docstring). Thread-safe."""
+class StagedDriver:
+    """Exchanges with a stage in flight (see the module docstring). Thread-safe."""
 
     def __init__(self, poll: Callable[[Any], bool], synchronize: Callable[[Any], Any],
-                 second_phase: Callable[[Any], None]):
-        self._poll, self._synchronize, self._second_phase = poll, synchronize, second_phase
+                 next_stage: Callable[[Any], bool]):
+        self._poll, self._synchronize, self._next_stage = poll, synchronize, next_stage
         self._lock = threading.Lock()
         self._waiting: List[Any] = []
 
@@ -36,13 +44,13 @@ class TwoPhaseDriver:
             return len(self._waiting)
 
     def add(self, exchange: Any) -> None:
-        """An exchange whose alltoall has been started."""
+        """An exchange whose first collective (``exchange.handle``) has been started."""
         exchange.started = threading.Event()
         with self._lock:
             self._waiting.append(exchange)
 
     def forget(self, exchange: Any) -> None:
-        """Drop an exchange whose second phase will never run (its control check failed)."""
+        """Drop an exchange whose next stage will never run (its control check failed)."""
         with self._lock:
             self._waiting = [e for e in self._waiting if e is not exchange]
 
@@ -51,16 +59,21 @@ class TwoPhaseDriver:
             self._waiting = []
 
     def advance(self, block_on: Any = None) -> None:
-        """Start the second phase of every exchange whose alltoall has completed (and of
-        ``block_on``, waiting for its alltoall)."""
+        """Run the next stage of every exchange whose collective has completed (and of ``block_on``,
+        waiting for its collective)."""
         with self._lock:
             ready = [e for e in self._waiting if e is block_on or self._poll(e.handle)]
             self._waiting = [e for e in self._waiting if e not in ready]
         for e in ready:
+            again = False
             try:
-                self._second_phase(e)
+                again = self._next_stage(e)
             finally:
-                e.started.set()
+                if again:
+                    with self._lock:
+                        self._waiting.append(e)
+                else:
+                    e.started.set()
 
     def wait(self, handle: Any) -> Any:
         """The result of ``handle``, advancing the other exchanges meanwhile."""
@@ -77,6 +90,7 @@ class TwoPhaseDriver:
             delay = min(2 * delay, 1e-3)
 
     def finish(self, exchange: Any) -> None:
-        """Block until ``exchange``'s second phase has started (by this thread or another)."""
-        self.advance(block_on=exchange)
-        exchange.started.wait()
+        """Block until ``exchange``'s last stage has run (by this thread or another)."""
+        while not exchange.started.is_set():
+            self.advance(block_on=exchange)
+            exchange.started.wait(1e-3)  # another thread may be running one of its stages

@@ -36,6 +36,14 @@ rank, so either every rank proceeds to wait for the payload allgather (which all
 known to have started under the same name) or every rank raises ``MismatchError``. Nothing waits on
 an exchange another rank never began.
 
+Joined ranks (``hvd.join``). Horovod's allreduce goes on with joined ranks adding zeros, its allgather
+and alltoall do not. So before its payloads move, every exchange allreduces a **presence vector**
+(``presence_vector``: 1 at the sender's set rank); the payload collectives start only when it shows
+every rank of the set. When it does not, the control vector is the stepping ranks' alone, and
+``joined_verdict`` checks it as theirs (``check_control(present=...)``, C ``qsgd_check_control_present``):
+the scale is then c = ONE / m for m stepping ranks, and Average still divides by the set size n, as
+Horovod does for its own joined allreduce. Average over a smaller process set (c m = 1) is not a join.
+
 The gradient scale ``alpha`` applied to the decoded sum is ``c``: ``1/n`` for Average (also with
 Horovod's ``gradient_predivide_factor``, which splits 1/n into a pre- and post-scale), 1 for Sum, and
 ``prescale * postscale`` (times 1/n for Average) for ``hvd.allreduce``'s explicit factors.
@@ -95,18 +103,25 @@ def control_vector(world_size, global_rank, set_rank, tags, failed=False):
     return v
 
 
-def check_control(reduced, world_size, set_ranks, where, fault_message=None):
+def check_control(reduced, world_size, set_ranks, where, fault_message=None, present=None):
     """Check the reduced control vector; return the gradient scale ``alpha`` or raise MismatchError.
 
     ``set_ranks``: the global ranks of the compressor's process set; ``fault_message``: this rank's
-    own encoding error, if it had one. Only the reduced vector decides, so the verdict is the same
-    on every rank.
+    own encoding error, if it had one; ``present``: the set ranks (ascending) that took part when the
+    others have joined (``hvd.join``, see ``presence_vector``), None for all. Only the reduced vector
+    (and the presence every rank reduced alike) decides, so the verdict is the same on every rank.
     """
     r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
     ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
     alpha, detail = ctypes.c_double(0.0), ctypes.c_int32(0)
-    st = _native.load().qsgd_check_control(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
-                                           ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
+    if present is None:
+        st = _native.load().qsgd_check_control(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
+                                               ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
+    else:
+        who = np.ascontiguousarray(present, dtype=np.int32)
+        st = _native.load().qsgd_check_control_present(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
+                                                       ranks.size, who.ctypes.data, who.size, ctypes.byref(alpha),
+                                                       ctypes.byref(detail))
     if st == _native.OK:
         return alpha.value
     if st == _native.E_CTRL_LENGTH:
@@ -125,20 +140,79 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None):
     raise MismatchError(f"{where}: {_native.status_string(st)}")
 
 
+def presence_vector(set_size, set_rank):
+    """This rank's contribution to an exchange's presence allreduce (float64, one entry per rank of
+    the set: 1 at its own). Summed by Horovod, entry j is 1 where set rank j took part and 0 where it
+    has joined (``hvd.join``: Horovod adds zeros for joined ranks; allgather and alltoall it cannot
+    carry through a join at all)."""
+    v = np.zeros(int(set_size), dtype=np.float64)
+    v[int(set_rank)] = 1.0
+    return v
+
+
+def present_ranks(reduced, where):
+    """The set ranks that took part, from a reduced presence vector; MismatchError if it is not a
+    0/1 vector (the presence allreduce is a plain sum, so anything else is a broken collective)."""
+    v = np.asarray(reduced, dtype=np.float64).reshape(-1)
+    if not np.all((v == 0.0) | (v == 1.0)) or not v.any():
+        raise MismatchError(f"{where}: the presence vector came back as {v.tolist()[:16]}: expected 0 or 1 "
+                            "per rank (a sum over the ranks still stepping)")
+    return [int(j) for j in np.flatnonzero(v)]
+
+
+JOIN_WAIT_S = 10.0  # how long a rank waits for a presence allreduce the control vector cannot vouch for
+
+
+def _implied_participants(r, world_size):
+    """The global ranks whose contributions a reduced control vector is the sum of (found from
+    MEMBERS / ONE = mask / m for m participants), or None when no participant set fits."""
+    if not r[ONE] > 0:
+        return None
+    per_rank = r[MEMBERS:MEMBERS + _chunks(world_size)] / r[ONE]
+    for m in range(1, world_size + 1):
+        chunks = [int(round(v * m)) for v in per_rank]
+        ranks = [j * MEMBER_BITS + b for j, x in enumerate(chunks) for b in range(MEMBER_BITS) if x >> b & 1]
+        if len(ranks) == m and _mask_matches(per_rank * m, chunks):
+            return ranks
+    return None
+
+
+def joined_verdict(reduced, world_size, set_ranks, where, fault_message=None):
+    """For a control vector that failed ``check_control``: whether it is that of the set's ranks
+    still stepping while the others have joined (``hvd.join``: Horovod's allreduce adds zeros for
+    them). None when it is not; else (present, alpha, certain): the set ranks that took part, the
+    gradient scale (Average still divides by the set size n, as Horovod does), and whether the op
+    proves a join. A reduction over a smaller process set looks the same except for Average, which
+    then divides by the smaller set's size m: c m = 1 rules a join out and c n = 1 proves it; for
+    Sum (c = 1) only the exchange's presence allreduce can tell, which completes after a join and
+    never after a reduction over a smaller set, so the caller waits for it ``JOIN_WAIT_S`` at most.
+    Raises MismatchError when the participants' own vector fails a check (a fault, a tag)."""
+    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
+    if r.size != control_length(world_size) or not np.all(np.isfinite(r)):
+        return None
+    ranks = _implied_participants(r, world_size)
+    if ranks is None or not set(ranks) < set(set_ranks):
+        return None
+    m, n = len(ranks), len(set_ranks)
+    c = r[ONE] / m
+    if m > 1 and abs(c * m - 1.0) <= 1e-9:
+        return None  # Average over m ranks: the tensor was reduced over a smaller process set
+    present = sorted(list(set_ranks).index(g) for g in ranks)
+    alpha = check_control(r, world_size, set_ranks, where, fault_message, present=present)
+    return present, alpha, abs(c * n - 1.0) <= 1e-9
+
+
 def _mask_matches(values, mask):
     return all(abs(v - m) <= 1e-3 for v, m in zip(values, mask))
 
 
 def _membership_message(r, world_size, set_ranks, where):
     """Explain a failed membership or op check: find the participants a sum would imply."""
-    per_rank = r[MEMBERS:MEMBERS + _chunks(world_size)] / r[ONE]  # mask(M) / |M| for a sum over ranks M
-    for m in range(1, world_size + 1):
-        chunks = [int(round(v * m)) for v in per_rank]
-        ranks = [j * MEMBER_BITS + b for j, x in enumerate(chunks) for b in range(MEMBER_BITS) if x >> b & 1]
-        if len(ranks) == m and _mask_matches(per_rank * m, chunks) and ranks != list(set_ranks):
-            return (f"{where}: the tensor was reduced over global ranks {ranks}, but the compressor's "
-                    f"process set is {list(set_ranks)}: pass the optimizer's (or allreduce's) process_set= "
-                    "to the compressor, and use the compressor on every rank of that set")
+    ranks = _implied_participants(r, world_size)  # mask(M) / |M| for a sum over ranks M
+    if ranks is not None and ranks != list(set_ranks):
+        return (f"{where}: the tensor was reduced over global ranks {ranks}, but the compressor's "
+                f"process set is {list(set_ranks)}: pass the optimizer's (or allreduce's) process_set= "
+                "to the compressor, and use the compressor on every rank of that set")
     return _op_message(where)
 
 

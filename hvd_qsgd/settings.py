@@ -165,21 +165,32 @@ class Stats:
     tensors:        compressed exchanges; raw_elements / raw_tensors: those sent uncompressed
     host_fallbacks: steps that took a device tensor through the host because no device kernel does
                     them (``hvd_qsgd.backends``; each reason is also logged once)
+    joined_exchanges: exchanges made while ranks of the set had joined (``hvd.join``): reduced by
+                    Horovod's allreduce of the dequantized payloads, uncompressed on the wire (also
+                    counted in raw_elements / raw_tensors; logged once)
+    allreduce_bytes: bytes a ring allreduce of the compressed tensors in fp32 would have made this
+                    rank receive, 2 (n-1)/n * 4 d per exchange (what ``hvd_qsgd.report`` compares with)
+    encode_s:       seconds this rank spent encoding (compress: quantize, pack, error feedback)
+    decode_s:       seconds spent decoding (decode-sum; scatter_allgather's reduce step, which decodes
+                    and re-quantizes a chunk, counts here)
+    wait_s:         seconds decompress spent blocked on the exchange's collectives
     """
 
     FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors",
-              "host_fallbacks")
+              "host_fallbacks", "joined_exchanges", "allreduce_bytes")
+    TIME_FIELDS = ("encode_s", "decode_s", "wait_s")
     # what the TensorFlow adapter counts in graph variables (its ops run on the host: no fallback)
     GRAPH_FIELDS = FIELDS[:6]
 
     def __init__(self):
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self.FIELDS, 0)
+        self._values.update(dict.fromkeys(self.TIME_FIELDS, 0.0))
 
-    def add(self, **counts: int) -> None:
+    def add(self, **counts: float) -> None:
         with self._lock:
             for k, v in counts.items():
-                self._values[k] += int(v)
+                self._values[k] += float(v) if k in self.TIME_FIELDS else int(v)
 
     def as_dict(self) -> Dict[str, float]:
         with self._lock:
@@ -191,12 +202,15 @@ class Stats:
         with self._lock:
             for k in self.FIELDS:
                 self._values[k] = int(values.get(k, 0))
+            for k in self.TIME_FIELDS:
+                self._values[k] = float(values.get(k, 0.0))
 
     @staticmethod
     def merge(dicts: Iterable[Dict[str, Any]]) -> Dict[str, float]:
-        total = dict.fromkeys(Stats.FIELDS, 0)
+        total: Dict[str, float] = dict.fromkeys(Stats.FIELDS, 0)
+        total.update(dict.fromkeys(Stats.TIME_FIELDS, 0.0))
         for d in dicts:
-            for k in Stats.FIELDS:
+            for k in total:
                 total[k] += d.get(k, 0)
         total["ratio"] = protocol.ratio(total["elements"], total["bytes_sent"])
         return total

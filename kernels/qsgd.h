@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 5
+#define QSGD_ABI_VERSION 6
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -165,6 +165,12 @@ int32_t qsgd_control_vector(int32_t world, int32_t global_rank, int32_t set_rank
  * with *detail (the failed-rank count or the tag index). The verdict depends on r only. */
 int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
                            int32_t n, double* alpha, int32_t* detail);
+/* The same check when only some ranks of the set took part, the others having joined
+ * (hvd.join(): Horovod's allreduce adds zeros for them): present[0..m-1] are the set ranks of the
+ * participants, ascending (null: all n). The op's scale is ONE / m; Average's alpha stays 1/n. */
+int32_t qsgd_check_control_present(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
+                                   int32_t n, const int32_t* present, int32_t m, double* alpha,
+                                   int32_t* detail);
 
 /* ---- chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm) - */
 /* Chunk j of n of a tensor of numel elements in buckets of bucket_size: elements [*begin, *end),

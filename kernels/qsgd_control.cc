@@ -53,15 +53,19 @@ int32_t qsgd_control_vector(int32_t world, int32_t global_rank, int32_t set_rank
   return QSGD_OK;
 }
 
-int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const int32_t* set_ranks, int32_t n,
-                           double* alpha, int32_t* detail) {
-  if (!r || !set_ranks || !alpha || !detail || n < 1 || world < 1) return QSGD_E_ARG;
+int32_t qsgd_check_control_present(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
+                                   int32_t n, const int32_t* present, int32_t m, double* alpha, int32_t* detail) {
+  if (!r || !set_ranks || !alpha || !detail || n < 1 || world < 1 || m < 1 || m > n) return QSGD_E_ARG;
+  // present[i]: the set rank of the i-th participant (all of 0..n-1 when present is null)
+  auto who = [present](int32_t i) { return present ? present[i] : i; };
+  for (int32_t i = 0; i < m; ++i)
+    if (who(i) < 0 || who(i) >= n || (i > 0 && who(i) <= who(i - 1))) return QSGD_E_ARG;
   *detail = 0;
   if (len != qsgd_control_length(world)) return QSGD_E_CTRL_LENGTH;
   for (int64_t i = 0; i < len; ++i)
     if (!std::isfinite(r[i])) return QSGD_E_CTRL_OP;
   if (r[kOne] <= 0) return QSGD_E_CTRL_OP;
-  const double c = r[kOne] / n;
+  const double c = r[kOne] / m;   // the op's scale: each participant contributed 1 to ONE
   if (r[kFault] / c > 0.5) {
     *detail = int32_t(std::lround(r[kFault] / c));
     return QSGD_E_CTRL_FAULT;
@@ -69,25 +73,35 @@ int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const in
   const int64_t k = chunks(world);
   for (int64_t j = 0; j < k; ++j)  // Min, Max and Product break MEMBERS + COMPLEMENT = ONE * FULL
     if (!near((r[kMembers + j] + r[kMembers + k + j]) / r[kOne], kFull)) return QSGD_E_CTRL_OP;
+  double rank_sum = 0.0;
   for (int64_t j = 0; j < k; ++j) {
     double want = 0.0;
-    for (int32_t i = 0; i < n; ++i)
-      if (set_ranks[i] / QSGD_CONTROL_MEMBER_BITS == j) want += double(1u << (set_ranks[i] % QSGD_CONTROL_MEMBER_BITS));
+    for (int32_t i = 0; i < m; ++i) {
+      const int32_t g = set_ranks[who(i)];
+      if (g / QSGD_CONTROL_MEMBER_BITS == j) want += double(1u << (g % QSGD_CONTROL_MEMBER_BITS));
+    }
     if (!near(r[kMembers + j] / c, want)) return QSGD_E_CTRL_MEMBERS;
   }
-  const double nn = double(n);
-  if (std::fabs(r[kRank] / c - nn * (nn - 1) / 2) > kRelTol * nn * nn) return QSGD_E_CTRL_MEMBERS;
+  for (int32_t i = 0; i < m; ++i) rank_sum += double(who(i));
+  const double nn = double(n), mm = double(m);
+  if (std::fabs(r[kRank] / c - rank_sum) > kRelTol * nn * nn) return QSGD_E_CTRL_MEMBERS;
   for (int i = 0; i < QSGD_CONTROL_TAGS; ++i) {
     const double mean = r[kTags + 2 * i] / r[kOne], mean_sq = r[kTags + 2 * i + 1] / r[kOne];
-    if (mean_sq - mean * mean > 0.25 / nn) {
+    if (mean_sq - mean * mean > 0.25 / mm) {
       *detail = i;
       return QSGD_E_CTRL_TAG;
     }
   }
+  // Average divides by the set size n also when ranks have joined (they contribute zeros)
   if (std::fabs(c * nn - 1.0) <= kRelTol) *alpha = 1.0 / nn;   // Average, exactly
   else if (std::fabs(c - 1.0) <= kRelTol) *alpha = 1.0;        // Sum, exactly
   else *alpha = c;
   return QSGD_OK;
+}
+
+int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const int32_t* set_ranks, int32_t n,
+                           double* alpha, int32_t* detail) {
+  return qsgd_check_control_present(r, len, world, set_ranks, n, nullptr, n, alpha, detail);
 }
 
 }  // extern "C"

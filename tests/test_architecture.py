@@ -30,7 +30,7 @@ LAYERS = [
     ("protocol, chunk steps, codec backends", {"hvd_qsgd.protocol", "hvd_qsgd.reduction", "hvd_qsgd.cost_model",
                                                 "hvd_qsgd.error_feedback", "hvd_qsgd.backends"}),
     ("settings and state objects", {"hvd_qsgd.settings", "hvd_qsgd.dynamic", "hvd_qsgd.policy",
-                                    "hvd_qsgd.state", "hvd_qsgd.driver"}),
+                                    "hvd_qsgd.state", "hvd_qsgd.driver", "hvd_qsgd.report"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
                             "hvd_qsgd.adapters.tensorflow",
                             "hvd_qsgd.mpi"}),

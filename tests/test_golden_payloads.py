@@ -6,7 +6,9 @@ state objects and codec backends) by tests/mp/golden_payloads.py under ``horovod
 for each case (QSGD with 2..8 bits, both norms, both codings, checksums on and off, fp32/fp16/bf16,
 named and numbered exchanges, error feedback, both reductions, server error feedback, DQSGD,
 BlockSign; PyTorch and TensorFlow), every payload each rank handed to Horovod's allgather and
-alltoall, the results it decoded and its bytes_sent; on rank 0 also the codec's payloads over a grid
+alltoall (sorted, since the presence allreduces made their start order timing-dependent; the
+"sent" digests were re-recorded so at a518ccf with the script of now), the results it decoded and
+its bytes_sent; on rank 0 also the codec's payloads over a grid
 of settings and the scatter_allgather chunk steps. The same script, run on the code now, must give
 the same digests, case by case.
 """

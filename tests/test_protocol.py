@@ -123,3 +123,59 @@ def test_payload_seeds_differ_per_rank_and_exchange():
     assert len(seeds) == 16 * 64 * 4
     assert protocol.payload_seed(1, 0, "x") != protocol.payload_seed(0, 0, "x")
     assert all(0 <= s < 2**64 for s in seeds)
+
+
+def joined_reduce(vectors_of_present, n, op):
+    """Horovod's allreduce while some ranks have joined: they add zeros; Average divides by n."""
+    total = np.zeros_like(vectors_of_present[0])
+    for v in vectors_of_present:
+        total = total + v
+    return total * (1.0 / n if op == "average" else 1.0)
+
+
+@pytest.mark.parametrize("world,present", [(2, [0]), (2, [1]), (3, [0, 1]), (3, [0, 2]), (4, [3]), (30, [0, 25, 29]),
+                                           (30, list(range(29)))])
+@pytest.mark.parametrize("op", ["average", "sum"])
+def test_a_vector_with_joined_ranks_passes_as_the_stepping_ranks(world, present, op):
+    """Joined ranks add zeros: check_control fails as is, and passes given the ranks that took part,
+    with Horovod's scale (Average: 1/n of the whole set, as for its own allreduce with joined ranks)."""
+    members = list(range(world))
+    tags = protocol.exchange_tags(world, 0, 1, 2)
+    r = joined_reduce([protocol.control_vector(world, g, g, tags) for g in present], world, op)
+    with pytest.raises(MismatchError):
+        protocol.check_control(r, world, members, "t")
+    want = 1.0 / world if op == "average" else 1.0
+    assert protocol.check_control(r, world, members, "t", present=present) == want
+    got_present, alpha, certain = protocol.joined_verdict(r, world, members, "t")
+    assert got_present == present and alpha == want and certain == (op == "average")
+    # a presence vector of the same ranks reads back as them
+    pv = sum(protocol.presence_vector(world, j) for j in present)
+    assert protocol.present_ranks(pv, "t") == present
+
+
+def test_a_reduction_over_a_smaller_set_with_average_is_not_taken_for_a_join():
+    world, participants = 4, [0, 1]
+    tags = protocol.exchange_tags(world, 0, 1, 2)
+    r = reduce([protocol.control_vector(world, g, g, tags) for g in participants], "average")
+    assert protocol.joined_verdict(r, world, list(range(world)), "t") is None
+
+
+def test_joined_checks_still_catch_faults_tags_and_bad_presence():
+    world, present = 3, [0, 2]
+    tags = protocol.exchange_tags(world, 0, 1, 2)
+    bad = list(tags)
+    bad[2] += 1
+    r = joined_reduce([protocol.control_vector(world, 0, 0, tags), protocol.control_vector(world, 2, 2, tuple(bad))],
+                      world, "average")
+    with pytest.raises(MismatchError, match="disagree on the compressor settings"):
+        protocol.joined_verdict(r, world, list(range(world)), "t")
+    r = joined_reduce([protocol.control_vector(world, 0, 0, tags), protocol.control_vector(world, 2, 2, tags, True)],
+                      world, "average")
+    with pytest.raises(MismatchError, match="could not encode"):
+        protocol.joined_verdict(r, world, list(range(world)), "t")
+    ok = joined_reduce([protocol.control_vector(world, g, g, tags) for g in present], world, "average")
+    with pytest.raises(MismatchError):  # participants the vector does not show
+        protocol.check_control(ok, world, list(range(world)), "t", present=[0, 1])
+    for v in ([0.0, 0.0, 0.0], [1.0, 2.0, 0.0], [0.5, 1.0, 1.0]):
+        with pytest.raises(MismatchError, match="presence vector"):
+            protocol.present_ranks(np.array(v), "t")

@@ -68,6 +68,11 @@ def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
 
 
 
+def test_join_fails_the_step_with_an_error_naming_hvd_join():
+    out = launch(2, "gloo", [WORKER, "join"], timeout=120)
+    assert ok_count(out, "join") == 2, out[-3000:]
+
+
 SCATTER = ["scatter-tape", "scatter-eager", "elias", "auto"]
 
 

@@ -73,7 +73,7 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, protocol
+from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, report
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
 from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
@@ -101,7 +101,8 @@ class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
     __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
-                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot", "lr", "residual_lr")
+                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot", "lr", "residual_lr",
+                 "timing")
 
 
 class QSGD(Compressor):
@@ -127,6 +128,8 @@ class QSGD(Compressor):
         self._positions = weakref.WeakKeyDictionary()   # traced function graph -> exchanges so far
         self.traced_exchanges = []                      # (exchange name, function) of every trace
         self._counters = None
+        self._timing = None
+        self._slowdown = report.SlowdownWatch(self.settings.link_bps())
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._occurrences = {}
 
@@ -140,6 +143,30 @@ class QSGD(Compressor):
                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
                                   for k in Stats.GRAPH_FIELDS}
         return self._counters
+
+    def _timing_vars(self):
+        """The time fields and allreduce_bytes (``Stats.TIME_FIELDS``): variables of their own, kept
+        out of ``variables`` so that checkpoints hold what they held before."""
+        if self._timing is None:
+            with tf.init_scope():
+                self._timing = {k: tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                               name=f"hvd_qsgd_{self._creation_index}_{k}")
+                                for k in Stats.TIME_FIELDS}
+                self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                              name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
+        return self._timing
+
+    def _timed(self, field, inputs, make):
+        """(make(), the op adding its time to ``field``): tf.timestamp() once ``inputs`` exist, the ops
+        make() builds, tf.timestamp() once their results exist (in a graph the control dependencies
+        order them; eagerly they run in turn)."""
+        with tf.control_dependencies([t for t in tf.nest.flatten(inputs) if t is not None]):
+            t0 = tf.timestamp()
+        with tf.control_dependencies([t0]):
+            result = make()
+        with tf.control_dependencies(tf.nest.flatten(result)):
+            t1 = tf.timestamp()
+        return result, self._timing_vars()[field].assign_add(t1 - t0)
 
     def _next_exchange(self):
         """(sequence number, state key) of the next exchange.
@@ -236,11 +263,13 @@ class QSGD(Compressor):
         ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
         attrs = self._codec_attrs(ctx)
         if ctx.reduction == "scatter_allgather":
-            ctx.payload, ctx.splits = qops.load().qsgd_encode_chunks(x, occurrence, checksum=s.checksum,
-                                                                     seed=ctx.seed, **attrs)
+            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence], lambda: tuple(
+                qops.load().qsgd_encode_chunks(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)))
         else:
             attrs.pop("world")
-            ctx.payload = qops.load().qsgd_encode(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)
+            ctx.payload, encode_time = self._timed("encode_s", [x, occurrence], lambda: qops.load().qsgd_encode(
+                x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs))
+        ctx.timing = [encode_time]
         tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction),
                                       numbered_key(seq if ctx.slot is None else ctx.slot))
         control = tf.constant(protocol.control_vector(world, grank, set_rank, tags), dtype=tf.float64,
@@ -262,7 +291,10 @@ class QSGD(Compressor):
             else:
                 out, deps = self._allgather(ctx, alpha)
             with tf.control_dependencies(deps):
-                return tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+                result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+            if tf.executing_eagerly():  # in a graph the counters are tensors: summary() reports instead
+                self._slowdown.check(self.stats, repr(self))
+            return result
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
 
@@ -278,13 +310,16 @@ class QSGD(Compressor):
         ops = qops.load()
         with tf.control_dependencies([alpha]):
             payload = tf.identity(ctx.payload)
-        gathered = hvd.allgather(payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set)
+        gathered, wait_time = self._timed("wait_s", [payload], lambda: hvd.allgather(
+            payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set))
         attrs = self._codec_attrs(ctx)
         attrs.pop("world")
-        out = ops.qsgd_decode_sum(gathered, alpha, count=len(ctx.set_ranks), numel=ctx.numel, **attrs)
+        out, decode_time = self._timed("decode_s", [gathered], lambda: ops.qsgd_decode_sum(
+            gathered, alpha, count=len(ctx.set_ranks), numel=ctx.numel, **attrs))
         sent = tf.size(ctx.payload, out_type=tf.int64)
         deps = self._count(elements=ctx.numel, bytes_sent=sent, tensors=1,
                            bytes_received=tf.size(gathered, out_type=tf.int64) - sent)
+        deps += ctx.timing + [wait_time, decode_time, self._count_allreduce_bytes(ctx)]
         if ctx.residual is not None:
             own = ops.qsgd_decode_sum(ctx.payload, tf.constant(1.0), count=1, numel=ctx.numel, **attrs)
             deps.append(self._assign_residual(ctx, own))
@@ -296,14 +331,19 @@ class QSGD(Compressor):
         attrs = self._codec_attrs(ctx)
         with tf.control_dependencies([alpha]):
             payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)
-        received, received_splits = hvd.alltoall(payloads, splits=splits, name=f"{ctx.name}_scatter",
-                                                 ignore_name_scope=True, process_set=ps)
-        reduced, error = ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j, numel=ctx.numel,
-                                               checksum=self.settings.checksum, seed=ctx.seed, **attrs)
-        gathered = hvd.allgather(reduced, name=f"{ctx.name}_gather", ignore_name_scope=True, process_set=ps)
-        gathered_splits = hvd.allgather(tf.reshape(tf.size(reduced, out_type=tf.int32), [1]),
-                                        name=f"{ctx.name}_gather_splits", ignore_name_scope=True, process_set=ps)
-        out = ops.qsgd_decode_chunks(gathered, gathered_splits, alpha, error, numel=ctx.numel, **attrs)
+        (received, received_splits), wait1 = self._timed("wait_s", [payloads, splits], lambda: tuple(hvd.alltoall(
+            payloads, splits=splits, name=f"{ctx.name}_scatter", ignore_name_scope=True, process_set=ps)))
+        (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], lambda: tuple(
+            ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j, numel=ctx.numel,
+                                  checksum=self.settings.checksum, seed=ctx.seed, **attrs)))
+
+        def gather_both():
+            return (hvd.allgather(reduced, name=f"{ctx.name}_gather", ignore_name_scope=True, process_set=ps),
+                    hvd.allgather(tf.reshape(tf.size(reduced, out_type=tf.int32), [1]),
+                                  name=f"{ctx.name}_gather_splits", ignore_name_scope=True, process_set=ps))
+        (gathered, gathered_splits), wait2 = self._timed("wait_s", [reduced, error], gather_both)
+        out, decode_time = self._timed("decode_s", [gathered, gathered_splits], lambda: ops.qsgd_decode_chunks(
+            gathered, gathered_splits, alpha, error, numel=ctx.numel, **attrs))
 
         def others(lengths):  # bytes in the other ranks' slots
             lengths = tf.cast(lengths, tf.int64)
@@ -312,11 +352,17 @@ class QSGD(Compressor):
         deps = self._count(elements=ctx.numel, tensors=1,
                            bytes_sent=others(splits) + tf.size(reduced, out_type=tf.int64),
                            bytes_received=others(received_splits) + others(gathered_splits))
+        deps += ctx.timing + [wait1, reduce_time, wait2, decode_time, self._count_allreduce_bytes(ctx)]
         if ctx.residual is not None:
             own = ops.qsgd_decode_chunks(ctx.payload, ctx.splits, tf.constant(1.0), tf.constant(""), numel=ctx.numel,
                                          **attrs)
             deps.append(self._assign_residual(ctx, own))
         return out, deps
+
+    def _count_allreduce_bytes(self, ctx):
+        n = len(ctx.set_ranks)
+        return self._timing_vars()["allreduce_bytes"].assign_add(
+            int(cost_model.received_bytes("allreduce", n, 4 * ctx.numel)))
 
     @staticmethod
     def _assign_residual(ctx, own):
@@ -370,12 +416,14 @@ class QSGD(Compressor):
 
     @property
     def stats(self):
-        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks``): numbers when executing eagerly,
+        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks`` and ``joined_exchanges``): numbers when executing eagerly,
         the counter tensors otherwise (evaluate them in a session)."""
         counters = self._counter_vars()
         if not tf.executing_eagerly():
-            return dict(counters)
+            return {**counters, **self._timing_vars()}
         d = {k: int(v.numpy()) for k, v in counters.items()}
+        for k, v in self._timing_vars().items():
+            d[k] = int(v.numpy()) if k == "allreduce_bytes" else float(v.numpy())
         d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
         return d
 

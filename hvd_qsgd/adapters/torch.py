@@ -4,7 +4,8 @@ scatter_allgather (``hvd_qsgd.reduction``).
 For a gradient g_r of d elements on each of the n ranks of the process set:
 
     compress(g_r):   p_r = encode(g_r [+ e_r])            (QSGD payload, own random stream)
-                     start allgather(p_r) under an exchange name every rank derives alike
+                     start the presence allreduce under an exchange name every rank derives alike
+                     (once it shows every rank took part: start allgather(p_r) under that name)
                      return the control vector (hvd_qsgd.protocol) for Horovod's allreduce
     decompress:      alpha = check(reduced control)        (1/n for Average, 1 for Sum)
                      [p_0, ..., p_{n-1}] = wait(allgather)
@@ -33,15 +34,30 @@ scatter_allgather (``reduction="scatter_allgather"``, or "auto" choosing it for 
     decompress:      alpha = check(reduced control); wait for the allgather; split the frames;
                      return alpha * decode of the reduced chunks (``reduction.decode_chunks``)
 
-The phases of many exchanges in flight are driven by ``hvd_qsgd.driver.TwoPhaseDriver``. Error
+The stages of many exchanges in flight are driven by ``hvd_qsgd.driver.StagedDriver``. Error
 feedback keeps e_r <- (g_r + e_r) - decode(this rank's chunk payloads).
+
+hvd.join(): every exchange's payload collectives wait for its presence allreduce
+(``protocol.presence_vector``), which Horovod carries through a join (joined ranks add zeros).
+When it shows that ranks have joined, no allgather or alltoall starts (Horovod cannot carry those
+through a join): the stepping ranks allreduce decode(own payload(s)) instead, and decompress
+returns alpha times that sum, alpha = 1/n for Average as Horovod's own joined allreduce gives
+(``protocol.joined_verdict`` checks the control vector as the stepping ranks'). Counted in
+``stats["joined_exchanges"]`` and logged once.
+
+Time: encode, decode (with scatter_allgather's reduce step) and the waits for collectives are
+timed into ``stats`` (``encode_s``, ``decode_s``, ``wait_s``; host time: a CUDA kernel's time is
+counted where the host waits for it); ``hvd_qsgd.report`` turns them into ``summary()`` and the
+slowdown warning.
 
 Devices: ``hvd_qsgd.backends.choose`` picks each exchange's codec backend once, in ``compress``.
 A CUDA tensor stays on the device (payloads handed to Horovod as CUDA tensors where Horovod was
 built with NCCL) when every step has a CUDA kernel; otherwise it goes through the host, and that is
 counted in ``stats["host_fallbacks"]`` and logged once per reason.
 """
+import logging
 import threading
+import time
 from types import SimpleNamespace
 from typing import Optional, Tuple
 
@@ -50,14 +66,25 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, codec, protocol, reduction
+from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
-from hvd_qsgd.driver import TwoPhaseDriver
+from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
 from hvd_qsgd.state import ExchangeNames, ResidualStore
 
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+log = logging.getLogger("hvd_qsgd")
+_joined_logged = threading.Event()
+
+
+def _note_joined(where, joined):
+    """Log, once per process, that exchanges go uncompressed while ranks have joined."""
+    if not _joined_logged.is_set():
+        _joined_logged.set()
+        log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
+                    "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
+                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
 
 
 class _Exchange:
@@ -65,7 +92,8 @@ class _Exchange:
 
     __slots__ = ("route", "where", "shape", "dtype", "device", "handle", "expect", "own_len", "fault",
                  "set_ranks", "world", "backend", "reduction", "set_rank", "step_seed", "splits",
-                 "gather_handle", "reduce_error", "sent", "received", "started", "settings", "lr")
+                 "gather_handle", "reduce_error", "sent", "received", "started", "settings", "lr", "stage",
+                 "payload", "present", "stage_error")
 
 
 def _as_torch(a):
@@ -88,7 +116,8 @@ class QSGD(Compressor):
         self._stats = Stats()
         self.names = ExchangeNames(self._creation_index, ".")
         self.residuals = ResidualStore()
-        self.driver = TwoPhaseDriver(hvd.poll, hvd.synchronize, self._second_phase)
+        self.driver = StagedDriver(hvd.poll, hvd.synchronize, self._next_stage)
+        self._slowdown = report.SlowdownWatch(settings.link_bps())
         self._learning_rate = None   # residual key -> learning rate now, or None
         self._params = None
         self._grad_names = {}
@@ -143,12 +172,15 @@ class QSGD(Compressor):
             ctx.lr = self._current_lr(ctx.route.residual_key)
             ctx.step_seed = protocol.payload_seed(ctx.settings.seed, ctx.set_rank, ctx.route.seed_name,
                                                   ctx.route.occurrence)
+            t0 = time.perf_counter()
             if ctx.reduction == "scatter_allgather":
-                self._start_scatter(tensor, ctx)
+                self._encode_scatter(tensor, ctx)
             else:
-                self._start_allgather(tensor, ctx)
+                self._encode_allgather(tensor, ctx)
+            self._stats.add(encode_s=time.perf_counter() - t0)
         except Exception as e:  # reported through the control vector, raised on every rank
             ctx.fault = e
+        self._start_presence(ctx)
         self.driver.advance()
         tags = protocol.exchange_tags(len(ctx.set_ranks), self._creation_index, ctx.settings.tag(ctx.reduction),
                                       ctx.route.key)
@@ -178,6 +210,7 @@ class QSGD(Compressor):
         if fallback:
             backends.note_fallback(fallback, self._stats)
         ctx.gather_handle, ctx.reduce_error, ctx.sent, ctx.received = None, None, 0, 0
+        ctx.stage, ctx.payload, ctx.present, ctx.stage_error = None, None, None, None
         return ctx
 
     def _flat32(self, tensor, ctx):
@@ -193,8 +226,9 @@ class QSGD(Compressor):
         the exchange's device for the CUDA backend (a no-op for what is there already)."""
         return t.numpy() if ctx.backend is backends.CPU else t.to(ctx.device, non_blocking=True)
 
-    def _start_allgather(self, tensor, ctx):
-        """Encode the tensor (+ residual; update the residual) and start the payloads' allgather."""
+    def _encode_allgather(self, tensor, ctx):
+        """Encode the tensor (+ residual; update the residual); its allgather starts once the
+        presence allreduce has shown that no rank has joined."""
         s, where, b = ctx.settings, ctx.where, ctx.backend
         x32 = self._flat32(tensor, ctx)
         payload = b.encode(self._backend_view(x32, ctx), s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
@@ -204,11 +238,10 @@ class QSGD(Compressor):
         payload = _as_torch(payload)
         if payload.is_cuda and not hvd.nccl_built():
             payload = payload.cpu()
-        ctx.own_len = payload.numel()
-        ctx.handle = hvd.allgather_async(payload, name=ctx.route.exchange, process_set=self._process_set)
+        ctx.payload, ctx.own_len = payload, payload.numel()
 
-    def _start_scatter(self, tensor, ctx):
-        """Phase 1: encode the n chunks of the tensor (+ residual) and start their alltoall."""
+    def _encode_scatter(self, tensor, ctx):
+        """Phase 1's payloads: the n chunks of the tensor (+ residual; update the residual)."""
         s, n, b = ctx.settings, len(ctx.set_ranks), ctx.backend
         x32 = self._flat32(tensor, ctx)
         buf, lens = b.encode_chunks(self._backend_view(x32, ctx), s, ctx.step_seed, n, ctx.expect.fingerprint,
@@ -217,10 +250,73 @@ class QSGD(Compressor):
             own = b.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size, ctx.where)
             self._set_residual(ctx, x32 - _as_torch(own))
         ctx.splits, ctx.own_len = lens, int(sum(lens))
-        ctx.sent = ctx.own_len - lens[ctx.set_rank]
-        ctx.handle = hvd.alltoall_async(_as_torch(buf), splits=torch.tensor(lens, dtype=torch.int32),
-                                        name=f"{ctx.route.exchange}.scatter", process_set=self._process_set)
+        ctx.payload = buf
+
+    # -- stages (hvd_qsgd.driver): presence, then the reduction's collectives -----------------
+
+    def _start_presence(self, ctx):
+        """Start the exchange's presence allreduce (``protocol.presence_vector``), also after an
+        encoding fault (the other ranks count on it; the control vector reports the fault)."""
+        ctx.stage = "presence"
+        if ctx.set_rank is None:  # not in the set: the control check raises on every rank
+            ctx.started = threading.Event()
+            ctx.started.set()
+            return
+        vector = torch.from_numpy(protocol.presence_vector(len(ctx.set_ranks), ctx.set_rank))
+        ctx.handle = hvd.allreduce_async(vector, op=hvd.Sum, name=f"{ctx.route.exchange}.present",
+                                         process_set=self._process_set)
         self.driver.add(ctx)
+
+    def _next_stage(self, ctx):
+        """The driver's step once ctx's collective has completed: True when another collective was
+        started that ctx now waits on. Never raises (other exchanges' calls run it): an error is kept
+        in ``ctx.stage_error`` for its own decompress."""
+        try:
+            if ctx.stage == "presence":
+                return self._after_presence(ctx)
+            self._second_phase(ctx)
+        except Exception as e:
+            ctx.stage_error = e
+        return False
+
+    def _after_presence(self, ctx):
+        """Every rank of the set took part: start the reduction's collective. Some have joined:
+        start the allreduce of this rank's dequantized payload (the joined ranks add zeros)."""
+        ctx.present = protocol.present_ranks(hvd.synchronize(ctx.handle).numpy(), ctx.where)
+        ctx.handle = None
+        if ctx.fault is not None:  # the control check raises on every rank; nothing more starts
+            return False
+        n, exchange = len(ctx.set_ranks), ctx.route.exchange
+        if len(ctx.present) < n:
+            ctx.stage = "joined"
+            own = self._own_dequantized(ctx)
+            if own.is_cuda and not hvd.nccl_built():
+                own = own.cpu()
+            ctx.handle = hvd.allreduce_async(own, op=hvd.Sum, name=f"{exchange}.joined", process_set=self._process_set)
+            return False
+        if ctx.reduction == "scatter_allgather":
+            ctx.stage = "scatter"
+            buf, ctx.payload = _as_torch(ctx.payload), None
+            ctx.sent = ctx.own_len - ctx.splits[ctx.set_rank]
+            ctx.handle = hvd.alltoall_async(buf, splits=torch.tensor(ctx.splits, dtype=torch.int32),
+                                            name=f"{exchange}.scatter", process_set=self._process_set)
+            return True
+        ctx.stage = "gather"
+        payload, ctx.payload = ctx.payload, None
+        ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=self._process_set)
+        return False
+
+    def _own_dequantized(self, ctx):
+        """decode(this rank's payload(s)) as a float32 torch tensor: what it contributes when ranks
+        have joined, the same values error feedback took as sent."""
+        b, where = ctx.backend, ctx.where
+        if ctx.reduction == "scatter_allgather":
+            own = b.decode_chunks(reduction.split_by(ctx.payload, ctx.splits), 1.0, ctx.expect.numel,
+                                  ctx.settings.bucket_size, where)
+        else:
+            own = b.decode(self._backend_view(ctx.payload, ctx), where)
+        ctx.payload = None
+        return _as_torch(own)
 
     def _second_phase(self, ctx):
         """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
@@ -229,63 +325,133 @@ class QSGD(Compressor):
         received, rsplits = hvd.synchronize(ctx.handle)
         rsplits = [int(v) for v in rsplits]
         ctx.received = int(sum(rsplits)) - rsplits[j]
+        t0 = time.perf_counter()
         frame, ctx.reduce_error = reduction.reduce_received(
             received.numpy(), rsplits, j, ctx.settings, ctx.step_seed, ctx.expect, ctx.where,
             server_residual=(lambda: self._server_residual(ctx)) if ctx.settings.server_error_feedback else None)
+        self._stats.add(decode_s=time.perf_counter() - t0)
         ctx.sent += frame.size
         ctx.gather_handle = hvd.allgather_async(torch.from_numpy(frame), name=f"{ctx.route.exchange}.gather",
                                                 process_set=self._process_set)
 
     def _finish_scatter(self, ctx, alpha):
-        """Phase 2's result on this rank."""
-        self.driver.finish(ctx)  # its alltoall: all ranks started it (the control check passed)
+        """Phase 2's result on this rank (its stages have run: ``decompress``)."""
         if ctx.gather_handle is None:
             raise protocol.MismatchError(f"{ctx.where}: the first phase of the exchange failed on this rank")
         n, j = len(ctx.set_ranks), ctx.set_rank
-        chunks = reduction.unframe(self.driver.wait(ctx.gather_handle).numpy(), n, ctx.where)
+        chunks = reduction.unframe(self._wait(ctx.gather_handle).numpy(), n, ctx.where)
+        t0 = time.perf_counter()
         if ctx.reduce_error is not None:
             raise protocol.MismatchError(f"{ctx.where}: this rank could not reduce chunk {j}: "
                                          f"{ctx.reduce_error}") from ctx.reduce_error
         ctx.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
         out = ctx.backend.decode_chunks(chunks, alpha, ctx.expect.numel, ctx.settings.bucket_size,
                                         f"{ctx.where}: reduced chunks")
+        self._stats.add(decode_s=time.perf_counter() - t0)
         return _as_torch(out)
 
     def _finish_allgather(self, ctx, alpha):
         """Wait for the payloads, check their headers, decode and sum them (on the exchange's backend)."""
         b, where, n = ctx.backend, ctx.where, len(ctx.set_ranks)
-        gathered = self._backend_view(self.driver.wait(ctx.handle), ctx)
+        gathered = self._backend_view(self._wait(ctx.handle), ctx)
+        t0 = time.perf_counter()
         payloads = b.split(gathered, n, ctx.own_len, where)
         protocol.check_gathered(b.read_headers(payloads, where), ctx.expect, where)
         out = _as_torch(b.decode_sum(payloads, alpha, where))
-        self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1,
+        self._stats.add(elements=out.numel(), bytes_sent=ctx.own_len, tensors=1, decode_s=time.perf_counter() - t0,
                         bytes_received=len(gathered) - ctx.own_len)
         return out
+
+    def _wait(self, handle):
+        """The result of a collective, the time blocked on it counted in ``wait_s``."""
+        t0 = time.perf_counter()
+        try:
+            return self.driver.wait(handle)
+        finally:
+            self._stats.add(wait_s=time.perf_counter() - t0)
 
     def decompress(self, tensor: torch.Tensor, ctx: Optional[_Exchange]) -> torch.Tensor:
         if ctx is None:
             return tensor
         try:
-            alpha = protocol.check_control(tensor.detach().cpu().numpy(), ctx.world, ctx.set_ranks, ctx.where,
-                                           fault_message=None if ctx.fault is None else f"{ctx.where}: {ctx.fault}")
+            alpha = self._check_control(tensor, ctx)
         except protocol.MismatchError as e:
             self.driver.forget(ctx)
             raise e from ctx.fault  # a numbered slot stays taken: its collectives may never complete
         finally:
             self.names.finish(ctx.route)
         try:
-            if ctx.reduction == "scatter_allgather":
+            t0 = time.perf_counter()
+            self.driver.finish(ctx)  # every rank started its stages (the control check passed)
+            self._stats.add(wait_s=time.perf_counter() - t0)
+            if ctx.stage_error is not None:
+                raise protocol.MismatchError(f"{ctx.where}: {ctx.stage_error}") from ctx.stage_error
+            if ctx.stage == "joined":
+                out = self._finish_joined(ctx, alpha)
+            elif ctx.reduction == "scatter_allgather":
                 out = self._finish_scatter(ctx, alpha)
                 self._stats.add(elements=out.numel(), bytes_sent=ctx.sent, tensors=1, bytes_received=ctx.received)
             else:
                 out = self._finish_allgather(ctx, alpha)
         finally:  # every rank waited for this exchange's collectives: its slot may be used again
             self.names.release_slot(ctx.route.slot)
+        if ctx.stage != "joined":
+            self._stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ctx.set_ranks),
+                                                                      4 * ctx.expect.numel))
+            self._slowdown.check(self._stats.as_dict(), repr(self))
         if self.policy.observes:
             self.policy.observe(ctx.route.residual_key, out.detach().reshape(-1).cpu().numpy())
         out = out.view(ctx.shape)
         if out.dtype != ctx.dtype or out.device != ctx.device:
             out = out.to(device=ctx.device, dtype=ctx.dtype)
+        return out
+
+    def _check_control(self, tensor, ctx):
+        """The control vector's verdict (``protocol.check_control``), where ranks of the set may have
+        joined (``hvd.join``): then the vector is that of the ranks still stepping, and the exchange's
+        presence allreduce must say the same (``protocol.joined_verdict`` tells a join from a
+        reduction over a smaller process set)."""
+        reduced = tensor.detach().cpu().numpy()
+        fault = None if ctx.fault is None else f"{ctx.where}: {ctx.fault}"
+        try:
+            return protocol.check_control(reduced, ctx.world, ctx.set_ranks, ctx.where, fault_message=fault)
+        except protocol.MismatchError as e:
+            verdict = protocol.joined_verdict(reduced, ctx.world, ctx.set_ranks, ctx.where)
+            if verdict is None or ctx.set_rank is None:
+                raise
+            present, alpha, certain = verdict
+            if not self._presence_known(ctx, None if certain else protocol.JOIN_WAIT_S):
+                raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ctx.set_ranks))) - set(present))} "
+                                             "of the set joined (hvd.join) but never took part in this "
+                                             "exchange's presence allreduce)") from None
+            if ctx.present != present:
+                raise protocol.MismatchError(
+                    f"{ctx.where}: the control vector was reduced over set ranks {present}, but the ranks "
+                    f"still stepping (not joined with hvd.join) are {ctx.present}") from None
+            return alpha
+
+    def _presence_known(self, ctx, timeout):
+        """Wait until the exchange's presence allreduce has completed (``timeout`` seconds at most,
+        None: no limit); whether it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while ctx.present is None and ctx.stage_error is None:
+            if deadline is None:
+                self.driver.finish(ctx)
+                break
+            if time.monotonic() > deadline:
+                return False
+            self.driver.advance()
+            time.sleep(1e-3)
+        return ctx.present is not None
+
+    def _finish_joined(self, ctx, alpha):
+        """With ranks joined: alpha * the sum Horovod's allreduce made of the stepping ranks'
+        dequantized payloads (the joined ranks added zeros), counted as an uncompressed exchange."""
+        out = self._wait(ctx.handle)
+        if alpha != 1.0:
+            out = out * alpha
+        self._stats.add(raw_elements=ctx.expect.numel, raw_tensors=1, joined_exchanges=1)
+        _note_joined(ctx.where, len(ctx.set_ranks) - len(ctx.present))
         return out
 
     # -- error feedback (hvd_qsgd.error_feedback; the store: hvd_qsgd.state.ResidualStore) ------

@@ -338,6 +338,15 @@ class QsgdCheckControlOp : public OpKernel {
                                               qsgd_status_string(st)));
       return;
     }
+    if (st == QSGD_E_CTRL_MEMBERS) {
+      ctx->CtxFailure(errors::InvalidArgument(
+          where_, ": the tensor was not reduced over exactly the compressor's process set: the allreduce ran "
+          "over another process set (pass its process_set= to the compressor), or ranks of the set have joined "
+          "(hvd.join), which the TensorFlow compressor does not carry exchanges through (let every rank take "
+          "the same number of steps, or use hvd.Compression.none for the uneven tail): ",
+          qsgd_status_string(st)));
+      return;
+    }
     OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));

@@ -2,7 +2,9 @@
 
 ``golden_payloads.py torch|tensorflow`` under ``horovodrun -np 2`` prints one line
 ``GOLDEN <json>`` per rank: for every case, the digest of every payload this rank handed to
-Horovod's collectives (allgather and alltoall, in call order) and of the results it decoded. Rank 0
+Horovod's collectives (allgather and alltoall, sorted: the order in which a rank starts the
+collectives of several exchanges in flight depends on when their presence allreduces complete, the
+bytes do not) and of the results it decoded (in order). Rank 0
 adds the codec's own payloads (``codec.encode``, ``reduction.encode_chunks``/``reduce_chunk``) over a
 grid of settings. tests/test_golden_payloads.py compares them with digests recorded before the
 package was restructured (tests/data/golden_payloads.json): the restructuring keeps every byte.
@@ -124,7 +126,7 @@ def torch_cases():
             for handle, ctx in pending:
                 r = c.decompress(hvd.synchronize(handle), ctx)
                 results.append(r.detach().float().numpy().tobytes())
-        out[case] = {"sent": digest(sent), "decoded": digest(results), "payloads": len(sent),
+        out[case] = {"sent": digest(sorted(sent)), "decoded": digest(results), "payloads": len(sent),
                      "bytes_sent": c.stats["bytes_sent"]}
     return out
 
@@ -156,7 +158,7 @@ def tensorflow_cases():
                 ctrl, ctx = c.compress(x)
                 r = c.decompress(hvd.allreduce(ctrl, op=hvd.Average, name=f"golden.{case}.{step}.{i}"), ctx)
                 results.append(tf.cast(r, tf.float32).numpy().tobytes())
-        out[case] = {"sent": digest(sent), "decoded": digest(results), "payloads": len(sent),
+        out[case] = {"sent": digest(sorted(sent)), "decoded": digest(results), "payloads": len(sent),
                      "bytes_sent": c.stats["bytes_sent"]}
     return out
 

@@ -83,9 +83,11 @@ def scenario_tape():
         tape = hvd.DistributedGradientTape(tape, compression=c)
         return tape.gradient(loss, vs)
 
+    times = [c.stats]
     for step in range(2):
         mine = local_grads(vs, rank, step)
         grads = [g.numpy() for g in reduced_grads(*batch(rank, step))]
+        times.append(c.stats)
         names = [name for name, _ in c._adapters["tensorflow"].traced_exchanges[-2:]]  # the last trace
         k = 0
         for i, g in enumerate(grads):
@@ -105,6 +107,14 @@ def scenario_tape():
     assert st["tensors"] == 4 and st["elements"] == 2 * 32800, st
     assert st["bytes_sent"] == 2 * sum(codec.payload_nbytes(k, 4, 512) for k in (12800, 20000)), st
     assert st["bytes_received"] == (hvd.size() - 1) * st["bytes_sent"], st
+    n = hvd.size()
+    assert st["allreduce_bytes"] == 2 * sum(int(2 * (n - 1) / n * 4 * k) for k in (12800, 20000)), st
+    for before, after in zip(times, times[1:]):  # time in stats: non-negative, growing with every step
+        for k in ("encode_s", "decode_s", "wait_s"):
+            assert after[k] >= before[k] >= 0.0, (k, before, after)
+        assert after["encode_s"] > before["encode_s"] and after["decode_s"] > before["decode_s"], (before, after)
+    s = c.summary((1.0,))
+    assert s["bytes_saved"] == st["allreduce_bytes"] - st["bytes_received"] > 0, s
     print("graph ops:", " ".join(sorted(t for t in types if t.startswith(("Qsgd", "Horovod")))), flush=True)
 
 
@@ -500,6 +510,22 @@ def mismatch(kind):
     return step()
 
 
+def scenario_join():
+    """Rank 1 has no data and joins at once; rank 0's compressed exchange fails on its control check
+    with an error naming hvd.join (the TensorFlow compressor does not carry exchanges through a
+    join; its payload collectives only start after the check, so Horovod never sees one), then
+    rank 0 joins too and both return from hvd.join() as without compression."""
+    c = hvd_qsgd.QSGD(4, seed=SEED)  # on every rank: compressors are numbered in creation order
+    if hvd.rank() == 0:
+        try:
+            hvd.allreduce(tf.constant(np.ones(20000, np.float32)), compression=c, name="join_t")
+        except tf.errors.InvalidArgumentError as e:
+            assert "hvd.join" in str(e) and "hvd_qsgd: compressed tensor" in str(e), str(e)
+        else:
+            raise AssertionError("a compressed exchange with a joined rank did not fail")
+    assert hvd.join() == 0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("scenario", nargs="+")
@@ -524,7 +550,7 @@ def main():
              "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback,
              "error-feedback-lr": scenario_error_feedback_lr,
              "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
-             "elias": scenario_elias, "auto": scenario_auto}[s]()
+             "elias": scenario_elias, "auto": scenario_auto, "join": scenario_join}[s]()
         print(f"OK {s}", flush=True)
 
 

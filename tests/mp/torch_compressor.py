@@ -312,6 +312,10 @@ def scenario(s):
             check_identical(p.grad, name)
         st = c.stats
         assert st["tensors"] == 3 and st["bytes_sent"] == sent and st["bytes_received"] == received, (st, sent, received)
+    elif s.startswith("join-"):
+        check_join(s[len("join-"):], n, rank)
+    elif s == "report":
+        check_report(n)
     elif s == "default-large":
         # hvd_qsgd.QSGD(4) as the README has it: a 1,000,000-element gradient resolves to
         # scatter_allgather from 3 ranks on; each rank receives <= 1.2 x 2(n-1)/n x d x b/8 bytes of it
@@ -459,6 +463,137 @@ def mismatch(kind, n, rank):
         hvd.reducescatter(t, compression=hvd_qsgd.QSGD(4))
     else:
         raise SystemExit(f"unknown mismatch {kind}")
+
+
+def check_join(red, n, rank):
+    """Uneven data: rank r takes 3 - r steps (rank 0 the most), then calls hvd.join(). The ranks
+    still stepping get what Horovod's allreduce gives with joined ranks: the joined add zeros and
+    Average still divides by n. With at most two ranks stepping, the float32 sum of their
+    dequantized payloads is exact in any order, so the reference is computed here, after the join,
+    from every rank's own payloads (re-encoded with the documented seeds), and must match bitwise.
+    hvd.Compression.none, on a copy of the model, shows Horovod's own semantics are the same."""
+    steps = 3 - rank
+    model, plain = Net(), Net()
+    plain.load_state_dict(model.state_dict())
+    c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, named_parameters=model.named_parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=c)
+    opt_plain = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
+                                         named_parameters=[("plain." + k, v) for k, v in plain.named_parameters()])
+    big = [k for k, p in model.named_parameters() if p.numel() >= 10000]
+    own = {k: torch.zeros(3, p.numel()) for k, p in model.named_parameters()}   # [step] this rank's contribution
+    raw = {k: torch.zeros(3, p.numel()) for k, p in model.named_parameters()}
+    got = {k: torch.zeros(3, p.numel()) for k, p in model.named_parameters()}
+    got_plain = {k: torch.zeros(3, p.numel()) for k, p in model.named_parameters()}
+    for step in range(steps):
+        x, y = batch(rank, step)
+        mine = {k: v.reshape(-1) for k, v in local_grads_at(model, x, y).items()}
+        for k, g in local_grads_at(plain, x, y).items():
+            raw[k][step] = g.reshape(-1)
+        for k, g in mine.items():
+            if k not in big:
+                own[k][step] = g
+                continue
+            seed = protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{k}", step)
+            fp = codec.tensor_fingerprint(k, dict(model.named_parameters())[k].shape, "float32")
+            if c.settings.exchange_reduction(n, g.numel()) == "scatter_allgather":
+                buf, lens = reduction.encode_chunks(g.numpy(), c.settings, seed, n, fp)
+                own[k][step] = torch.from_numpy(reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, g.numel(), 512))
+            else:
+                own[k][step] = torch.from_numpy(codec.decode(codec.encode(g.numpy(), 4, 512, "max", seed, "fixed", fp)))
+        for m, o, result in ((model, opt, got), (plain, opt_plain, got_plain)):
+            o.zero_grad()
+            nn.functional.cross_entropy(m(x), y).backward()
+            o.synchronize()
+            for k, p in m.named_parameters():
+                result[k][step] = p.grad.reshape(-1)
+            with o.skip_synchronize():
+                o.step()
+    last = hvd.join()
+    # everyone has joined: collectives work again; every rank's contributions, in rank order
+    last_all = gather(torch.tensor(float(last)))
+    assert all(v.item() == 0 for v in last_all), f"hvd.join() returned {[v.item() for v in last_all]}"
+    for k in own:
+        contributions, raws = gather(own[k]), gather(raw[k])
+        for step in range(steps):
+            stepping = [r for r in range(n) if step < 3 - r]
+            if len(stepping) == n:
+                continue  # nobody joined yet: the usual exchange, checked by the other scenarios
+            ref = sum(contributions[r][step] for r in stepping) * (1.0 / n)
+            assert torch.equal(got[k][step], ref), f"{k} step {step}: max diff {(got[k][step] - ref).abs().max()}"
+            plain_ref = sum(raws[r][step] for r in stepping) * (1.0 / n)
+            # Horovod scales by 1/n itself (not bit for bit as torch does): equal to rounding
+            assert torch.allclose(got_plain[k][step], plain_ref, rtol=1e-6, atol=0), f"Compression.none {k} step {step}"
+            assert not torch.allclose(plain_ref, plain_ref * n / len(stepping)) or not plain_ref.any()
+    joined_steps = sum(1 for step in range(steps) if any(step >= 3 - r for r in range(n)))
+    assert c.stats["joined_exchanges"] == joined_steps * len(big), (c.stats, joined_steps)
+
+
+def check_report(n):
+    """Time in stats grows with work, summary() agrees with the counters, and the two warnings fire
+    once where they should and nowhere else."""
+    import logging
+    from hvd_qsgd import report
+    records = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+    logging.getLogger("hvd_qsgd").addHandler(Keep())
+    report.MIN_EXCHANGES = 6
+    idle = hvd_qsgd.QSGD(4, seed=SEED)  # created, never passed to the optimizer
+    model = Net()
+    used = hvd_qsgd.QSGD(4, seed=SEED, named_parameters=model.named_parameters(), link_gbps=1e6)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), compression=used)
+    big = [p.numel() for p in model.parameters() if p.numel() >= 10000]
+    before = used.stats
+    for step in range(3):
+        x, y = batch(hvd.rank(), step)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+        now = used.stats
+        for k in ("encode_s", "decode_s", "wait_s"):
+            assert now[k] >= before[k] >= 0.0, (k, before, now)
+        assert now["encode_s"] > before["encode_s"] and now["decode_s"] > before["decode_s"], (before, now)
+        before = now
+    fp32 = 3 * sum(2 * (n - 1) / n * 4 * d for d in big)
+    assert now["allreduce_bytes"] == int(fp32) or abs(now["allreduce_bytes"] - fp32) <= 3 * len(big), (now, fp32)
+    s = used.summary((1.0,))
+    assert s["bytes_saved"] == now["allreduce_bytes"] - now["bytes_received"] > 0
+    assert s["projected_change_s"][1.0] == pytest_approx(s["codec_s"] - s["bytes_saved"] / 1.25e8)
+    never = [m for m in records if "has not been called" in m]
+    assert len(never) == 1 and "hvd_qsgd.QSGD(bits=4" in never[0] and "link_gbps" not in never[0], records
+    slow = [m for m in records if "slows the job down" in m]
+    assert len(slow) == 1 and "at 1e+06 Gbit/s" in slow[0], records
+    # on a slow link the same work pays: no slowdown warning; a compressor in use: no no-op warning
+    records.clear()
+    plain = Net()
+    thrifty = hvd_qsgd.QSGD(4, seed=SEED, named_parameters=plain.named_parameters(), link_gbps=0.001)
+    opt2 = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
+                                    named_parameters=plain.named_parameters(), compression=thrifty)
+    for step in range(4):
+        x, y = batch(hvd.rank(), step)
+        opt2.zero_grad()
+        nn.functional.cross_entropy(plain(x), y).backward()
+        opt2.step()
+    assert thrifty.stats["tensors"] == 4 * len(big) and not records, records
+    del idle
+
+
+def pytest_approx(v, rel=1e-9):
+    class Approx(float):
+        def __eq__(self, other):
+            return abs(other - v) <= rel * max(abs(v), 1e-12)
+    return Approx(v)
+
+
+def local_grads_at(model, x, y):
+    m = copy.deepcopy(model)
+    m.zero_grad()
+    nn.functional.cross_entropy(m(x), y).backward()
+    return {k: p.grad.detach().clone() for k, p in m.named_parameters()}
 
 
 def main():

@@ -1,0 +1,78 @@
+"""hvd_qsgd.report: the summary's arithmetic and the two warnings, without a Horovod job (the
+multi-rank checks are tests/test_torch_compressor.py::test_stats_time_summary_and_warnings)."""
+import logging
+
+import pytest
+
+import hvd_qsgd
+from hvd_qsgd import report
+from hvd_qsgd.settings import Stats
+
+
+def stats(**kw):
+    d = Stats().as_dict()
+    d.update(kw)
+    return d
+
+
+def test_summary_states_bytes_saved_and_the_projection_per_link():
+    # 10 MB an fp32 allreduce would receive, 2 MB received: 8 MB saved, 0.01 s of codec time
+    s = report.summary(stats(tensors=4, bytes_received=2_000_000, allreduce_bytes=10_000_000, encode_s=0.006,
+                             decode_s=0.004, wait_s=0.5), (1.0, 10.0, 100.0))
+    assert s["bytes_saved"] == 8_000_000 and s["codec_s"] == pytest.approx(0.01)
+    # change = codec - saved / beta: 1 Gbit/s -> 0.01 - 0.064; 10 -> 0.01 - 0.0064; 100 -> 0.01 - 0.00064
+    assert s["projected_change_s"][1.0] == pytest.approx(0.01 - 0.064)
+    assert s["projected_change_s"][10.0] == pytest.approx(0.01 - 0.0064)
+    assert s["projected_change_s"][100.0] == pytest.approx(0.01 - 0.00064)
+    assert s["break_even_gbps"] == pytest.approx(8e6 * 8e-9 / 0.01)  # 6.4 Gbit/s
+    text = report.format_summary(s, "q")
+    assert "6.40 Gbit/s" in text and "faster" in text and "slower" in text
+    with pytest.raises(ValueError, match="positive"):
+        report.summary(stats(), (0,))
+
+
+def test_a_fresh_compressor_summarises_to_zeros():
+    s = hvd_qsgd.QSGD(4).summary()
+    assert s["bytes_saved"] == 0 and s["codec_s"] == 0 and s["break_even_gbps"] is None
+    assert set(s["projected_change_s"]) == set(report.DEFAULT_LINKS_GBPS)
+
+
+def test_time_fields_are_floats_that_add_and_merge():
+    st = Stats()
+    st.add(encode_s=0.25, tensors=1)
+    st.add(encode_s=0.5, wait_s=1e-6)
+    d = st.as_dict()
+    assert d["encode_s"] == 0.75 and d["wait_s"] == 1e-6 and d["decode_s"] == 0.0 and d["tensors"] == 1
+    assert Stats.merge([d, d])["encode_s"] == 1.5
+    other = Stats()
+    other.load(d)
+    assert other.as_dict() == d
+
+
+def test_slowdown_warns_once_when_codec_time_exceeds_the_wire_time_saved(caplog):
+    busy = stats(tensors=report.MIN_EXCHANGES, allreduce_bytes=1_250_000, bytes_received=0, encode_s=0.2)
+    # 1.25 MB saved at 10 Gbit/s is 1 ms of wire time, far below 0.2 s of codec time
+    w = report.SlowdownWatch(10e9 / 8)
+    with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
+        assert not w.check({**busy, "tensors": report.MIN_EXCHANGES - 1}, "q")  # too early to tell
+        assert w.check(busy, "q")
+        assert not w.check(busy, "q")  # once
+    assert len([r for r in caplog.records if "slows the job down" in r.getMessage()]) == 1
+    # at 1 Mbit/s the same bytes take 10 s: compression pays, nothing is said
+    assert not report.SlowdownWatch(1e6 / 8).check(busy, "q")
+
+
+def test_never_called_warns_after_steps_without_calls_and_not_otherwise(caplog):
+    with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
+        used, idle = report.NeverCalledWatch(), report.NeverCalledWatch()
+        for _ in range(2 * report.NEVER_CALLED_STEPS):
+            assert not used.step(5, "used")
+        warned = [idle.step(0, "idle") for _ in range(2 * report.NEVER_CALLED_STEPS)]
+        assert warned.count(True) == 1 and warned.index(True) == report.NEVER_CALLED_STEPS - 1
+        assert not idle.at_exit(0, "idle")  # once
+        assert report.NeverCalledWatch().at_exit(0, "late")
+        assert not report.NeverCalledWatch().at_exit(3, "called")
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("idle has not been called in 3 optimizer steps" in m for m in messages) == 1
+    assert sum("late was created in this Horovod job but never called" in m for m in messages) == 1
+    assert not any("used" in m or "called was" in m for m in messages)
