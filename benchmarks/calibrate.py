@@ -14,14 +14,17 @@ waits for in turn and b the bytes a rank receives, for a message of S bytes per 
 (``MODEL``; the allreduce, allgather and scatter_allgather rows are those of ``cost_model.seconds``).
 
 What runs. For each rank count n of ``--np`` one Horovod job: by default ``horovodrun -np n -H
-localhost:n --gloo`` (the ranks talk over loopback); with ``--rate R`` (root, ``ip``, ``tc``) the
-ranks run in network namespaces joined by a switch with every link shaped to R, the topology of
-``python -m benchmarks e2e`` (``benchmarks.netns``, started by ``benchmarks.e2e_launch``'s
-rendezvous helper). Every rank allocates, for each size S of ``--sizes`` (rounded down to a multiple
+localhost:n --gloo`` (the ranks talk over loopback; rank 0 prints its results into the job's
+output); with ``--hosts H``, ``-H H`` instead (horovodrun's ssh launch: one rank per host measures
+the real network); with ``--rate R`` (root, ``ip``, ``tc``) the ranks run on this machine in
+network namespaces joined by a switch with every link shaped to R, the topology of ``python -m
+benchmarks e2e`` (``benchmarks.netns``, started by ``benchmarks.e2e_launch``'s rendezvous helper).
+Every rank allocates, for each size S of ``--sizes`` (rounded down to a multiple
 of 4n bytes so that fp32 and n-way splits are whole), an fp32 tensor of S bytes (allreduce, op=Sum)
 and uint8 tensors of S and S/n bytes (allgather, alltoall). Then ``--warmup`` untimed rounds and
 ``--reps`` timed rounds; a round runs every collective at every size, each one preceded by
-``hvd.barrier()`` and timed on every rank with ``time.perf_counter`` around the synchronous call. A
+``hvd.barrier()`` and timed on every rank with ``time.perf_counter`` from its start until it has
+completed (``hvd.synchronize``). A
 repetition's time is the maximum over ranks (the collective is done when its last rank is), and a
 point's time the median over repetitions (``--stat min``: the minimum). Every op keeps one name
 across repetitions, so Horovod's response cache serves it as in a training loop.
@@ -70,6 +73,7 @@ from benchmarks.common import REPO_ROOT, job_env, launch_job, machine_info, nonn
 
 COLLECTIVES = ("allreduce", "allgather", "alltoall", "scatter_allgather")
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
+RESULT_MARK = "HVD_QSGD_CALIBRATE_RESULT "
 _UNITS = {"": 1, "B": 1, "K": 1 << 10, "KB": 1 << 10, "KIB": 1 << 10, "M": 1 << 20, "MB": 1 << 20,
           "MIB": 1 << 20, "G": 1 << 30, "GB": 1 << 30, "GIB": 1 << 30}
 
@@ -336,6 +340,8 @@ def add_arguments(p):
                    help="a point's time over repetitions (default median)")
     p.add_argument("--rate", help="run over network namespaces with every link tbf-shaped to this rate "
                                   "(e.g. 1gbit; root, ip and tc needed); default: horovodrun on loopback")
+    p.add_argument("--hosts", help="horovodrun's -H for the jobs (e.g. h1:1,h2:1,h3:1,h4:1: one rank per host; "
+                                   "ssh to each, this checkout at the same path); default localhost:N")
     p.add_argument("--json", help="write every point, fit and crossover here")
     p.add_argument("--points", action="store_true", help="print every measured point too")
     p.add_argument("--timeout", type=positive_int, default=600, help="seconds allowed to each job")
@@ -343,8 +349,8 @@ def add_arguments(p):
     p.add_argument("--worker-json", help=argparse.SUPPRESS)
 
 
-def _worker_argv(args, json_path):
-    return ["-m", "benchmarks", "calibrate", "--worker", "--worker-json", json_path,
+def _worker_argv(args, json_path=None):
+    return ["-m", "benchmarks", "calibrate", "--worker"] + (["--worker-json", json_path] if json_path else []) + [
             "--sizes", ",".join(map(str, args.sizes)), "--collectives", ",".join(args.collectives),
             "--reps", str(args.reps), "--warmup", str(args.warmup), "--inflight", str(args.inflight)]
 
@@ -403,20 +409,29 @@ def run_worker(args):
                    warmup=args.warmup, inflight=k_inflight, points=points,
                    horovod_env={k: v for k, v in os.environ.items()
                                 if k in ("HOROVOD_CYCLE_TIME", "HOROVOD_CACHE_CAPACITY", "HOROVOD_FUSION_THRESHOLD")})
-        with open(args.worker_json, "w") as f:
-            json.dump(job, f)
+        if args.worker_json:
+            with open(args.worker_json, "w") as f:
+                json.dump(job, f)
+        else:  # to the launcher through horovodrun's output (rank 0 may be on another host)
+            print(RESULT_MARK + json.dumps(job), flush=True)
     hvd.shutdown()
     return 0
 
 
-def _loopback_job(n, args, json_path):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(n), "-H", f"localhost:{n}",
-           "--gloo", sys.executable] + _worker_argv(args, json_path)
+def _horovodrun_job(n, args):
+    """One ``horovodrun --gloo`` job of n ranks on ``--hosts`` (default localhost:n); rank 0's points,
+    read from the job's output."""
+    hosts = args.hosts or f"localhost:{n}"
+    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(n), "-H", hosts,
+           "--gloo", sys.executable] + _worker_argv(args)
     status, out, _ = launch_job(cmd, args.timeout, cwd=REPO_ROOT)
     if status != 0:
         raise RuntimeError(f"{' '.join(cmd)} exited with {status}:\n{out[-4000:]}")
-    with open(json_path) as f:
-        return json.load(f)
+    for line in out.splitlines():
+        at = line.find(RESULT_MARK)   # horovodrun prefixes each line with the rank
+        if at >= 0:
+            return json.loads(line[at + len(RESULT_MARK):])
+    raise RuntimeError(f"{' '.join(cmd)} printed no results:\n{out[-4000:]}")
 
 
 def _netns_job(n, args, json_path, log_dir):
@@ -467,6 +482,8 @@ def _on_signal(signum, frame):
 def run(args):
     if args.worker:
         return run_worker(args)
+    if args.rate and args.hosts:
+        raise SystemExit("--rate runs every rank on this machine, in network namespaces; it does not take --hosts")
     if args.rate:
         from benchmarks import netns
 
@@ -485,11 +502,12 @@ def run(args):
     try:
         with tempfile.TemporaryDirectory(prefix="hvd_qsgd_calibrate_") as tmp:
             for n in args.np:
-                where = f"links shaped to {args.rate} (network namespaces)" if args.rate else "loopback (horovodrun)"
+                where = (f"links shaped to {args.rate} (network namespaces)" if args.rate else
+                         f"hosts {args.hosts} (horovodrun)" if args.hosts else "loopback (horovodrun)")
                 print(f"timing {','.join(args.collectives)} on {n} ranks over {where} ...", flush=True)
                 path = os.path.join(tmp, f"np{n}.json")
                 t0 = time.perf_counter()
-                job = _netns_job(n, args, path, tmp) if args.rate else _loopback_job(n, args, path)
+                job = _netns_job(n, args, path, tmp) if args.rate else _horovodrun_job(n, args)
                 job["wall_s"] = time.perf_counter() - t0
                 jobs.append(job)
     except KeyboardInterrupt as e:
@@ -502,7 +520,8 @@ def run(args):
         for s, h in old.items():
             signal.signal(s, h)
     fits, crossovers = analyse(jobs, args.stat)
-    where = f"links tbf-shaped to {args.rate} between network namespaces" if args.rate else "loopback"
+    where = (f"links tbf-shaped to {args.rate} between network namespaces" if args.rate else
+             f"hosts {args.hosts}" if args.hosts else "loopback")
     per = f", per tensor of {args.inflight} in flight" if args.inflight > 1 else ""
     print(f"\n## Fitted alpha and beta ({where}; time = {args.stat} of {args.reps} of the slowest rank{per})\n")
     print(table(fits, crossovers))
@@ -516,7 +535,8 @@ def run(args):
             return v if not (isinstance(v, float) and math.isinf(v)) else None
 
         result = dict(argv=sys.argv[1:], machine=machine_info(),
-                      network=dict(rate=args.rate) if args.rate else "loopback",
+                      network=(dict(rate=args.rate) if args.rate else dict(hosts=args.hosts) if args.hosts
+                               else "loopback"),
                       sizes=list(args.sizes), collectives=list(args.collectives), reps=args.reps,
                       warmup=args.warmup, inflight=args.inflight, stat=args.stat,
                       model_defaults=dict(alpha_s=cost_model.LATENCY_S, beta_Bps=cost_model.BANDWIDTH_BPS),
