@@ -1,41 +1,51 @@
 """The demo's final table (``scripts/demo.sh``): loopback runs beside the same trainings over shaped
-links, and the cost model's projection where it applies.
+links, and the cost model's projection of the latter.
 
 ``python -m benchmarks.demo_report --loopback DIR --shaped DIR [--np N] [--runs none,fp16,qsgd8,qsgd4]``
 
 * ``--loopback DIR``: ``<run>.json`` (``examples/pytorch_digits.py --json``) of the horovodrun runs
   on this machine's loopback;
 * ``--shaped DIR``: what ``benchmarks.demo_shaped`` wrote: ``shaped.json`` (``kind`` "measured",
-  with ``<run>.json`` of the runs over the shaped links, or "projection" and the reason).
+  with ``<run>.json`` of the runs over the shaped links, or "projection" and the reason; the rate and
+  the hidden width of the shaped runs either way).
 
 Columns: compression; test accuracy, bytes sent per step (one rank's own contribution: the
 example's ``bytes_per_step``) and its ratio to float32's, from the loopback runs; milliseconds per
 step of the training loop (``train_time_s / steps``: the example's timed loop, evaluation excluded;
 the loop's seconds beside it) on loopback and over the shaped links (measured); and the cost
-model's projection of the latter. Times per step compare runs of different lengths. Where the
-shaped runs trained a different model (a wider hidden layer), their column says so, the notes give
-their bytes per step, and no projection is shown (it is of the loopback runs' model).
+model's projection of a step over the shaped links. Times per step compare runs of different
+lengths. Where the shaped runs train a wider MLP than the loopback runs, their columns say so and
+the notes give their bytes per step.
 
-The projection (``comm_seconds``) is the loopback run's time per step plus the cost model's time of
-one step's exchanges at the link's nominal rate (``hvd_qsgd.cost_model.seconds`` with its default
-latency, priced per gradient as ``benchmarks.e2e_model`` prices a step; no overlap with
-computation): for ``none`` / ``fp16`` a ring allreduce of 4 / 2 bytes per element of every gradient,
-for QSGD(b) the allgather or scatter_allgather (the one the compressor's ``exchange_reduction``
-resolves to, the library default "auto") of each quantized gradient's ``codec.payload_nbytes`` plus
-its control vector, and a float32 allreduce of the others. The loopback time already holds the
-(fast) loopback exchange, so the projection counts that part twice; it assumes the link delivers its
-full rate, and prices no per-operation overhead beyond the model's latency.
+The projection (``projection``), for the shaped runs' model, is made without running anything
+distributed, as ``benchmarks.e2e_model.predict`` makes its own: a step is the CPU time of one rank
+times the ranks per core of this machine (the ranks share its cores) plus the cost model's time of
+the step's exchanges. The CPU time (``time_parts``) is timed here, in one process on one thread: the
+example's MLP (its own class) doing zero_grad, forward and backward of a batch of 32 and an SGD step
+with momentum (median of a few), plus for fp16 the casts of every gradient to float16 and back, and
+for QSGD(b) the codec work of each quantized gradient as ``e2e_model.compute_seconds`` counts it
+for the reduction the gradient goes by (encode, and n decodes for allgather; for scatter_allgather
+1 + 1/n encodes and 2 decodes). The exchanges (``comm_seconds``) are priced per gradient as
+``e2e_model`` prices a step, with ``hvd_qsgd.cost_model.seconds`` at its default latency and the
+link's nominal rate, no overlap with computation: for none / fp16 a ring allreduce of 4 / 2 bytes
+per element of every gradient; for QSGD(b) the allgather or scatter_allgather of each quantized
+gradient's ``codec.payload_nbytes`` (the reduction the library default "auto" resolves to) plus its
+control vector, and a float32 allreduce of the gradients left uncompressed.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
+import time
 
 from benchmarks import e2e_model
+from benchmarks.common import REPO_ROOT
 from benchmarks.netns import parse_rate
 
-RUNS = ("none", "fp16", "qsgd8", "qsgd4")
+RUNS = {"none": ("none", None), "fp16": ("fp16", None), "qsgd8": ("qsgd", 8), "qsgd4": ("qsgd", 4)}
 N_IN, N_OUT = 64, 10  # the digits MLP: 64-H-H-10
+BATCH = 32            # the example's per-rank batch
 
 
 def digits_shapes(hidden):
@@ -57,46 +67,116 @@ def hidden_of(result):
     raise ValueError(f"no hidden width gives {numel} parameters")
 
 
-def _qsgd_mode(result, n, numel):
-    """e2e_model's mode name for one quantized gradient of ``result``'s compressor."""
+def check_defaults(result):
+    """The projection prices QSGD at the compressor's defaults (the example's): say so if a run is not."""
+    if result["compression"] == "qsgd":
+        expected = e2e_model.qsgd_settings(result["bits"])
+        if (result["bucket_size"], result["min_numel"]) != expected:
+            raise ValueError(f"the projection prices QSGD({result['bits']}) with bucket size and min_numel "
+                             f"{expected}; this run has {(result['bucket_size'], result['min_numel'])}")
+
+
+def _qsgd_mode(bits, n, numel):
+    """e2e_model's mode name for one quantized gradient: the reduction the library's default picks."""
     from hvd_qsgd.settings import Settings
 
-    settings = Settings.make(bits=result["bits"], bucket_size=result["bucket_size"], min_numel=result["min_numel"])
-    if (settings.bucket_size, settings.min_numel) != e2e_model.qsgd_settings(settings.bits):
-        raise ValueError("the projection prices the compressor's default bucket size and min_numel; "
-                         f"this run has {settings}")
+    settings = Settings.make(bits=bits)
     reduction = settings.exchange_reduction(n, numel) if hasattr(settings, "exchange_reduction") \
         else settings.reduction
-    return f"qsgd{settings.bits}-" + ("allgather" if reduction == "allgather" else "scatter")
+    return f"qsgd{bits}-" + ("allgather" if reduction == "allgather" else "scatter")
 
 
-def modes_per_tensor(result, n):
-    """[(e2e_model mode, [(name, numel)])]: how each gradient of the run is exchanged."""
-    shapes = digits_shapes(hidden_of(result))
-    if result["compression"] in ("none", "fp16"):
-        return [(result["compression"], shapes)]
-    if result["compression"] != "qsgd":
-        raise ValueError(f"no projection for compression {result['compression']!r}")
-    # the tensors QSGD leaves uncompressed go through Horovod's float32 allreduce, as with none
-    return [(_qsgd_mode(result, n, d) if d >= result["min_numel"] else "none", [(name, d)]) for name, d in shapes]
+def plan(run, n, hidden):
+    """[(e2e_model mode, [(name, numel)])]: how each gradient of ``run`` is exchanged on n ranks."""
+    compression, bits = RUNS[run]
+    shapes = digits_shapes(hidden)
+    if bits is None:
+        return [(compression, shapes)]
+    _, min_numel = e2e_model.qsgd_settings(bits)
+    # the gradients QSGD leaves uncompressed go through Horovod's float32 allreduce, as with none
+    return [(_qsgd_mode(bits, n, d) if d >= min_numel else "none", [(name, d)]) for name, d in shapes]
 
 
-def comm_seconds(result, n, rate_bps):
+def comm_seconds(run, n, hidden, rate_bps):
     """The cost model's seconds of one step's exchanges at ``rate_bps`` bit/s (default latency)."""
     from hvd_qsgd import cost_model
 
     return sum(e2e_model.model_comm_seconds(mode, n, shapes, cost_model.LATENCY_S, rate_bps)
-               for mode, shapes in modes_per_tensor(result, n))
+               for mode, shapes in plan(run, n, hidden))
 
 
-def wire_bytes(result, n):
+def wire_bytes(run, n, hidden):
     """The cost model's bytes one rank receives per step."""
-    return sum(e2e_model.model_wire_bytes(mode, n, shapes) for mode, shapes in modes_per_tensor(result, n))
+    return sum(e2e_model.model_wire_bytes(mode, n, shapes) for mode, shapes in plan(run, n, hidden))
 
 
-def projected_seconds(result, n, rate_bps):
-    """The loopback run's training time plus every step's modelled exchange at ``rate_bps``."""
-    return result["train_time_s"] + result["steps"] * comm_seconds(result, n, rate_bps)
+def time_parts(hidden, runs, rounds=3):
+    """One rank's CPU parts of a step of the example's MLP, timed here on one thread: ``compute_s``
+    (median step), ``cast_s`` (fp16 casts of every gradient), and per quantized gradient and bits
+    the codec times of ``e2e_model.time_codec`` (``codec[name]``: encode_s, decode1_s)."""
+    import torch
+    import torch.nn.functional as F
+
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))
+    from pytorch_digits import MLP
+
+    torch.set_num_threads(1)
+    from hvd_qsgd import codec
+    codec.set_num_threads(1)
+    torch.manual_seed(0)
+    model = MLP(hidden=hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    x, y = torch.randn(BATCH, N_IN), torch.randint(0, N_OUT, (BATCH,))
+    steps = []
+    for i in range(1 + rounds):  # the first step allocates the gradients and momentum buffers
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        if i:
+            steps.append(time.perf_counter() - t0)
+    grads = {name: p.grad for name, p in model.named_parameters()}
+    bits = sorted({RUNS[r][1] for r in runs if RUNS[r][1] is not None})
+    parts = dict(hidden=hidden, compute_s=statistics.median(steps), cast_s=0.0, codec={})
+    if "fp16" in runs:
+        parts["cast_s"] = statistics.median(
+            e2e_model.time_codec(list(grads.values()), [], 2, True)["cast_s"] for _ in range(rounds))
+    for b in bits:
+        _, min_numel = e2e_model.qsgd_settings(b)
+        for name, g in grads.items():
+            if g.numel() >= min_numel:
+                timed = [e2e_model.time_codec([g], [b], 2, False) for _ in range(rounds)]
+                entry = parts["codec"].setdefault(name, dict(encode_s={}, decode1_s={}))
+                for key in ("encode_s", "decode1_s"):
+                    entry[key][str(b)] = statistics.median(t[key][str(b)] for t in timed)
+    return parts
+
+
+def cpu_seconds(run, n, parts):
+    """One rank's CPU time of a step: compute, plus the fp16 casts or each gradient's codec work."""
+    compression, bits = RUNS[run]
+    t = parts["compute_s"]
+    if compression == "fp16":
+        return t + parts["cast_s"]
+    for mode, shapes in plan(run, n, parts["hidden"]):
+        if e2e_model.mode_bits(mode) is not None:
+            (name, _), = shapes
+            comp = dict(compute_s=0.0, cast_s=0.0, **parts["codec"][name])
+            t += e2e_model.compute_seconds(mode, n, comp)
+    return t
+
+
+def ranks_per_core(n, cores=None):
+    """How many ranks share a core here (at least 1): n ranks on this machine's cores."""
+    return max(1.0, n / (cores or os.cpu_count() or 1))
+
+
+def projection(run, n, rate_bps, parts, cores=None):
+    """The projected step: dict(cpu_s, share, comm_s, step_s = share * cpu_s + comm_s)."""
+    cpu = cpu_seconds(run, n, parts)
+    share = ranks_per_core(n, cores)
+    comm = comm_seconds(run, n, parts["hidden"], rate_bps)
+    return dict(cpu_s=cpu, share=share, comm_s=comm, step_s=share * cpu + comm)
 
 
 def load_runs(directory, runs):
@@ -109,6 +189,11 @@ def load_runs(directory, runs):
 
 def label(r):
     return f"QSGD({r['bits']})" if r["compression"] == "qsgd" else r["compression"]
+
+
+def run_label(run):
+    compression, bits = RUNS[run]
+    return f"QSGD({bits})" if bits else compression
 
 
 def ms_per_step(r):
@@ -132,28 +217,30 @@ def _same_model(a, b):
     return all(a[k] == b[k] for k in keys)
 
 
-def render(loopback, shaped_record, shaped=None, np_=None):
+def render(loopback, shaped_record, shaped=None, np_=None, parts=None, cores=None):
     """The table and its notes, as lines; and the problems (runs whose ranks' parameters differ).
 
-    Times are per step (the training loop's seconds / steps) with the loop's seconds beside them,
-    so runs of different lengths compare; the projection is of the loopback runs, shown where the
-    shaped runs trained the same model (or where there are none)."""
+    ``parts``: ``time_parts`` of the shaped runs' model, for the projection column (None: none)."""
     runs = list(loopback)
-    base = loopback["none"] if "none" in loopback else None
     first = loopback[runs[0]]
     n = np_ or first["np"]
     rate = shaped_record["rate"]
     rate_bps = parse_rate(rate)
     rate_name = f"{rate_bps / 1e9:g} Gbit/s" if rate_bps >= 1e9 else f"{rate_bps / 1e6:g} Mbit/s"
     measured = shaped_record["kind"] == "measured"
+    h = hidden_of(first)
+    hs = hidden_of(shaped[runs[0]]) if measured else shaped_record["hidden"]
     same_model = measured and all(_same_model(loopback[r], shaped[r]) for r in runs)
-    project = same_model or not measured
-    hs = hidden_of(shaped[runs[0]]) if measured else None
+    wider = "" if hs == h else f" (hidden {hs})"
+    proj = {r: projection(r, n, rate_bps, parts, cores) for r in runs} if parts is not None else None
+    if proj is not None and parts["hidden"] != hs:
+        raise ValueError(f"the projection's parts are of hidden {parts['hidden']}, the shaped runs' {hs}")
+
     head = ["compression", "test accuracy", "bytes sent per step", "ratio vs none", "loopback ms/step"]
     if measured:
-        head.append(f"{rate_name} ms/step" + ("" if same_model else f" (hidden {hs})"))
-    if project:
-        head.append(f"{rate_name} PROJECTED ms/step")
+        head.append(f"{rate_name} ms/step{wider}")
+    if proj is not None:
+        head.append(f"{rate_name} PROJECTED ms/step{wider}")
     body = []
     for run in runs:
         r = loopback[run]
@@ -165,11 +252,10 @@ def render(loopback, shaped_record, shaped=None, np_=None):
                _cell(ms_per_step(r), r["train_time_s"])]
         if measured:
             row.append(_cell(ms_per_step(shaped[run]), shaped[run]["train_time_s"]))
-        if project:
-            row.append(_cell(ms_per_step(r) + 1e3 * comm_seconds(r, n, rate_bps)))
+        if proj is not None:
+            row.append(_cell(1e3 * proj[run]["step_s"]))
         body.append(row)
 
-    h = hidden_of(first)
     lines = [f"[demo] digits MLP 64-{h}-{h}-10 on {n} ranks; loopback: horovodrun --gloo on this machine, "
              f"{first['epochs']} epochs, {first['steps']} steps; bytes sent per step by one rank; "
              "ms/step: the training loop's time / steps (its seconds in brackets)"]
@@ -177,18 +263,25 @@ def render(loopback, shaped_record, shaped=None, np_=None):
         s0 = shaped[runs[0]]
         if same_model:
             what = "the same runs" + ("" if s0["steps"] == first["steps"] else f", shorter: {s0['steps']} steps")
-        else:
+        elif hs != h:
             what = (f"the same trainings of a 64-{hs}-{hs}-10 MLP, NOT the loopback runs' model "
                     f"({s0['bytes_per_step_none']:,} bytes of float32 gradient a step, so that the exchange is "
                     f"a real share of the step), {s0['steps']} steps each")
+        else:
+            what = f"runs NOT set up as the loopback runs, {s0['steps']} steps each"
         lines.append(f"[demo] {rate_name}: {what}; {n} ranks in network namespaces, every rank's link shaped to "
                      f"{rate} full duplex (tc tbf); measured")
     else:
         lines.append(f"[demo] NO shaped-link runs ({shaped_record['reason']})")
-    if project:
-        lines.append(f"[demo] {rate_name} PROJECTED: a cost-model projection, not a measurement: loopback ms/step "
-                     f"+ hvd_qsgd.cost_model time of one step's exchanges at {rate_name} (50 us latency, the "
-                     "full rate, no overlap)")
+    if proj is not None:
+        from hvd_qsgd import cost_model
+
+        share = proj[runs[0]]["share"]
+        lines.append(f"[demo] {rate_name} PROJECTED: a cost-model projection, not a measurement, of a step of the "
+                     f"64-{hs}-{hs}-10 MLP on {n} ranks: one rank's CPU time (its step, and the codec or the fp16 "
+                     f"casts, timed here on one thread) x {share:g} ranks per core of this machine + "
+                     f"hvd_qsgd.cost_model time of the step's exchanges at {rate_name} "
+                     f"({cost_model.LATENCY_S * 1e6:g} us latency, the full rate, no overlap)")
     lines += _grid(head, body)
 
     if measured:
@@ -209,25 +302,26 @@ def render(loopback, shaped_record, shaped=None, np_=None):
         lines.append("[demo] rank 0's link carried per step of the training loop (frames: headers and Horovod's "
                      "coordination included): " + ", ".join(
                          f"{label(x)} {x['link']['tx_bytes'] / x['steps'] / 1e6:.2f} MB out" for x in s))
-        if same_model and "none" in runs:
-            added = ms_per_step(shaped["none"]) - ms_per_step(loopback["none"])
-            model = 1e3 * comm_seconds(loopback["none"], n, rate_bps)
-            if added > 0:
-                lines.append(f"[demo] none's link time per step, model / measured: {model:.0f} ms / {added:.0f} ms "
-                             f"(the exchange got {min(1.0, model / added):.2f} of the nominal rate)")
-    q = [loopback[r] for r in runs if loopback[r]["compression"] == "qsgd"]
+    if proj is not None:
+        lines.append("[demo] PROJECTED per step: " + "; ".join(
+            f"{run_label(r)}: {p['share']:g} x {1e3 * p['cpu_s']:.1f} ms CPU + {1e3 * p['comm_s']:.1f} ms link"
+            for r, p in proj.items()))
+    q = [run for run in runs if loopback[run]["compression"] == "qsgd"]
     if q:
-        r = q[-1]
+        r = loopback[q[-1]]
         raw = r["stats"]["raw_elements"] // r["steps"]
         lines.append(f"[demo] QSGD quantizes {', '.join(r['quantized'])} (tensors of >= {r['min_numel']:,} "
                      f"elements); the other {raw:,} gradient elements go as float32, and each quantized tensor "
                      f"adds a control vector ({r['control_bytes_per_step']:,} bytes per step, not counted above)")
+        if measured and not same_model:
+            lines.append(f"[demo] in the {rate_name} runs QSGD quantizes {', '.join(shaped[q[-1]]['quantized'])}")
     problems = [f"{label(r)} ({where})" for where, rs in (("loopback", loopback), ("shaped", shaped or {}))
                 for r in rs.values() if not r["params_identical"]]
     if not problems:
         lines.append(f"[demo] all runs ended with bit-identical parameters on all {n} ranks")
-    if base is not None and base["test_accuracy"] <= 0.95:
-        lines.append(f"[demo] warning: uncompressed accuracy {base['test_accuracy']:.4f} <= 0.95 (raise DEMO_EPOCHS)")
+    if "none" in loopback and loopback["none"]["test_accuracy"] <= 0.95:
+        lines.append(f"[demo] warning: uncompressed accuracy {loopback['none']['test_accuracy']:.4f} <= 0.95 "
+                     "(raise DEMO_EPOCHS)")
     return lines, problems
 
 
@@ -239,11 +333,17 @@ def main(argv=None):
     p.add_argument("--runs", default=",".join(RUNS))
     args = p.parse_args(argv)
     runs = [r for r in args.runs.split(",") if r]
+    unknown = [r for r in runs if r not in RUNS]
+    if unknown:
+        raise SystemExit(f"[demo] unknown runs {unknown}; known: {', '.join(RUNS)}")
     loopback = load_runs(args.loopback, runs)
     with open(os.path.join(args.shaped, "shaped.json")) as f:
         record = json.load(f)
     shaped = load_runs(args.shaped, runs) if record["kind"] == "measured" else None
-    lines, problems = render(loopback, record, shaped, args.np)
+    for r in list(loopback.values()) + list((shaped or {}).values()):
+        check_defaults(r)
+    hidden = hidden_of(shaped[runs[0]]) if shaped else record["hidden"]
+    lines, problems = render(loopback, record, shaped, args.np, time_parts(hidden, runs))
     print("\n".join(lines))
     if problems:
         print(f"[demo] error: parameters differ across ranks in: {', '.join(problems)}", file=sys.stderr)
