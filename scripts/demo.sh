@@ -1,25 +1,57 @@
 #!/usr/bin/env bash
-# The demo (`make demo`): data-parallel training of a small MLP on scikit-learn's digits under
-# horovodrun with the stock hvd.DistributedOptimizer, four times -- compression=hvd.Compression.none
-# (float32 allreduce), hvd.Compression.fp16, and hvd_qsgd.QSGD(8) and QSGD(4) -- then one table:
-# test accuracy, bytes one rank sends per step, ratio to float32, time.
+# The demo (`make demo`): data-parallel training of a small MLP on scikit-learn's digits with the
+# stock hvd.DistributedOptimizer, four times -- compression=hvd.Compression.none (float32
+# allreduce), hvd.Compression.fp16, and hvd_qsgd.QSGD(8) and QSGD(4) (the library's defaults) --
+# each under horovodrun on this machine's loopback, and right after it the same training over links
+# shaped to 1 Gbit/s between network namespaces (benchmarks/demo_shaped.py; where namespaces cannot
+# be made, the table shows the cost model's projection instead, labelled as one); then one table:
+# test accuracy, bytes one rank sends per step, ratio to float32, training time per step on
+# loopback and on the shaped links (benchmarks/demo_report.py).
 #
 # Usage: bash scripts/demo.sh [NP]        (NP ranks on this machine, default 4)
 # Environment:
-#   DEMO_EPOCHS      epochs per run (default 20)
-#   DEMO_CONTROLLER  gloo (default) or mpi
+#   DEMO_EPOCHS         epochs per loopback run (default 10)
+#   DEMO_CONTROLLER     gloo (default) or mpi, for the loopback runs
+#   DEMO_SHAPED         auto (default): shaped runs where network namespaces can be made (root,
+#                       ip, tc), else the projection; measure: shaped runs or fail; projection:
+#                       the projection only
+#   DEMO_RATE           the shaped links' rate, a tc rate (default 1gbit)
+#   DEMO_SHAPED_HIDDEN  the MLP's hidden width in the shaped runs (default 4096: 16.8M float32
+#                       gradient elements a step, so that the exchange is a real share of the step;
+#                       the loopback runs keep the example's 512, whose step is bound by per-operation
+#                       overheads rather than bytes on this machine)
+#   DEMO_SHAPED_STEPS   steps per shaped run (default 6; with 10 loopback epochs the whole demo
+#                       takes about 5 minutes on 2 shared cores, most of it the start-up of 8 jobs
+#                       of 4 ranks; the table compares time per step). DEMO_SHAPED_HIDDEN=512
+#                       DEMO_SHAPED_STEPS=110 repeats the loopback runs exactly.
+#   DEMO_RUNS           which runs, of none fp16 qsgd8 qsgd4 (default: all four)
+# The namespaces are deleted on every way out (the trap below, and the shaped runs' own handlers).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 NP="${1:-4}"
-EPOCHS="${DEMO_EPOCHS:-20}"
+EPOCHS="${DEMO_EPOCHS:-10}"
 CONTROLLER="${DEMO_CONTROLLER:-gloo}"
+SHAPED="${DEMO_SHAPED:-auto}"
+RATE="${DEMO_RATE:-1gbit}"
+SHAPED_HIDDEN="${DEMO_SHAPED_HIDDEN:-4096}"
+SHAPED_STEPS="${DEMO_SHAPED_STEPS:-6}"
+read -r -a RUNS <<<"$(echo "${DEMO_RUNS:-none fp16 qsgd8 qsgd4}" | tr ',' ' ')"
 
 die() { printf '[demo] error: %s\n' "$*" >&2; exit 1; }
 [[ "$NP" =~ ^[1-9][0-9]*$ ]] || die "NP must be a positive integer, got '$NP'"
 [[ "$EPOCHS" =~ ^[1-9][0-9]*$ ]] || die "DEMO_EPOCHS must be a positive integer, got '$EPOCHS'"
+[[ "$SHAPED_STEPS" =~ ^[1-9][0-9]*$ ]] || die "DEMO_SHAPED_STEPS must be a positive integer, got '$SHAPED_STEPS'"
+[[ "$SHAPED_HIDDEN" =~ ^[1-9][0-9]*$ ]] || die "DEMO_SHAPED_HIDDEN must be a positive integer, got '$SHAPED_HIDDEN'"
 [[ "$CONTROLLER" == gloo || "$CONTROLLER" == mpi ]] || die "DEMO_CONTROLLER must be gloo or mpi"
+[[ "$SHAPED" == auto || "$SHAPED" == measure || "$SHAPED" == projection ]] ||
+    die "DEMO_SHAPED must be auto, measure or projection, got '$SHAPED'"
+[ "${#RUNS[@]}" -gt 0 ] || die "DEMO_RUNS names no run"
+for r in "${RUNS[@]}"; do
+    [[ "$r" == none || "$r" == fp16 || "$r" == qsgd8 || "$r" == qsgd4 ]] ||
+        die "DEMO_RUNS: unknown run '$r' (none fp16 qsgd8 qsgd4)"
+done
 
 # Open MPI refuses to run as root without these; TensorFlow's start-up chatter is silenced.
 export OMPI_ALLOW_RUN_AS_ROOT=1
@@ -33,71 +65,81 @@ HVDRUN="$ROOT/.venv/bin/horovodrun"
 [ -x "$PY" ] && [ -x "$HVDRUN" ] || die "no .venv with horovodrun: run 'make setup' first"
 
 TMP="$(mktemp -d "${TMPDIR:-/tmp}/hvd_qsgd_demo.XXXXXX")"
-trap 'rm -rf "$TMP"' EXIT
+SHAPED_PID=""
+# On any way out: stop the shaped runs (SIGTERM: they kill their ranks and delete their
+# namespaces), then delete namespaces of this scheme whose creator is gone (one killed outright).
+cleanup() {
+    local status=$?
+    trap - EXIT INT TERM
+    if [ -n "$SHAPED_PID" ]; then
+        if kill -0 "$SHAPED_PID" 2>/dev/null; then
+            kill -TERM "$SHAPED_PID" 2>/dev/null || true
+            wait "$SHAPED_PID" 2>/dev/null || true
+        fi
+        "$PY" -m benchmarks.demo_shaped --remove-stale || true
+    fi
+    rm -rf "$TMP"
+    exit "$status"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
 
-# One training run. Rank output (stdout, with rank 0's progress bar) goes to the terminal;
+# One loopback run. Rank output (stdout, with rank 0's progress bar) goes to the terminal;
 # horovodrun's stderr goes to a log that is shown only if the run fails: it is mostly the
 # start-up noise of the framework probes horovodrun runs before launching.
+flags() {
+    case "$1" in
+        none) echo --compression none ;;
+        fp16) echo --compression fp16 ;;
+        qsgd8) echo --compression qsgd --bits 8 ;;
+        qsgd4) echo --compression qsgd --bits 4 ;;
+    esac
+}
 run() {
-    local tag="$1"; shift
-    local log="$TMP/$tag.log" t0 t1
-    printf '\n[demo] === %s: horovodrun -np %s --%s (%s epochs) ===\n' "$tag" "$NP" "$CONTROLLER" "$EPOCHS"
-    t0=$(date +%s.%N)
+    local tag="$1"
+    local log="$TMP/loopback/$tag.log"
+    printf '\n[demo] === %s: horovodrun -np %s --%s, loopback (%s epochs) ===\n' "$tag" "$NP" "$CONTROLLER" "$EPOCHS"
+    # shellcheck disable=SC2046
     if ! "$HVDRUN" -np "$NP" "--$CONTROLLER" -H "localhost:$NP" \
-            "$PY" examples/pytorch_digits.py --epochs "$EPOCHS" --json "$TMP/$tag.json" "$@" \
+            "$PY" examples/pytorch_digits.py --epochs "$EPOCHS" --json "$TMP/loopback/$tag.json" $(flags "$tag") \
             2>"$log"; then
         printf '[demo] error: the %s run failed; the end of its stderr:\n' "$tag" >&2
         grep -v -E '^(WARNING: All log messages before absl::InitializeLog|I0000 .*(port|cudart_stub)\.cc)' \
             "$log" | tail -n 40 >&2 || true
         exit 1
     fi
-    t1=$(date +%s.%N)
-    [ -s "$TMP/$tag.json" ] || die "the $tag run wrote no results ($TMP/$tag.json)"
-    echo "$t0 $t1" | awk '{printf "%.2f\n", $2 - $1}' >"$TMP/$tag.wall"
+    [ -s "$TMP/loopback/$tag.json" ] || die "the $tag run wrote no results ($TMP/loopback/$tag.json)"
+}
+
+# One run over the shaped links (benchmarks/demo_shaped.py), in the background so that a signal
+# reaches the trap at once (bash defers traps while a foreground command runs); it shows its ranks'
+# output only if one fails.
+shaped() {
+    local tag="$1" status=0
+    printf '\n[demo] === %s: %s ranks in network namespaces, links shaped to %s (hidden %s, %s steps) ===\n' \
+        "$tag" "$NP" "$RATE" "$SHAPED_HIDDEN" "$SHAPED_STEPS"
+    "$PY" -m benchmarks.demo_shaped --mode measure --np "$NP" --rate "$RATE" --out "$TMP/shaped" --runs "$tag" \
+        --epochs "$SHAPED_STEPS" --max-steps "$SHAPED_STEPS" --hidden "$SHAPED_HIDDEN" &
+    SHAPED_PID=$!
+    wait "$SHAPED_PID" || status=$?
+    [ "$status" -eq 0 ] || die "the $tag run over shaped links failed (exit status $status)"
 }
 
 START=$(date +%s)
-run none --compression none
-run fp16 --compression fp16
-run qsgd8 --compression qsgd --bits 8
-run qsgd4 --compression qsgd --bits 4
+mkdir -p "$TMP/loopback" "$TMP/shaped"
+# measure, or (no namespaces here, or DEMO_SHAPED=projection) projection: then shaped.json says why
+MODE="$(DEMO_SHAPED="$SHAPED" "$PY" -m benchmarks.demo_shaped --probe --np "$NP" --rate "$RATE" \
+    --out "$TMP/shaped" --hidden "$SHAPED_HIDDEN")"
+# Each shaped run right after its loopback run, so that both see the machine's load alike.
+for r in "${RUNS[@]}"; do
+    run "$r"
+    if [ "$MODE" = measure ]; then
+        shaped "$r"
+    fi
+done
 
-"$PY" - "$TMP" "$NP" <<'EOF'
-import json, sys
-tmp, np_ = sys.argv[1], sys.argv[2]
-rows = []
-for tag in ("none", "fp16", "qsgd8", "qsgd4"):
-    with open(f"{tmp}/{tag}.json") as f:
-        r = json.load(f)
-    with open(f"{tmp}/{tag}.wall") as f:
-        wall = float(f.read())
-    label = f"QSGD({r['bits']}), bucket {r['bucket_size']}" if r["compression"] == "qsgd" else tag
-    rows.append((label, r, wall))
-base = rows[0][1]["bytes_per_step"]
-head = ("compression", "test accuracy", "bytes sent per step", "ratio vs none", "time (s)", "run (s)")
-body = [(label, f"{r['test_accuracy']:.4f}", f"{r['bytes_per_step']:,}",
-         f"{r['bytes_per_step'] / base:.3f} ({base / r['bytes_per_step']:.1f}x less)" if label != "none"
-         else "1.000", f"{r['train_time_s']:.2f}", f"{wall:.1f}") for label, r, wall in rows]
-w = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
-line = lambda cells: "| " + " | ".join(c.ljust(w[i]) for i, c in enumerate(cells)) + " |"
-print()
-print(f"[demo] digits MLP, {np_} ranks, {rows[0][1]['epochs']} epochs, {rows[0][1]['steps']} steps; "
-      "bytes sent per step by one rank; time = training loop, run = whole horovodrun")
-print(line(head))
-print("|" + "|".join("-" * (x + 2) for x in w) + "|")
-for b in body:
-    print(line(b))
-q = rows[-1][1]
-raw = q["stats"]["raw_elements"] // q["steps"]
-print(f"[demo] QSGD quantizes {', '.join(q['quantized'])} (tensors of >= {q['min_numel']:,} elements); "
-      f"the other {raw:,} gradient elements go as float32, and each quantized tensor adds a control "
-      f"vector to Horovod's allreduce ({q['control_bytes_per_step']} bytes per step, not counted above)")
-bad = [label for label, r, _ in rows if not r["params_identical"]]
-if bad:
-    sys.exit(f"[demo] error: parameters differ across ranks in: {', '.join(bad)}")
-print(f"[demo] all runs ended with bit-identical parameters on all {np_} ranks")
-if rows[0][1]["test_accuracy"] <= 0.95:
-    print(f"[demo] warning: uncompressed accuracy {rows[0][1]['test_accuracy']:.4f} <= 0.95 "
-          "(raise DEMO_EPOCHS)")
-EOF
+echo
+"$PY" -m benchmarks.demo_report --np "$NP" --loopback "$TMP/loopback" --shaped "$TMP/shaped" \
+    --runs "$(IFS=,; echo "${RUNS[*]}")"
 printf '[demo] total %ss\n' "$(( $(date +%s) - START ))"
