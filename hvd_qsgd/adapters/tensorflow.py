@@ -64,6 +64,7 @@ decompress), its messages name that slot, and its payload seed, still
 occurrence input (``_occurrence_for``) with the seed attr 0. The names repeat from call to call,
 as Horovod's response cache expects.
 """
+import itertools
 import threading
 import weakref
 
@@ -130,6 +131,7 @@ class QSGD(Compressor):
         self._counters = None
         self._timing = None
         self._slowdown = report.SlowdownWatch(self.settings.link_bps())
+        self._eager_exchanges = itertools.count(1)
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._occurrences = {}
 
@@ -292,7 +294,9 @@ class QSGD(Compressor):
                 out, deps = self._allgather(ctx, alpha)
             with tf.control_dependencies(deps):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
-            if tf.executing_eagerly():  # in a graph the counters are tensors: summary() reports instead
+            # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
+            # costs a dozen variable reads, so every 64th exchange looks
+            if tf.executing_eagerly() and next(self._eager_exchanges) % 64 == 0:
                 self._slowdown.check(self.stats, repr(self))
             return result
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
