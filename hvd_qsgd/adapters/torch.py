@@ -181,7 +181,6 @@ class QSGD(Compressor):
         except Exception as e:  # reported through the control vector, raised on every rank
             ctx.fault = e
         self._start_presence(ctx)
-        self.driver.advance()
         tags = protocol.exchange_tags(len(ctx.set_ranks), self._creation_index, ctx.settings.tag(ctx.reduction),
                                       ctx.route.key)
         control = protocol.control_vector(ctx.world, hvd.rank(), ctx.set_rank, tags, failed=ctx.fault is not None)
