@@ -180,6 +180,10 @@ class QSGD(Compressor):
             self._stats.add(encode_s=time.perf_counter() - t0)
         except Exception as e:  # reported through the control vector, raised on every rank
             ctx.fault = e
+        # the driver is not advanced here: a payload collective started from compress on one rank,
+        # while another rank's presence allreduce had not completed, stalled Horovod's grouped
+        # allreduce of the control vectors (with its response cache on). From decompress and its
+        # waits, every rank has submitted its control vectors first.
         self._start_presence(ctx)
         tags = protocol.exchange_tags(len(ctx.set_ranks), self._creation_index, ctx.settings.tag(ctx.reduction),
                                       ctx.route.key)
