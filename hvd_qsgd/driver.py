@@ -12,8 +12,9 @@ has completed on this rank:
 Many exchanges are in flight at once (every gradient of a step), finishing in any order, and
 Horovod gives no callback. So:
 
-* every ``compress`` and ``decompress`` first ``advance``s: the next stage of every exchange whose
-  current collective has completed starts now;
+* ``decompress`` (``finish``) ``advance``s: the next stage of every exchange whose current
+  collective has completed starts now (the PyTorch adapter does not advance from ``compress``: see
+  its comment there);
 * waiting for a collective is a poll loop (``wait``) that keeps advancing the other exchanges, with
   a sleep that doubles from 20 us to 1 ms;
 * ``advance(block_on=ex)`` runs ex's next stage even if its collective is still running (the
