@@ -75,6 +75,8 @@ def parse_args(argv, description, threads_help, methods=("sgd",)):
     p.add_argument("--min-numel", type=int, default=10000,
                    help="QSGD leaves tensors with fewer elements uncompressed (default 10000)")
     p.add_argument("--error-feedback", action="store_true", help="QSGD with error feedback")
+    p.add_argument("--reduction", choices=("auto", "allgather", "scatter_allgather"), default=None,
+                   help="QSGD's reduction (default: the compressor's, auto)")
     if len(methods) > 1:
         p.add_argument("--budget-bits", type=float, default=3.0,
                        help="dqsgd: average bits per quantized coordinate (default 3.0)")
@@ -173,6 +175,8 @@ def make_compression(args, compression, **qsgd_kwargs):
         return compression.none
     if args.compression == "fp16":
         return compression.fp16
+    if getattr(args, "reduction", None) is not None and getattr(args, "method", "sgd") in ("sgd", "dqsgd"):
+        qsgd_kwargs["reduction"] = args.reduction
     if args.method == "dqsgd":
         return hvd_qsgd.DynamicQSGD(args.budget_bits, bucket_size=args.bucket_size, min_numel=args.min_numel,
                                     seed=args.seed, error_feedback=args.error_feedback, **qsgd_kwargs)

@@ -63,7 +63,9 @@ def check_runs(none, compressed, np_, epochs):
 
 
 def test_tensorflow2_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
-    common = ["--epochs", "10", "--seed", "42"]
+    # reduction="allgather": check_runs' byte identity is allgather's (at 4 ranks the default, auto,
+    # sends the 262,144-element gradient by scatter_allgather)
+    common = ["--epochs", "10", "--seed", "42", "--reduction", "allgather"]
     none = run(tmp_path, 4, TF2, "none", ["--compression", "none"] + common)
     q8 = run(tmp_path, 4, TF2, "qsgd8", ["--compression", "qsgd", "--bits", "8"] + common)
     q4 = run(tmp_path, 4, TF2, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
@@ -72,7 +74,9 @@ def test_tensorflow2_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
 
 
 def test_keras_qsgd4_reaches_the_uncompressed_accuracy(tmp_path):
-    common = ["--epochs", "10", "--seed", "42"]
+    # reduction="allgather": check_runs' byte identity is allgather's (at 4 ranks the default, auto,
+    # sends the 262,144-element gradient by scatter_allgather)
+    common = ["--epochs", "10", "--seed", "42", "--reduction", "allgather"]
     none = run(tmp_path, 4, KERAS, "none", ["--compression", "none"] + common)
     q4 = run(tmp_path, 4, KERAS, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
     check_runs(none, [q4], 4, 10)
