@@ -64,7 +64,6 @@ import os
 import re
 import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -446,21 +445,8 @@ def _netns_job(n, args, json_path, log_dir):
         deadline = time.monotonic() + args.timeout
         log_prefix = os.path.join(log_dir, f"calibrate_np{n}_{args.rate}")
         port = e2e_launch._start_rendezvous(topo, env, f"{log_prefix}_rendezvous.log")
-        workers, logs = [], []
-        for i, ns in enumerate(topo.ranks):
-            # the environment e2e_launch gives a Gloo rank in namespace i (a host of its own)
-            wenv = dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=topo.switch_address, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
-                        HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=netns.IFACE,
-                        HOROVOD_GLOO_TIMEOUT_SECONDS="120", HOROVOD_HOSTNAME=ns, HOROVOD_RANK=str(i),
-                        HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                        HOROVOD_CROSS_RANK=str(i), HOROVOD_CROSS_SIZE=str(n))
-            logs.append(f"{log_prefix}_rank{i}.log")
-            with open(logs[-1], "w") as out:
-                argv = [netns.IP, "netns", "exec", ns, sys.executable] + _worker_argv(args, json_path)
-                proc = subprocess.Popen(argv, env=wenv, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
-            e2e_launch._children.append(proc)
-            workers.append(proc)
+        workers, logs = e2e_launch.start_ranks(topo, env, port, log_prefix, _worker_argv(args, json_path),
+                                               cwd=REPO_ROOT)
         e2e_launch._wait_ranks(workers, logs, deadline, args.timeout)
     except (netns.NetnsError, e2e_launch.JobFailed) as e:
         raise RuntimeError(f"{n} ranks at {args.rate}: {e}") from None

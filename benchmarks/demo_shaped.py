@@ -31,7 +31,6 @@ import os
 import signal
 import sys
 import time
-from unittest import mock
 
 from benchmarks import e2e_launch, netns
 
@@ -94,12 +93,11 @@ def measure(args, runs, out):
             json_path = os.path.join(out, f"{run}.json")
             log_dir = os.path.join(log_root, run)
             os.makedirs(log_dir, exist_ok=True)
-            # run_job starts each rank as `python <_worker_argv(...)> --rate R`: here the example
-            # (through demo_rank, which takes the --rate off) instead of the e2e benchmark's worker.
+            # run_job starts each rank as `python <worker_argv> --rate R`: here the example (through
+            # demo_rank, which takes the --rate off) instead of the e2e benchmark's worker.
             argv = ["-m", "benchmarks.demo_rank"] + digits_flags(args, run, json_path)
             t0 = time.perf_counter()
-            with mock.patch.object(e2e_launch, "_worker_argv", lambda _args, _path: argv):
-                result = e2e_launch.run_job(topo, args.rate, args, json_path, log_dir)
+            result = e2e_launch.run_job(topo, args.rate, args, json_path, log_dir, worker_argv=argv)
             wall = time.perf_counter() - t0
             record["runs"][run] = dict(json=json_path, wall_s=wall)
             print(f"[demo] shaped {run}: {result['steps']} steps, training {result['train_time_s']:.2f} s "

@@ -88,21 +88,27 @@ def _start_rendezvous(topo, env, log_path):
     return int(line.split()[1])
 
 
-def _start_ranks(topo, rate, args, json_path, env, port, log_prefix):
-    """Start one worker per rank namespace; (their Popen objects, their log files)."""
+def rank_env(topo, env, port, i):
+    """The environment of the Gloo rank in namespace i: a host of its own (local size 1), its rendezvous
+    the server in the switch namespace, its interface the namespace's veth."""
     n = topo.n
+    return dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=topo.switch_address, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
+                HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=netns.IFACE,
+                HOROVOD_GLOO_TIMEOUT_SECONDS="120", HOROVOD_HOSTNAME=topo.ranks[i], HOROVOD_RANK=str(i),
+                HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
+                HOROVOD_CROSS_RANK=str(i), HOROVOD_CROSS_SIZE=str(n))
+
+
+def start_ranks(topo, env, port, log_prefix, worker_argv, cwd=None):
+    """Start ``python <worker_argv>`` in every rank namespace (``rank_env``), each killed with the job;
+    (their Popen objects, their log files)."""
     workers, logs = [], []
     for i, ns in enumerate(topo.ranks):
-        wenv = dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=topo.switch_address, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
-                    HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=netns.IFACE,
-                    HOROVOD_GLOO_TIMEOUT_SECONDS="120", HOROVOD_HOSTNAME=ns, HOROVOD_RANK=str(i),
-                    HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                    HOROVOD_CROSS_RANK=str(i), HOROVOD_CROSS_SIZE=str(n))
         log = f"{log_prefix}_rank{i}.log"
         logs.append(log)
         with open(log, "w") as out:
-            proc = subprocess.Popen([netns.IP, "netns", "exec", ns, sys.executable] + _worker_argv(args, json_path)
-                                    + ["--rate", rate], env=wenv, stdout=out, stderr=subprocess.STDOUT,
+            proc = subprocess.Popen([netns.IP, "netns", "exec", ns, sys.executable] + list(worker_argv),
+                                    env=rank_env(topo, env, port, i), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                     start_new_session=True)
         _children.append(proc)
         workers.append(proc)
@@ -129,15 +135,18 @@ def _wait_ranks(workers, logs, deadline, timeout):
         time.sleep(0.2)
 
 
-def run_job(topo, rate, args, json_path, log_dir):
-    """One job of topo.n ranks at ``rate`` (the links already shaped); rank 0's results, or JobFailed."""
+def run_job(topo, rate, args, json_path, log_dir, worker_argv=None):
+    """One job of topo.n ranks at ``rate`` (the links already shaped); rank 0's results, or JobFailed.
+    Each rank runs ``python <worker_argv>`` (default: this benchmark's worker), then ``--rate <rate>``."""
+    if worker_argv is None:
+        worker_argv = _worker_argv(args, json_path)
     deadline = time.monotonic() + args.timeout
     env = job_env()
     log_prefix = os.path.join(log_dir, f"np{topo.n}_{rate}")
     logs = []
     try:
         port = _start_rendezvous(topo, env, f"{log_prefix}_rendezvous.log")
-        workers, logs = _start_ranks(topo, rate, args, json_path, env, port, log_prefix)
+        workers, logs = start_ranks(topo, env, port, log_prefix, list(worker_argv) + ["--rate", rate])
         _wait_ranks(workers, logs, deadline, args.timeout)
     finally:
         kill_children()
