@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-quick demo bench clean
+.PHONY: setup test test-quick demo bench gpu-check clean
 
 setup:
 	bash scripts/setup.sh
@@ -24,6 +24,11 @@ demo: setup
 
 bench: setup
 	$(PY) -m benchmarks kernels
+
+# on a GPU machine (nvcc, compute-sanitizer, a CUDA build of torch): build, test, sanitize and time the
+# CUDA kernels; the summary and logs go to $$OUT (default gpu_check_out/)
+gpu-check:
+	bash scripts/gpu_check.sh
 
 clean:
 	rm -rf build *.egg-info hvd_qsgd/*.so hvd_qsgd/tensorflow/*.so hvd_qsgd/_build_target.json .pytest_cache

@@ -96,6 +96,9 @@ def add_arguments(p):
     p.add_argument("--no-checksum", action="store_true", help="encode without the payload checksum")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and of the quantizers")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
+    p.add_argument("--device", choices=("all", "cpu", "cuda"), default="all",
+                   help="time the CPU kernels, the CUDA kernels, or both (default %(default)s; 'cuda' fails "
+                        "where no CUDA device is usable)")
 
 
 # ---- measurement helpers --------------------------------------------------------------------------
@@ -360,16 +363,24 @@ def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s):
     ref = codec.encode(x_host, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum)
     if not np.array_equal(out.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
         raise RuntimeError(f"CUDA results differ from the CPU codec (n={n}, bits={bits})")
-    return dict(numel=n, bits=bits, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te, decode_s=td,
-                encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td),
-                ratio_ed_copy=gbps(n, te + td) / gbps(n, copy_s))
+    # effective bandwidth: the bytes a kernel must move (encode reads 4n and writes the payload,
+    # decode reads the payload and writes 4n; the copy reads and writes 4n) over its time
+    copy_bw = 8 * n / copy_s
+    enc_bw, dec_bw = (4 * n + cap) / te, (4 * n + cap) / td
+    return dict(numel=n, bits=bits, payload_bytes=cap, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te,
+                decode_s=td, encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td),
+                ratio_ed_copy=gbps(n, te + td) / gbps(n, copy_s), copy_eff_gbps=copy_bw / 1e9,
+                encode_eff_gbps=enc_bw / 1e9, decode_eff_gbps=dec_bw / 1e9,
+                encode_of_copy=enc_bw / copy_bw, decode_of_copy=dec_bw / copy_bw)
 
 
 def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
     torch = bl.torch
     print(f"\nCUDA: {torch.cuda.get_device_name()}; GB/s of fp32 input; decode = qsgd_decode_sum_cuda of "
-          "one payload (host header parse not timed); copy = torch .copy_ device to device")
-    cols = [("size", 6), ("bits", 4), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9)]
+          "one payload (host header parse not timed); copy = torch .copy_ device to device; enc%/dec% = "
+          "effective bandwidth (4n + payload bytes over the kernel's time) as a fraction of the copy's (8n)")
+    cols = [("size", 6), ("bits", 4), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
+            ("enc%", 6), ("dec%", 6)]
     print("  ".join(c.rjust(w) for c, w in cols))
     rows = []
     for n in sizes:
@@ -381,38 +392,22 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
             r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s)
             rows.append(r)
             gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
-            cells = [fmt_size(n), bits] + gb + [f"{r['ratio_ed_copy']:.2f}x"]
+            cells = [fmt_size(n), bits] + gb + [f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}",
+                                                f"{100 * r['decode_of_copy']:.0f}"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst
     return rows
 
 
-# ---- the subcommand ------------------------------------------------------------------------------
-def run(args):
-    if args.threads > 0:
-        codec.set_num_threads(args.threads)
-    checksum = not args.no_checksum
-    info = machine_info()
-    torch_text = (f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"]
-                  else "torch absent")
-    in_use = codec.cpu_isa()
-    isas = args.isa or [in_use]
-    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); codec threads "
-          f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; "
-          f"load average {info['load_avg_1min']:.2f}")
-    print(f"CPU kernels: variant in use {codec.cpu_isa()}; compiled: "
-          + ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in codec.cpu_isas().items())
-          + f"; timed: {', '.join(isas)}")
-    if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
-        print("warning: other processes are using the CPUs (load average above half the usable cores); "
-              "the timings below are shared with them")
+def run_cpu(args, isas, in_use, checksum):
+    """The CPU rows (printed as they come), or None when the self-check failed."""
     print(f"config: bucket {args.bucket_size}, norm max, fixed coding, "
           f"checksum {'on' if checksum else 'off'}; median of {args.repeats} after 1 warm-up; "
           f"baselines up to {fmt_size(args.baseline_max)} elements")
     fails = self_check(args.bits, args.bucket_size, checksum, args.seed)
     if fails:
         print("self-check FAILED:\n  " + "\n  ".join(fails))
-        return 1
+        return None
     print(f"self-check passed (hvd_qsgd, numpy{', torch' if bl.torch else ''}; bits {args.bits}: error <= "
           f"scale/s, unbiased over {_CHECK_TRIALS} seeds, scales and bit layout equal to the codec's)")
     print("\nGB/s of fp32 input (4 * numel bytes / s, 1 GB = 1e9 B); e+d = 4 * numel / (t_enc + t_dec)")
@@ -440,9 +435,39 @@ def run(args):
           "median of t(encode+decode with the checksum) / t(without) - 1, timed back to back per round; "
           f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
     _print_roofline(rows)
+    return rows
+
+
+# ---- the subcommand ------------------------------------------------------------------------------
+def run(args):
+    if args.threads > 0:
+        codec.set_num_threads(args.threads)
+    checksum = not args.no_checksum
+    info = machine_info()
+    torch_text = (f"torch {info['torch']} ({info['torch_threads']} threads)" if info["torch"]
+                  else "torch absent")
+    in_use = codec.cpu_isa()
+    isas = args.isa or [in_use]
+    print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); codec threads "
+          f"{info['codec_threads']}; numpy {info['numpy']}; {torch_text}; "
+          f"load average {info['load_avg_1min']:.2f}")
+    print(f"CPU kernels: variant in use {codec.cpu_isa()}; compiled: "
+          + ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in codec.cpu_isas().items())
+          + f"; timed: {', '.join(isas)}")
+    if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
+        print("warning: other processes are using the CPUs (load average above half the usable cores); "
+              "the timings below are shared with them")
+    rows = []
+    if args.device in ("all", "cpu"):
+        rows = run_cpu(args, isas, in_use, checksum)
+        if rows is None:
+            return 1
     status, cuda = 0, dict(measured=False, reason=cuda_unavailable_reason(), rows=[])
+    if args.device == "cpu":
+        cuda["reason"] = "--device cpu"
     if cuda["reason"] is not None:
         print(f"\nCUDA: not measured ({cuda['reason']})")
+        status = 1 if args.device == "cuda" else 0
     else:
         try:
             cuda.update(measured=True, rows=run_cuda(args.sizes, args.bits, args.bucket_size, args.repeats,

@@ -102,6 +102,9 @@ def emulated_lib(tmp_path_factory):
 def backend(request):
     if request.param == "gpu":
         if _native.load_cuda() is None or not torch.cuda.is_available():
+            if os.environ.get("HVD_QSGD_REQUIRE_GPU") == "1":  # make gpu-check: a skip would hide a broken build
+                pytest.fail("HVD_QSGD_REQUIRE_GPU=1 but the CUDA library or device is not usable: "
+                            f"built={_native.cuda_built()} torch.cuda={torch.cuda.is_available()}")
             pytest.skip("no CUDA device on this machine: CPU/CUDA byte identity on a GPU not checked here")
         return GpuBackend()
     return EmulatedBackend(request.getfixturevalue("emulated_lib"))

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# make gpu-check: the CUDA path on a real GPU, in one command. Needs nvcc, compute-sanitizer and a
+# CUDA build of torch (plus numpy and pytest); no Horovod, TensorFlow or network.
+#   1. builds the CPU and CUDA libraries for this GPU (in place),
+#   2. runs the CUDA tests against the device (a skipped GPU test fails the check),
+#   3. runs compute-sanitizer memcheck and racecheck over every kernel (scripts/gpu_sanitize.py),
+#   4. runs the kernel benchmark (python -m benchmarks kernels --device cuda),
+# and writes gpu_check.md (the summary), the logs and kernels.json under $OUT (default ./gpu_check_out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+PY=${PYTHON:-python3}
+SIZES=${GPU_CHECK_SIZES:-1M,16M,64M,256M}
+export PYTHONUNBUFFERED=1 HVD_QSGD_WITHOUT_TENSORFLOW=1
+summary="$OUT/gpu_check.md"
+fail=0
+
+step() {  # step NAME CMD...: run, log to $OUT/NAME.log, record ok/FAILED and the seconds it took
+  local name=$1; shift
+  local t0=$SECONDS
+  echo "== $name: $*"
+  if "$@" >"$OUT/$name.log" 2>&1; then
+    echo "| $name | ok | $((SECONDS - t0)) s |" >>"$summary"
+  else
+    echo "| $name | FAILED (rc $?) | $((SECONDS - t0)) s |" >>"$summary"
+    fail=1
+  fi
+  tail -n 25 "$OUT/$name.log"
+}
+
+arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')") || {
+  echo "gpu-check: torch sees no CUDA device"; exit 2; }
+{
+  echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"
+  echo
+  echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
+  echo "- nvcc: $(nvcc --version | tail -1); compute capability $arch"
+  echo "- torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo
+  echo "| step | result | time |"
+  echo "|---|---|---|"
+} >"$summary"
+
+step build env HVD_QSGD_WITH_CUDA=1 HVD_QSGD_CUDA_ARCHS="$arch" $PY setup.py -q build_ext --inplace
+step tests env HVD_QSGD_REQUIRE_GPU=1 $PY -m pytest -q -rs -p no:cacheprovider -k "not emulated" tests/test_cuda.py
+for tool in memcheck racecheck; do
+  step "sanitize_$tool" timeout "${GPU_CHECK_SANITIZE_S:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \
+    $PY scripts/gpu_sanitize.py
+done
+step bench $PY -m benchmarks kernels --device cuda --sizes "$SIZES" --bits 2,4,8 --json "$OUT/kernels.json"
+{
+  echo
+  echo '## kernel benchmark'
+  echo '```'
+  sed -n '/^CUDA:/,$p' "$OUT/bench.log"
+  echo '```'
+} >>"$summary"
+cat "$summary"
+exit $fail
