@@ -24,6 +24,7 @@
 namespace {
 
 constexpr int kThreads = 256;
+constexpr uint64_t kMaxBlocks = 1u << 20; /* grid-stride kernels: enough blocks to fill any GPU */
 
 __host__ __device__ __forceinline__ uint64_t umin64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ uint64_t umax64(uint64_t a, uint64_t b) { return a > b ? a : b; }
@@ -40,28 +41,48 @@ __global__ void header_kernel(uint8_t* out, qsgd_config cfg, uint64_t numel, uin
   qsgd_write_header(out, &cfg, numel, len, 0);
 }
 
-/* One warp per bucket. */
+/* The scale of bucket [lo, hi), computed by the 32 lanes of one warp (lane j reads elements lo + j,
+ * lo + j + 32, ... in order; the sums fold lane j += lane j ^ off, off = 16, 8, 4, 2, 1, which is the
+ * fold of qsgd_math.h on lane 0 and, the additions being commutative, the same value on every lane).
+ * Every lane returns the scale. The whole warp must call it. */
+__device__ __forceinline__ float warp_bucket_scale(const float* __restrict__ x, uint64_t lo, uint64_t hi, int norm,
+                                                   int lane) {
+  uint32_t m = 0;
+  for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
+  double acc = 0.0;
+  for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(x[i], norm);
+  for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  return norm == QSGD_NORM_SIGN ? qsgd_scale_from_l1(acc, hi - lo, m) : qsgd_scale_from_sumsq(acc, m);
+}
+
+/* One warp per bucket (the general path: any bucket size). */
 __global__ void scales_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, int norm,
                               uint64_t nb, float* __restrict__ scales) {
   const uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (b >= nb) return; /* whole warps exit together: b is uniform in a warp */
-  const uint64_t lo = b * B, hi = umin64(numel, lo + B);
-  float scale;
-  uint32_t m = 0;
-  for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
-  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
-  if (norm == QSGD_NORM_MAX) {
-    scale = qsgd_scale_from_absmax_bits(m);
-  } else {
-    /* lane j sums the terms (x^2, or |x| for the sign norm) of elements j, j+32, ... in order */
-    double acc = 0.0;
-    for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(x[i], norm);
-    /* lane j += lane j + off, off = 16, 8, 4, 2, 1: the fold of qsgd_math.h */
-    for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-    scale = norm == QSGD_NORM_SIGN ? qsgd_scale_from_l1(acc, hi - lo, m) : qsgd_scale_from_sumsq(acc, m);
-  }
+  const uint64_t lo = b * B;
+  const float scale = warp_bucket_scale(x, lo, umin64(numel, lo + B), norm, lane);
   if (lane == 0) scales[b] = scale;
+}
+
+/* i / B: a 32-bit division where i fits (the 64-bit one is several times dearer on the GPU). */
+__device__ __forceinline__ uint64_t div_bucket(uint64_t i, uint32_t B) {
+  return i <= 0xFFFFFFFFull ? (uint64_t)((uint32_t)i / B) : i / B;
+}
+
+/* x[i0 .. i0 + n) into v; two 16-byte loads when the group is whole and x is 16-byte aligned
+ * (i0 is a multiple of 8, so x + i0 is then 32-byte aligned too). */
+__device__ __forceinline__ void load8(const float* __restrict__ x, uint64_t i0, int n, bool vec, float* v) {
+  if (vec && n == 8) {
+    const float4 a = reinterpret_cast<const float4*>(x + i0)[0];
+    const float4 b = reinterpret_cast<const float4*>(x + i0)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+  } else {
+    for (int j = 0; j < n; ++j) v[j] = x[i0 + j];
+  }
 }
 
 template <int BITS>
@@ -86,8 +107,56 @@ __device__ __forceinline__ uint64_t load_group(const uint8_t* src) {
   return qsgd_load_le(src, BITS);
 }
 
-/* One thread per group of 8 elements. data is 4-byte aligned (56 + 4 * nb bytes from a 4-byte
- * aligned payload), so the group stores of 1, 2, 4 and 8 bits are aligned. */
+/* The codes of the group at i0 (n elements, all in one bucket of scale `scale`) packed little-endian. */
+template <int BITS>
+__device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint64_t i0, float scale, uint64_t seed,
+                                                   int norm) {
+  uint64_t codes = 0;
+  if (!qsgd_scale_quantizes(scale)) return 0;
+  const float s = (float)qsgd_levels_of(BITS);
+  const uint64_t key = qsgd_page_key(seed, i0); /* a group never crosses a 2^32 page */
+  for (int j = 0; j < n; ++j) {
+    const uint32_t code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(v[j])
+                                                 : qsgd_quantize(v[j], scale, s, qsgd_u24(key, (uint32_t)(i0 + j)), BITS);
+    codes |= (uint64_t)code << (j * BITS);
+  }
+  return codes;
+}
+
+/* The group's codes into the packed stream: data + (i0 / 8) * BITS holds exactly its BITS bytes. */
+template <int BITS>
+__device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t i0, int n, uint64_t codes) {
+  uint8_t* dst = data + (i0 / 8) * BITS;
+  if (n == 8) store_group<BITS>(dst, codes);
+  else qsgd_store_le(dst, codes, (n * BITS + 7) / 8);
+}
+
+/* The fast path, for bucket sizes that are multiples of 8 (every group lies in one bucket): one warp
+ * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
+ * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. Grid-stride over
+ * the buckets; warps stay whole, as warp_bucket_scale needs. */
+template <int BITS>
+__global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
+                                      int norm, uint64_t nb, float* __restrict__ scales,
+                                      uint8_t* __restrict__ data, bool vec) {
+  const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+  const int lane = threadIdx.x & 31;
+  for (uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < nb; b += warps) {
+    const uint64_t lo = b * B, hi = umin64(numel, lo + B);
+    const float scale = warp_bucket_scale(x, lo, hi, norm, lane);
+    if (lane == 0) scales[b] = scale;
+    for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
+      const int n = (int)umin64(8, hi - i0);
+      float v[8];
+      load8(x, i0, n, vec, v);
+      store_codes<BITS>(data, i0, n, quantize_group<BITS>(v, n, i0, scale, seed, norm));
+    }
+  }
+}
+
+/* The general path: one thread per group of 8 elements, after scales_kernel. A group may span
+ * buckets when the bucket size is not a multiple of 8. data is 4-byte aligned (56 + 4 * nb bytes from
+ * a 4-byte aligned payload), so the group stores of 1, 2, 4 and 8 bits are aligned. */
 template <int BITS>
 __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed, int norm,
                             const float* __restrict__ scales, uint8_t* __restrict__ data) {
@@ -97,19 +166,20 @@ __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_
   const uint64_t key = qsgd_page_key(seed, i0); /* a group never crosses a 2^32 page */
   const float s = (float)qsgd_levels_of(BITS);
   const int n = (int)umin64(8, numel - i0);
+  uint64_t b = div_bucket(i0, B);
+  uint32_t r = (uint32_t)(i0 - b * B); /* position of element i0 + j in its bucket */
+  float scale = scales[b];
   uint64_t v = 0;
-  for (int j = 0; j < n; ++j) {
+  for (int j = 0; j < n; ++j, ++r) {
+    if (r == B) scale = scales[++b], r = 0;
     const uint64_t i = i0 + j;
-    const float scale = scales[i / B];
     uint32_t code = 0u;
     if (qsgd_scale_quantizes(scale))
       code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(x[i])
                                     : qsgd_quantize(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS);
     v |= (uint64_t)code << (j * BITS);
   }
-  uint8_t* dst = data + g * BITS;
-  if (n == 8) store_group<BITS>(dst, v);
-  else qsgd_store_le(dst, v, (n * BITS + 7) / 8);
+  store_codes<BITS>(data, i0, n, v);
 }
 
 /* sum of the checksum terms of payload p (blockIdx.y) into sums[p] */
@@ -158,10 +228,12 @@ __global__ void verify_final_kernel(const PayloadJob* __restrict__ jobs, int cou
   if (used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
 }
 
+/* One thread per group of 8 output elements; the payloads are added in order p = 0, 1, ... The
+ * bucket of element i0 is found with one division per group, the step scale / s once per bucket. */
 template <int BITS>
 __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count, uint64_t numel,
                                   uint32_t B, float alpha, float* __restrict__ out, int accumulate,
-                                  const int32_t* __restrict__ status) {
+                                  const int32_t* __restrict__ status, bool vec) {
   if (*status != QSGD_OK) return;
   const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t i0 = 8 * g;
@@ -170,6 +242,8 @@ __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count
   const uint64_t nb = qsgd_num_buckets(numel, B);
   const float s = (float)qsgd_levels_of(BITS);
   const uint32_t mask = (1u << BITS) - 1u;
+  const uint64_t b0 = div_bucket(i0, B);
+  const uint32_t r0 = (uint32_t)(i0 - b0 * B);
   float acc[8];
   for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
   for (int p = 0; p < count; ++p) {
@@ -177,10 +251,26 @@ __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count
     const uint8_t* src = scales + 4 * nb + g * BITS;
     const uint64_t v = n == 8 ? load_group<BITS>(src) : qsgd_load_le(src, (n * BITS + 7) / 8);
     const float* fscales = reinterpret_cast<const float*>(scales);
-    for (int j = 0; j < n; ++j) {
-      const float step = qsgd_step_of(fscales[(i0 + j) / B], s);
+    uint64_t b = b0;
+    uint32_t r = r0;
+    float step = qsgd_step_of(fscales[b], s);
+    for (int j = 0; j < n; ++j, ++r) {
+      if (r == B) step = qsgd_step_of(fscales[++b], s), r = 0;
       acc[j] += qsgd_dequantize((uint32_t)(v >> (j * BITS)) & mask, step, BITS);
     }
+  }
+  if (vec && n == 8) {
+    float4* o = reinterpret_cast<float4*>(out + i0);
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f), c = a;
+    if (accumulate) a = o[0], c = o[1];
+    if (accumulate) {
+      o[0] = make_float4(a.x + alpha * acc[0], a.y + alpha * acc[1], a.z + alpha * acc[2], a.w + alpha * acc[3]);
+      o[1] = make_float4(c.x + alpha * acc[4], c.y + alpha * acc[5], c.z + alpha * acc[6], c.w + alpha * acc[7]);
+    } else {
+      o[0] = make_float4(alpha * acc[0], alpha * acc[1], alpha * acc[2], alpha * acc[3]);
+      o[1] = make_float4(alpha * acc[4], alpha * acc[5], alpha * acc[6], alpha * acc[7]);
+    }
+    return;
   }
   for (int j = 0; j < n; ++j)
     out[i0 + j] = accumulate ? out[i0 + j] + alpha * acc[j] : alpha * acc[j];
@@ -219,12 +309,20 @@ void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int 
 }
 
 template <int BITS>
+void launch_encode_buckets(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
+                           float* scales, uint8_t* data, bool vec, cudaStream_t st) {
+  if (nb)
+    QSGD_LAUNCH(encode_buckets_kernel<BITS>, (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks), kThreads, st)(
+        x, numel, B, seed, norm, nb, scales, data, vec);
+}
+
+template <int BITS>
 void launch_decode(const PayloadJob* jobs, int count, uint64_t numel, uint32_t B, float alpha,
-                   float* out, int accumulate, const int32_t* status, cudaStream_t st) {
+                   float* out, int accumulate, const int32_t* status, bool vec, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
   if (groups)
     QSGD_LAUNCH(decode_sum_kernel<BITS>, blocks_for(groups), kThreads, st)(jobs, count, numel, B, alpha, out,
-                                                                      accumulate, status);
+                                                                      accumulate, status, vec);
 }
 
 #define QSGD_BITS_DISPATCH(bits, fn, ...)   \
@@ -269,8 +367,14 @@ extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_c
   float* scales = reinterpret_cast<float*>(out + QSGD_HEADER_BYTES);
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
   QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len);
-  if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
-  QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
+  if (cfg->bucket_size % 8 == 0) {
+    const bool vec = ((uintptr_t)x & 15) == 0;
+    QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb,
+                       scales, data, vec, s);
+  } else {
+    if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
+    QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
+  }
   if (cfg->flags & QSGD_FLAG_CHECKSUM) {
     unsigned long long* sum = nullptr;
     QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&sum), sizeof(*sum), s));
@@ -318,8 +422,9 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
   QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(d_jobs, d_sums, d_status);
   QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(d_jobs, count, n, h0.bits, d_sums, d_status);
+  const bool vec = ((uintptr_t)out & 15) == 0;
   QSGD_BITS_DISPATCH(h0.bits, launch_decode, d_jobs, count, n, h0.bucket_size, alpha, out, accumulate,
-                     d_status, s);
+                     d_status, vec, s);
   QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
   QSGD_CUDA_TRY(cudaGetLastError());
   return QSGD_OK;

@@ -100,6 +100,11 @@ inline T __shfl_xor_sync(unsigned, T v, int off) {
   return out;
 }
 
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+
 inline unsigned __float_as_uint(float f) {
   unsigned u;
   memcpy(&u, &f, 4);
