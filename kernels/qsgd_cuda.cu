@@ -107,17 +107,52 @@ __device__ __forceinline__ uint64_t load_group(const uint8_t* src) {
   return qsgd_load_le(src, BITS);
 }
 
+/* Integer <-> float conversions run at a quarter of the FP32 rate on the GPU; the quantizer's three
+ * (floor(t), (float)floor(t), (float)u24) and the decoder's one are done here with full-rate
+ * additions on the bit patterns instead. Each is exact, so the results are those of qsgd_math.h (the
+ * emulated build runs these same functions against the CPU library). */
+__host__ __device__ __forceinline__ float float_of_u24(uint32_t u) { /* exact for u < 2^24 */
+  float f = qsgd_u2f(0x4B000000u | (u & 0x7FFFFFu)) - 8388608.0f; /* 2^23 + low 23 bits, minus 2^23 */
+  return (u >> 23) ? f + 8388608.0f : f;                          /* + 2^23: exact below 2^24 */
+}
+__host__ __device__ __forceinline__ float float_of_level(uint32_t l) { /* exact for l < 2^23 */
+  return qsgd_u2f(0x4B000000u | l) - 8388608.0f;
+}
+
+/* qsgd_quantize (b >= 2) with the conversions above: t is in [0, s], s <= 127, so t + 2^23 rounded
+ * to nearest is 2^23 + floor(t) or one more, and its low mantissa bits are that integer. */
+__host__ __device__ __forceinline__ uint32_t quantize_dev(float x, float scale, float s, uint32_t u24, int bits) {
+  if (bits == 1) return qsgd_quantize(x, scale, s, u24, bits);
+  float t = (x < 0.0f ? -x : x) / scale * s;
+  t = t < s ? t : s;
+  const float big = t + 8388608.0f;
+  float fl = big - 8388608.0f;
+  uint32_t l = qsgd_f2u(big) - 0x4B000000u;
+  if (fl > t) fl -= 1.0f, l -= 1u;
+  const float frac = t - fl;
+  l += float_of_u24(u24) < frac * 16777216.0f ? 1u : 0u;
+  const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
+  return (neg << (bits - 1)) | l;
+}
+
+__host__ __device__ __forceinline__ float dequantize_dev(uint32_t code, float step, int bits) {
+  const uint32_t sign_bit = 1u << (bits - 1);
+  const uint32_t level = bits == 1 ? 1u : (code & (sign_bit - 1u));
+  const float v = float_of_level(level) * step;
+  return (code & sign_bit) ? -v : v;
+}
+
 /* The codes of the group at i0 (n elements, all in one bucket of scale `scale`) packed little-endian. */
 template <int BITS>
 __device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint64_t i0, float scale, uint64_t seed,
-                                                   int norm) {
+                                                   uint64_t key0, int norm) {
   uint64_t codes = 0;
   if (!qsgd_scale_quantizes(scale)) return 0;
   const float s = (float)qsgd_levels_of(BITS);
-  const uint64_t key = qsgd_page_key(seed, i0); /* a group never crosses a 2^32 page */
+  const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
   for (int j = 0; j < n; ++j) {
     const uint32_t code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(v[j])
-                                                 : qsgd_quantize(v[j], scale, s, qsgd_u24(key, (uint32_t)(i0 + j)), BITS);
+                                                 : quantize_dev(v[j], scale, s, qsgd_u24(key, (uint32_t)(i0 + j)), BITS);
     codes |= (uint64_t)code << (j * BITS);
   }
   return codes;
@@ -141,6 +176,7 @@ __global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t nume
                                       uint8_t* __restrict__ data, bool vec) {
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
+  const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
   for (uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < nb; b += warps) {
     const uint64_t lo = b * B, hi = umin64(numel, lo + B);
     const float scale = warp_bucket_scale(x, lo, hi, norm, lane);
@@ -149,7 +185,7 @@ __global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t nume
       const int n = (int)umin64(8, hi - i0);
       float v[8];
       load8(x, i0, n, vec, v);
-      store_codes<BITS>(data, i0, n, quantize_group<BITS>(v, n, i0, scale, seed, norm));
+      store_codes<BITS>(data, i0, n, quantize_group<BITS>(v, n, i0, scale, seed, key0, norm));
     }
   }
 }
@@ -176,7 +212,7 @@ __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_
     uint32_t code = 0u;
     if (qsgd_scale_quantizes(scale))
       code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(x[i])
-                                    : qsgd_quantize(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS);
+                                    : quantize_dev(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS);
     v |= (uint64_t)code << (j * BITS);
   }
   store_codes<BITS>(data, i0, n, v);
@@ -256,7 +292,7 @@ __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count
     float step = qsgd_step_of(fscales[b], s);
     for (int j = 0; j < n; ++j, ++r) {
       if (r == B) step = qsgd_step_of(fscales[++b], s), r = 0;
-      acc[j] += qsgd_dequantize((uint32_t)(v >> (j * BITS)) & mask, step, BITS);
+      acc[j] += dequantize_dev((uint32_t)(v >> (j * BITS)) & mask, step, BITS);
     }
   }
   if (vec && n == 8) {

@@ -36,7 +36,7 @@ arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'
   echo
   echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null | head -1)"
   echo "- nvcc: $(nvcc --version | tail -1); compute capability $arch"
-  echo "- torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); commit $(git rev-parse --short HEAD 2>/dev/null || echo '?')"
+  echo "- torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); kernels/qsgd_cuda.cu sha1 $(sha1sum kernels/qsgd_cuda.cu | cut -c1-12)"
   echo
   echo "| step | result | time |"
   echo "|---|---|---|"

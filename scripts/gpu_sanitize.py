@@ -30,7 +30,7 @@ def main():
                             out = torch.full((n,), 2.0, device="cuda")
                             cuda.decode_sum(ps, scale=0.5, out=out, accumulate=True)
                             want = np.float32(2.0) + codec.decode_sum([p.cpu().numpy() for p in ps], scale=0.5)
-                            if not np.array_equal(out.cpu().numpy(), want):
+                            if not np.array_equal(out.cpu().numpy(), want, equal_nan=True):
                                 sys.exit(f"decode_sum differs: n={n} {kw}")
                         cases += 1
     # a corrupt payload: the error path of the verify kernels
