@@ -11,6 +11,7 @@
  */
 #include <cuda_runtime.h>
 
+#include <type_traits>
 #include <vector>
 
 #include "qsgd.h"
@@ -107,53 +108,46 @@ __device__ __forceinline__ uint64_t load_group(const uint8_t* src) {
   return qsgd_load_le(src, BITS);
 }
 
-/* Integer <-> float conversions run at a quarter of the FP32 rate on the GPU; the quantizer's three
- * (floor(t), (float)floor(t), (float)u24) and the decoder's one are done here with full-rate
- * additions on the bit patterns instead. Each is exact, so the results are those of qsgd_math.h (the
- * emulated build runs these same functions against the CPU library). */
-__host__ __device__ __forceinline__ float float_of_u24(uint32_t u) { /* exact for u < 2^24 */
-  float f = qsgd_u2f(0x4B000000u | (u & 0x7FFFFFu)) - 8388608.0f; /* 2^23 + low 23 bits, minus 2^23 */
-  return (u >> 23) ? f + 8388608.0f : f;                          /* + 2^23: exact below 2^24 */
-}
-__host__ __device__ __forceinline__ float float_of_level(uint32_t l) { /* exact for l < 2^23 */
-  return qsgd_u2f(0x4B000000u | l) - 8388608.0f;
-}
-
-/* qsgd_quantize (b >= 2) with the conversions above: t is in [0, s], s <= 127, so t + 2^23 rounded
- * to nearest is 2^23 + floor(t) or one more, and its low mantissa bits are that integer. */
+/* The quantizer of qsgd_math.h (b >= 2), written for the fewest GPU instructions: |x| as fabsf (a
+ * free operand modifier) where the shared code compares and negates. The codes are the same: the two
+ * differ only for x = -0, where t is a zero either way, frac * 2^24 is a zero that no u24 is below,
+ * and x < 0 is false. (The emulated build runs this function against the CPU library.) */
 __host__ __device__ __forceinline__ uint32_t quantize_dev(float x, float scale, float s, uint32_t u24, int bits) {
   if (bits == 1) return qsgd_quantize(x, scale, s, u24, bits);
-  float t = (x < 0.0f ? -x : x) / scale * s;
+  float t = fabsf(x) / scale * s;
   t = t < s ? t : s;
-  const float big = t + 8388608.0f;
-  float fl = big - 8388608.0f;
-  uint32_t l = qsgd_f2u(big) - 0x4B000000u;
-  if (fl > t) fl -= 1.0f, l -= 1u;
-  const float frac = t - fl;
-  l += float_of_u24(u24) < frac * 16777216.0f ? 1u : 0u;
-  const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
-  return (neg << (bits - 1)) | l;
+  uint32_t l = (uint32_t)t; /* t in [0, s]: truncation is floor */
+  const float frac = t - (float)l;
+  l += (float)u24 < frac * 16777216.0f ? 1u : 0u;
+  return (x < 0.0f && l != 0u) ? l | (1u << (bits - 1)) : l;
 }
 
-__host__ __device__ __forceinline__ float dequantize_dev(uint32_t code, float step, int bits) {
-  const uint32_t sign_bit = 1u << (bits - 1);
-  const uint32_t level = bits == 1 ? 1u : (code & (sign_bit - 1u));
-  const float v = float_of_level(level) * step;
-  return (code & sign_bit) ? -v : v;
-}
-
-/* The codes of the group at i0 (n elements, all in one bucket of scale `scale`) packed little-endian. */
+/* qsgd_dequantize: the negation as a flip of the sign bit (which is what -v is). */
 template <int BITS>
-__device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint64_t i0, float scale, uint64_t seed,
-                                                   uint64_t key0, int norm) {
-  uint64_t codes = 0;
-  if (!qsgd_scale_quantizes(scale)) return 0;
+__host__ __device__ __forceinline__ float dequantize_dev(uint32_t code, float step) {
+  if (BITS == 1) return code ? -step : step; /* level 1: 1 * step == step */
+  const float v = (float)(code & ((1u << (BITS - 1)) - 1u)) * step;
+  return qsgd_u2f(qsgd_f2u(v) ^ ((code >> (BITS - 1)) << 31));
+}
+
+/* The codes of a group of n elements starting at element index i0 (low 32 bits i_lo), all in one
+ * bucket whose scale quantizes, packed little-endian. A whole group is unrolled. */
+template <int BITS, bool SIGN>
+__device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint32_t i_lo, float scale, uint64_t key) {
   const float s = (float)qsgd_levels_of(BITS);
-  const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
-  for (int j = 0; j < n; ++j) {
-    const uint32_t code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(v[j])
-                                                 : quantize_dev(v[j], scale, s, qsgd_u24(key, (uint32_t)(i0 + j)), BITS);
-    codes |= (uint64_t)code << (j * BITS);
+  typedef typename std::conditional<(BITS <= 4), uint32_t, uint64_t>::type Codes;
+  Codes codes = 0;
+  if (n == 8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const uint32_t c = SIGN ? qsgd_sign_code(v[j]) : quantize_dev(v[j], scale, s, qsgd_u24(key, i_lo + j), BITS);
+      codes |= (Codes)c << (j * BITS);
+    }
+  } else {
+    for (int j = 0; j < n; ++j) {
+      const uint32_t c = SIGN ? qsgd_sign_code(v[j]) : quantize_dev(v[j], scale, s, qsgd_u24(key, i_lo + j), BITS);
+      codes |= (Codes)c << (j * BITS);
+    }
   }
   return codes;
 }
@@ -168,9 +162,11 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
 
 /* The fast path, for bucket sizes that are multiples of 8 (every group lies in one bucket): one warp
  * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
- * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. Grid-stride over
- * the buckets; warps stay whole, as warp_bucket_scale needs. */
-template <int BITS>
+ * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. The max norm reads
+ * the bucket in the groups' 16-byte loads (a maximum is the same in any order); the L2 and sign
+ * norms keep the lane order of warp_bucket_scale. Grid-stride over the buckets; warps stay whole,
+ * as the shuffles need. */
+template <int BITS, bool SIGN>
 __global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
                                       int norm, uint64_t nb, float* __restrict__ scales,
                                       uint8_t* __restrict__ data, bool vec) {
@@ -179,13 +175,32 @@ __global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t nume
   const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
   for (uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < nb; b += warps) {
     const uint64_t lo = b * B, hi = umin64(numel, lo + B);
-    const float scale = warp_bucket_scale(x, lo, hi, norm, lane);
+    float scale;
+    if (norm == QSGD_NORM_MAX && vec) {
+      uint32_t m = 0;
+      for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
+        const int n = (int)umin64(8, hi - i0);
+        float v[8];
+        load8(x, i0, n, vec, v);
+        for (int j = 0; j < n; ++j) m = max(m, __float_as_uint(v[j]) & 0x7FFFFFFFu);
+      }
+      for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+      scale = qsgd_scale_from_absmax_bits(m);
+    } else {
+      scale = warp_bucket_scale(x, lo, hi, norm, lane);
+    }
     if (lane == 0) scales[b] = scale;
+    const bool q = qsgd_scale_quantizes(scale); /* else all-zero codes */
     for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
       const int n = (int)umin64(8, hi - i0);
-      float v[8];
-      load8(x, i0, n, vec, v);
-      store_codes<BITS>(data, i0, n, quantize_group<BITS>(v, n, i0, scale, seed, key0, norm));
+      uint64_t codes = 0;
+      if (q) {
+        float v[8];
+        load8(x, i0, n, vec, v);
+        const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
+        codes = quantize_group<BITS, SIGN>(v, n, (uint32_t)i0, scale, key);
+      }
+      store_codes<BITS>(data, i0, n, codes);
     }
   }
 }
@@ -270,6 +285,7 @@ template <int BITS>
 __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count, uint64_t numel,
                                   uint32_t B, float alpha, float* __restrict__ out, int accumulate,
                                   const int32_t* __restrict__ status, bool vec) {
+  const bool aligned = B % 8 == 0; /* every group in one bucket */
   if (*status != QSGD_OK) return;
   const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t i0 = 8 * g;
@@ -287,12 +303,18 @@ __global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count
     const uint8_t* src = scales + 4 * nb + g * BITS;
     const uint64_t v = n == 8 ? load_group<BITS>(src) : qsgd_load_le(src, (n * BITS + 7) / 8);
     const float* fscales = reinterpret_cast<const float*>(scales);
+    if (n == 8 && aligned) { /* the whole group in bucket b0 */
+      const float step = qsgd_step_of(fscales[b0], s);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) acc[j] += dequantize_dev<BITS>((uint32_t)(v >> (j * BITS)) & mask, step);
+      continue;
+    }
     uint64_t b = b0;
     uint32_t r = r0;
     float step = qsgd_step_of(fscales[b], s);
     for (int j = 0; j < n; ++j, ++r) {
       if (r == B) step = qsgd_step_of(fscales[++b], s), r = 0;
-      acc[j] += dequantize_dev((uint32_t)(v >> (j * BITS)) & mask, step, BITS);
+      acc[j] += dequantize_dev<BITS>((uint32_t)(v >> (j * BITS)) & mask, step);
     }
   }
   if (vec && n == 8) {
@@ -347,9 +369,12 @@ void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int 
 template <int BITS>
 void launch_encode_buckets(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
                            float* scales, uint8_t* data, bool vec, cudaStream_t st) {
-  if (nb)
-    QSGD_LAUNCH(encode_buckets_kernel<BITS>, (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks), kThreads, st)(
-        x, numel, B, seed, norm, nb, scales, data, vec);
+  if (!nb) return;
+  const unsigned blocks = (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks);
+  if (BITS == 1 && norm == QSGD_NORM_SIGN)
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, true>), blocks, kThreads, st)(x, numel, B, seed, norm, nb, scales, data, vec);
+  else
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, false>), blocks, kThreads, st)(x, numel, B, seed, norm, nb, scales, data, vec);
 }
 
 template <int BITS>
