@@ -25,6 +25,11 @@
 namespace {
 
 constexpr int kThreads = 256;
+/* Blocks per SM the encoder's register budget is set for: 6 blocks of 256 threads (40 registers a
+ * thread) issue more than 4 (the 52 registers it takes unconstrained); see docs/gpu.md. */
+#ifndef QSGD_ENCODE_MIN_BLOCKS
+#define QSGD_ENCODE_MIN_BLOCKS 6
+#endif
 constexpr uint64_t kMaxBlocks = 1u << 20; /* grid-stride kernels: enough blocks to fill any GPU */
 
 __host__ __device__ __forceinline__ uint64_t umin64(uint64_t a, uint64_t b) { return a < b ? a : b; }
@@ -167,7 +172,7 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
  * norms keep the lane order of warp_bucket_scale. Grid-stride over the buckets; warps stay whole,
  * as the shuffles need. */
 template <int BITS, bool SIGN>
-__global__ void encode_buckets_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
+__global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS) encode_buckets_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
                                       int norm, uint64_t nb, float* __restrict__ scales,
                                       uint8_t* __restrict__ data, bool vec) {
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
@@ -233,7 +238,6 @@ __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_
   store_codes<BITS>(data, i0, n, v);
 }
 
-/* sum of the checksum terms of payload p (blockIdx.y) into sums[p] */
 struct PayloadJob {
   const uint8_t* ptr;
   uint64_t len;
@@ -242,7 +246,24 @@ struct PayloadJob {
   uint32_t flags;
 };
 
-__global__ void verify_terms_kernel(const PayloadJob* __restrict__ jobs,
+/* The payloads of one decode_sum, passed to its kernels by value (in the launch's parameters) up to
+ * kInlineJobs of them, so that a decode needs no host-to-device copy; more go through device memory. */
+constexpr int kInlineJobs = 48;
+struct Jobs {
+  const PayloadJob* dev; /* null: the payloads are in inl */
+  PayloadJob inl[kInlineJobs];
+  __host__ __device__ __forceinline__ const PayloadJob& operator[](int p) const { return dev ? dev[p] : inl[p]; }
+};
+
+/* The little-endian 64-bit word at p (4-byte aligned: every payload is): two 32-bit loads. */
+__device__ __forceinline__ uint64_t load_word(const uint8_t* p) {
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+  return (uint64_t)q[0] | ((uint64_t)q[1] << 32);
+}
+
+/* sum of the checksum terms of payload p (blockIdx.y) into sums[p] */
+
+__global__ void verify_terms_kernel(const Jobs jobs,
                                     unsigned long long* __restrict__ sums,
                                     int32_t* __restrict__ status) {
   const PayloadJob job = jobs[blockIdx.y];
@@ -252,7 +273,7 @@ __global__ void verify_terms_kernel(const PayloadJob* __restrict__ jobs,
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (job.flags & QSGD_FLAG_CHECKSUM) {
     for (uint64_t k = t0; k < words; k += stride) {
-      uint64_t w = qsgd_load_le(job.ptr + 8 * k, 8);
+      uint64_t w = load_word(job.ptr + 8 * k);
       if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
       sum += qsgd_checksum_term(w, k);
     }
@@ -267,7 +288,7 @@ __global__ void verify_terms_kernel(const PayloadJob* __restrict__ jobs,
   if ((threadIdx.x & 31) == 0 && sum) atomicAdd(&sums[blockIdx.y], (unsigned long long)sum);
 }
 
-__global__ void verify_final_kernel(const PayloadJob* __restrict__ jobs, int count, uint64_t numel,
+__global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
                                     int bits, const unsigned long long* __restrict__ sums,
                                     int32_t* __restrict__ status) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
@@ -282,7 +303,7 @@ __global__ void verify_final_kernel(const PayloadJob* __restrict__ jobs, int cou
 /* One thread per group of 8 output elements; the payloads are added in order p = 0, 1, ... The
  * bucket of element i0 is found with one division per group, the step scale / s once per bucket. */
 template <int BITS>
-__global__ void decode_sum_kernel(const PayloadJob* __restrict__ jobs, int count, uint64_t numel,
+__global__ void decode_sum_kernel(const Jobs jobs, int count, uint64_t numel,
                                   uint32_t B, float alpha, float* __restrict__ out, int accumulate,
                                   const int32_t* __restrict__ status, bool vec) {
   const bool aligned = B % 8 == 0; /* every group in one bucket */
@@ -341,7 +362,7 @@ __global__ void checksum_kernel(const uint8_t* __restrict__ p, uint64_t len,
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint64_t acc = 0;
   for (uint64_t k = t0; k < words; k += stride) {
-    uint64_t w = qsgd_load_le(p + 8 * k, 8);
+    uint64_t w = load_word(p + 8 * k);
     if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
     acc += qsgd_checksum_term(w, k);
   }
@@ -378,7 +399,7 @@ void launch_encode_buckets(const float* x, uint64_t numel, uint32_t B, uint64_t 
 }
 
 template <int BITS>
-void launch_decode(const PayloadJob* jobs, int count, uint64_t numel, uint32_t B, float alpha,
+void launch_decode(const Jobs& jobs, int count, uint64_t numel, uint32_t B, float alpha,
                    float* out, int accumulate, const int32_t* status, bool vec, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
   if (groups)
@@ -465,26 +486,34 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
   }
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint64_t nb = qsgd_num_buckets(n, h0.bucket_size);
-  std::vector<PayloadJob> jobs(count);
+  Jobs jobs;
+  std::vector<PayloadJob> host_jobs(count);
   for (int p = 0; p < count; ++p)
-    jobs[p] = PayloadJob{d_payloads[p], headers[p].payload_len, headers[p].checksum, nb,
-                         headers[p].flags};
-  /* one device allocation: the jobs, then the checksum sums */
-  const size_t jobs_bytes = sizeof(PayloadJob) * count;
-  const size_t sums_off = (jobs_bytes + 15) / 16 * 16;
+    host_jobs[p] = PayloadJob{d_payloads[p], headers[p].payload_len, headers[p].checksum, nb, headers[p].flags};
+  /* one device allocation: the checksum sums, then (beyond kInlineJobs payloads) the jobs */
+  const size_t sums_bytes = 8 * (size_t)count;
+  const size_t jobs_off = (sums_bytes + 15) / 16 * 16;
+  const bool inline_jobs = count <= kInlineJobs;
   uint8_t* scratch = nullptr;
-  QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&scratch), sums_off + 8 * (size_t)count, s));
-  PayloadJob* d_jobs = reinterpret_cast<PayloadJob*>(scratch);
-  unsigned long long* d_sums = reinterpret_cast<unsigned long long*>(scratch + sums_off);
-  QSGD_CUDA_TRY(cudaMemcpyAsync(d_jobs, jobs.data(), jobs_bytes, cudaMemcpyHostToDevice, s));
-  QSGD_CUDA_TRY(cudaMemsetAsync(d_sums, 0, 8 * (size_t)count, s));
+  QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&scratch),
+                                jobs_off + (inline_jobs ? 0 : sizeof(PayloadJob) * count), s));
+  unsigned long long* d_sums = reinterpret_cast<unsigned long long*>(scratch);
+  if (inline_jobs) {
+    jobs.dev = nullptr;
+    for (int p = 0; p < count; ++p) jobs.inl[p] = host_jobs[p];
+  } else {
+    PayloadJob* d_jobs = reinterpret_cast<PayloadJob*>(scratch + jobs_off);
+    jobs.dev = d_jobs;
+    QSGD_CUDA_TRY(cudaMemcpyAsync(d_jobs, host_jobs.data(), sizeof(PayloadJob) * count, cudaMemcpyHostToDevice, s));
+  }
+  QSGD_CUDA_TRY(cudaMemsetAsync(d_sums, 0, sums_bytes, s));
   QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
   const uint64_t work = umax64((h0.payload_len + 7) / 8, nb);
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
-  QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(d_jobs, d_sums, d_status);
-  QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(d_jobs, count, n, h0.bits, d_sums, d_status);
+  QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(jobs, d_sums, d_status);
+  QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(jobs, count, n, h0.bits, d_sums, d_status);
   const bool vec = ((uintptr_t)out & 15) == 0;
-  QSGD_BITS_DISPATCH(h0.bits, launch_decode, d_jobs, count, n, h0.bucket_size, alpha, out, accumulate,
+  QSGD_BITS_DISPATCH(h0.bits, launch_decode, jobs, count, n, h0.bucket_size, alpha, out, accumulate,
                      d_status, vec, s);
   QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
   QSGD_CUDA_TRY(cudaGetLastError());
