@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 6  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 7  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -264,9 +264,23 @@ def load_cuda():
         lib.qsgd_decode_sum_cuda.restype = _I32
         lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(CHeader), _I32,
                                              ctypes.c_float, _P, _U64, _I32, _P, _P]
+        declare_cuda_chunks(lib)
         if lib.qsgd_cuda_device_count() > 0:
             _cuda = lib
         return _cuda
+
+
+def declare_cuda_chunks(lib):
+    """The argument types of the CUDA library's chunk steps (also used on the emulated library)."""
+    H = ctypes.POINTER(CHeader)
+    lib.qsgd_encode_chunks_cuda.restype = _I32
+    lib.qsgd_encode_chunks_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, ctypes.POINTER(_U64), _P]
+    lib.qsgd_reduce_chunk_cuda.restype = _I32
+    lib.qsgd_reduce_chunk_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.POINTER(Config), _I32, _P, _U64, _P,
+                                           _U64, ctypes.POINTER(_U64), _P, _U64, _P, _P]
+    lib.qsgd_decode_chunks_cuda.restype = _I32
+    lib.qsgd_decode_chunks_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, ctypes.c_uint32,
+                                            _P, _P]
 
 
 def cuda_built():

@@ -8,7 +8,10 @@ signatures, same payload bytes for the same input, settings and seed:
     read_headers(payloads, where)                                        -> [codec.Header]
     decode_sum(payloads, alpha, where)                                   -> alpha * sum of decodes
     encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where) -> (buffer, lengths)
+    split_by(buffer, lengths)                                            -> [payload]
     reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
+    reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual)
+                                                                         -> (phase-2 frame, error)
     decode_chunks(payloads, alpha, numel, bucket_size, where)            -> float32 values
 
 ``choose(device, settings, reduction)`` picks the backend of one exchange, once. A CUDA tensor gets
@@ -19,11 +22,12 @@ per process. Nothing goes through the host silently.
 """
 import logging
 import threading
+from types import SimpleNamespace
 from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_qsgd import codec, cuda, reduction
+from hvd_qsgd import _native, codec, cuda, protocol, reduction
 from hvd_qsgd.errors import MismatchError
 
 log = logging.getLogger("hvd_qsgd")
@@ -56,10 +60,18 @@ class CpuBackend:
                       source_dtype: str, where: str) -> Tuple[np.ndarray, List[int]]:
         return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
 
+    def split_by(self, buffer, lens) -> List[np.ndarray]:
+        return reduction.split_by(buffer, lens)
+
     def reduce_chunk(self, payloads: Sequence, j: int, settings, step_seed: int, fingerprint: int,
                      source_dtype: str, where: str, residual: Optional[np.ndarray] = None) -> np.ndarray:
         return reduction.reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where=where,
                                       residual=residual)
+
+    def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
+                        server_residual=None):
+        return reduction.reduce_received(received, splits, j, settings, step_seed, expect, where,
+                                         server_residual=server_residual)
 
     def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int,
                       where: str) -> np.ndarray:
@@ -68,8 +80,8 @@ class CpuBackend:
 
 class CudaBackend:
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
-    decode-sum. The chunk steps of scatter_allgather and Elias coding have no CUDA kernel yet;
-    ``missing`` names what an exchange would need that is not here."""
+    decode-sum, and the chunk steps of scatter_allgather. Elias coding and server error feedback have
+    no CUDA path yet; ``missing`` names what an exchange would need that is not here."""
 
     name = "cuda"
 
@@ -81,8 +93,8 @@ class CudaBackend:
                 "no CUDA device is visible" if cuda.built() else "the CUDA library was not built") + ")"
         if settings.coding != "fixed":
             return f"{settings.coding} coding has no CUDA kernel"
-        if exchange_reduction != "allgather":
-            return f"the {exchange_reduction} chunk steps have no CUDA kernel"
+        if exchange_reduction == "scatter_allgather" and getattr(settings, "server_error_feedback", False):
+            return "server error feedback of scatter_allgather has no CUDA path"
         return None
 
     def encode(self, x32, settings, seed: int, fingerprint: int, source_dtype: str, where: str):
@@ -106,11 +118,45 @@ class CudaBackend:
     def decode_sum(self, payloads: Sequence, alpha: float, where: str):
         return cuda.decode_sum(payloads, alpha, where=where)
 
-    def _no_kernel(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError("hvd_qsgd: the scatter_allgather chunk steps have no CUDA kernel; "
-                                  "choose() sends such exchanges through CpuBackend")
+    def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str):
+        s = settings
+        return cuda.encode_chunks(x32, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
+                                  source_dtype, name=where)
 
-    encode_chunks = reduce_chunk = decode_chunks = _no_kernel
+    def split_by(self, buffer, lens) -> list:
+        if sum(lens) != buffer.numel():
+            raise codec.PayloadError(f"received {buffer.numel()} bytes, but the splits {list(lens)} add up to "
+                                     f"{sum(lens)}", _native.E_LENGTH)
+        return list(buffer.split([int(v) for v in lens]))
+
+    def reduce_chunk(self, payloads: Sequence, j: int, settings, step_seed: int, fingerprint: int,
+                     source_dtype: str, where: str, residual=None):
+        s = settings
+        return cuda.reduce_chunk(payloads, j, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
+                                 source_dtype, residual=residual, where=where)
+
+    def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
+                        server_residual=None):
+        """``reduction.reduce_received`` on the device: (the phase-2 frame as a uint8 CUDA tensor, the
+        error that emptied it or None). Never raises."""
+        import torch
+        if server_residual is not None:
+            raise NotImplementedError("hvd_qsgd: server error feedback has no CUDA path (missing() says so)")
+        try:
+            payloads = self.split_by(received, splits)
+            begin, end = reduction.chunk_ranges(expect.numel, expect.bucket_size, len(payloads))[j]
+            protocol.check_gathered(self.read_headers(payloads, f"{where}: chunk {j}"),
+                                    SimpleNamespace(**{**vars(expect), "numel": end - begin}), f"{where}: chunk {j}")
+            q = self.reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
+                                  f"{where}: chunk {j}")
+            error = None
+        except Exception as e:  # raised on this rank by its decompress; the others see the empty frame
+            q, error = received.new_zeros(0), e
+        head = torch.tensor(list(int(q.numel()).to_bytes(8, "little")), dtype=torch.uint8, device=received.device)
+        return torch.cat([head, q]), error
+
+    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str):
+        return cuda.decode_chunks(payloads, alpha, numel, bucket_size, where)
 
 
 CPU, CUDA = CpuBackend(), CudaBackend()

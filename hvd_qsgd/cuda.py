@@ -1,7 +1,15 @@
 """The CUDA kernels on PyTorch CUDA tensors, on the current stream.
 
 Same payloads as ``hvd_qsgd.codec`` (bit-identical for the same input, settings and seed), fixed
-coding only. ``available()`` says whether the CUDA library was built and a device is visible.
+coding only, and the chunk steps of scatter_allgather (``encode_chunks``, ``reduce_chunk``,
+``decode_chunks``: those of ``hvd_qsgd.reduction``, on the device). ``available()`` says whether the
+CUDA library was built and a device is visible.
+
+Where the host waits for the device: ``decode_sum``, ``reduce_chunk`` and ``decode_chunks`` read the
+device's verdict on the payloads (checksums, scales, padding) before they return, one small
+device-to-host copy each, so that a corrupt payload raises in the call that decoded it; and every
+decode parses the payloads' headers on the host (one copy of their first 56 bytes). Encoding never
+waits.
 """
 import ctypes
 
@@ -55,6 +63,102 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     return out
 
 
+def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype):
+    cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype)
+    cfg.seed = int(seed) & (2 ** 64 - 1)
+    return cfg
+
+
+def _flat32(x, name):
+    import torch
+    if not x.is_cuda:
+        raise ValueError(f"{name}: needs a CUDA tensor, got device {x.device}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
+    return x.detach().reshape(-1).to(torch.float32).contiguous()
+
+
+def _verdict(st, status, where):
+    """Raise for a failed call or a failure the device reported in ``status`` (waits for it)."""
+    if st == _native.OK:
+        st = int(status.item())
+    if st != _native.OK:
+        codec.raise_status(st, where)
+
+
+def encode_chunks(x, n, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
+                  source_dtype="float32", name="tensor"):
+    """(buffer, lens): the n chunk payloads of the CUDA tensor x back to back in one uint8 CUDA tensor
+    and their lengths; bit-identical to ``hvd_qsgd.reduction.encode_chunks``."""
+    import torch
+    flat = _flat32(x, name)
+    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype)
+    total = int(_native.load().qsgd_chunks_max_nbytes(flat.numel(), int(bits), int(bucket_size), 0, int(n)))
+    if total == 0:
+        raise ValueError(f"{name}: no chunk layout for n={n}, bits={bits}, bucket_size={bucket_size}")
+    out = torch.empty(total, dtype=torch.uint8, device=flat.device)
+    lens = (ctypes.c_uint64 * int(n))()
+    st = _lib().qsgd_encode_chunks_cuda(ctypes.c_void_p(flat.data_ptr()), flat.numel(), ctypes.byref(cfg), int(n),
+                                        ctypes.c_void_p(out.data_ptr()), total, lens,
+                                        _stream_handle(torch, flat.device))
+    if st != _native.OK:
+        raise EncodeError(f"{name}: CUDA encode_chunks failed: {_native.status_string(st)}", st)
+    return out, [int(v) for v in lens]
+
+
+def aligned(payloads):
+    """The payloads, each 4-byte aligned as the kernels read them: a payload cut from a received
+    buffer at an odd offset is copied (on the device) to a tensor of its own."""
+    return [p if p.data_ptr() % 4 == 0 else p.clone() for p in payloads]
+
+
+def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
+                 source_dtype="float32", residual=None, where="reduce_chunk"):
+    """Chunk j's reduce step on the device (``hvd_qsgd.reduction.reduce_chunk``): the sum of the
+    ranks' payloads (uint8 CUDA tensors, rank order) re-quantized with the chunk's phase-1 seed; with
+    ``residual`` (a contiguous float32 CUDA tensor of the chunk's numel elements) error feedback on
+    the reducing rank, the residual updated in place (left as it was when the step fails)."""
+    import torch
+    payloads = aligned(payloads)
+    cheads = device_headers(payloads, where)
+    n, device = cheads[0].numel, payloads[0].device
+    if residual is not None and (not residual.is_cuda or residual.dtype != torch.float32 or residual.numel() != n
+                                 or not residual.is_contiguous() or residual.device != device):
+        raise ValueError(f"{where}: residual must be a contiguous float32 tensor of {n} elements on {device}")
+    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype)
+    cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
+    out = torch.empty(cap, dtype=torch.uint8, device=device)
+    scratch = torch.empty(n, dtype=torch.float32, device=device)
+    status = torch.zeros(1, dtype=torch.int32, device=device)
+    ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
+    out_len = ctypes.c_uint64()
+    st = _lib().qsgd_reduce_chunk_cuda(ptrs, cheads, len(payloads), ctypes.byref(cfg), int(j),
+                                       ctypes.c_void_p(scratch.data_ptr()), n, ctypes.c_void_p(out.data_ptr()), cap,
+                                       ctypes.byref(out_len),
+                                       None if residual is None else ctypes.c_void_p(residual.data_ptr()),
+                                       0 if residual is None else n, ctypes.c_void_p(status.data_ptr()),
+                                       _stream_handle(torch, device))
+    _verdict(st, status, where)
+    return out[: out_len.value]
+
+
+def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks"):
+    """``alpha * decode`` of the n reduced chunk payloads (uint8 CUDA tensors) into one float32 CUDA
+    tensor of numel elements (``hvd_qsgd.reduction.decode_chunks``)."""
+    import torch
+    payloads = aligned(payloads)
+    cheads = device_headers(payloads, where)
+    device = payloads[0].device
+    out = torch.empty(int(numel), dtype=torch.float32, device=device)
+    status = torch.zeros(1, dtype=torch.int32, device=device)
+    ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
+    st = _lib().qsgd_decode_chunks_cuda(ptrs, cheads, len(payloads), float(alpha), ctypes.c_void_p(out.data_ptr()),
+                                        int(numel), int(bucket_size), ctypes.c_void_p(status.data_ptr()),
+                                        _stream_handle(torch, device))
+    _verdict(st, status, where)
+    return out
+
+
 def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum"):
     """``out = [out +] scale * sum_p decode(p)`` for uint8 CUDA payload tensors (same arithmetic as
     ``codec.decode_sum``). Headers are checked on the host; checksums, scales and padding on the
@@ -63,6 +167,7 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     if not payloads:
         raise ValueError(f"{where}: no payloads")
     device = payloads[0].device
+    payloads = aligned(payloads)
     cheads = device_headers(payloads, where)
     n = cheads[0].numel
     if out is None:

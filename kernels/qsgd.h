@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 6
+#define QSGD_ABI_VERSION 7
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -228,6 +228,22 @@ int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg,
 int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
                              int32_t count, float alpha, float* out, uint64_t n,
                              int32_t accumulate, int32_t* d_status, void* stream);
+
+/* The chunk steps of scatter_allgather on the device (fixed coding), equal byte for byte and bit for
+ * bit to their CPU counterparts above; headers and d_status as for qsgd_decode_sum_cuda.
+ * qsgd_encode_chunks_cuda: as qsgd_encode_chunks_cpu (lens[j] is each chunk's exact length). */
+int32_t qsgd_encode_chunks_cuda(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
+                                uint8_t* out, uint64_t cap, uint64_t* lens, void* stream);
+/* As qsgd_reduce_chunk_cpu, or qsgd_reduce_chunk_ef_cpu when residual is not null (device
+ * residual[0:residual_n), updated only when *d_status ends QSGD_OK); out must be 4-byte aligned. */
+int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
+                               const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
+                               uint8_t* out, uint64_t cap, uint64_t* out_len, float* residual,
+                               uint64_t residual_n, int32_t* d_status, void* stream);
+/* As qsgd_decode_chunks_cpu: out[chunk j] = alpha * decode(payload j). */
+int32_t qsgd_decode_chunks_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t n,
+                                float alpha, float* out, uint64_t numel, uint32_t bucket_size,
+                                int32_t* d_status, void* stream);
 
 /* A short English description of a status code. */
 const char* qsgd_status_string(int32_t status);

@@ -7,10 +7,9 @@
 
 #include "qsgd.h"
 #include "qsgd_cpu_internal.h"
+#include "qsgd_math.h"
 
 namespace {
-
-uint64_t buckets(uint64_t numel, uint32_t bucket_size) { return (numel + bucket_size - 1) / bucket_size; }
 
 // The reduce step of both qsgd_reduce_chunk_cpu and, with feedback, qsgd_reduce_chunk_ef_cpu (qsgd.h):
 // scratch = S, the fp32 sum of the payloads in rank order; with feedback v = S + residual; q = encode
@@ -52,20 +51,10 @@ extern "C" {
 
 int32_t qsgd_chunk_range(uint64_t numel, uint32_t bucket_size, int32_t n, int32_t j, uint64_t* begin,
                          uint64_t* end) {
-  if (bucket_size == 0 || bucket_size > QSGD_MAX_BUCKET || n < 1 || j < 0 || j >= n || !begin || !end)
-    return QSGD_E_ARG;
-  const unsigned __int128 nb = buckets(numel, bucket_size);
-  const uint64_t b0 = uint64_t(nb * unsigned(j) / unsigned(n));
-  const uint64_t b1 = uint64_t(nb * unsigned(j + 1) / unsigned(n));
-  const uint64_t e0 = b0 * bucket_size, e1 = b1 * bucket_size;
-  *begin = e0 < numel ? e0 : numel;
-  *end = e1 < numel ? e1 : numel;
-  return QSGD_OK;
+  return qsgd_chunk_bounds(numel, bucket_size, n, j, begin, end);
 }
 
-uint64_t qsgd_chunk_seed(uint64_t step_seed, int32_t j, int32_t phase) {
-  return qsgd_step_seed(step_seed, 2 * uint64_t(uint32_t(j)) + (phase ? 1u : 0u));
-}
+uint64_t qsgd_chunk_seed(uint64_t step_seed, int32_t j, int32_t phase) { return qsgd_seed_of_chunk(step_seed, j, phase); }
 
 uint64_t qsgd_chunks_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_size, int32_t coding, int32_t n) {
   uint64_t total = 0, b, e;

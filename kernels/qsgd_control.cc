@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "qsgd.h"
+#include "qsgd_math.h"
 
 namespace {
 
@@ -21,12 +22,7 @@ bool near(double v, double want) { return std::fabs(v - want) <= 1e-3; }
 
 extern "C" {
 
-uint64_t qsgd_step_seed(uint64_t base, uint64_t occurrence) {
-  uint64_t z = base + (occurrence + 1) * 0x9E3779B97F4A7C15ull;  // SplitMix64
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  return z ^ (z >> 31);
-}
+uint64_t qsgd_step_seed(uint64_t base, uint64_t occurrence) { return qsgd_seed_of_occurrence(base, occurrence); }
 
 int64_t qsgd_control_length(int32_t world) { return world < 1 ? 0 : kMembers + 2 * chunks(world); }
 

@@ -375,6 +375,22 @@ __global__ void checksum_store_kernel(uint8_t* p, uint64_t len, const unsigned l
   qsgd_store_le(p + QSGD_CHECKSUM_OFFSET, qsgd_checksum_final(*sum, len), 8);
 }
 
+/* v[i] = v[i] + r[i] (fp32): error feedback's v = S + residual in the reduce step. */
+__global__ void add_kernel(float* __restrict__ v, const float* __restrict__ r, uint64_t n) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) v[i] = v[i] + r[i];
+}
+
+/* residual[i] = d[i] where d[i] is finite (the rest keep their value); nothing when *status reports a
+ * failure, so that a failed step leaves the residual as it was. */
+__global__ void keep_finite_kernel(const float* __restrict__ d, float* __restrict__ residual, uint64_t n,
+                                   const int32_t* __restrict__ status) {
+  if (*status != QSGD_OK) return;
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    if ((qsgd_f2u(d[i]) & 0x7F800000u) != 0x7F800000u) residual[i] = d[i];
+}
+
 inline unsigned blocks_for(uint64_t threads) {
   const uint64_t b = (threads + kThreads - 1) / kThreads;
   return (unsigned)(b ? b : 1);
@@ -436,15 +452,14 @@ extern "C" int32_t qsgd_cuda_device_count(void) {
   return n;
 }
 
-extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg,
-                                    uint8_t* out, uint64_t cap, void* stream) {
+static int32_t encode_impl(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out, uint64_t cap,
+                           cudaStream_t s) {
   const int32_t st = qsgd_check_config(cfg);
   if (st != QSGD_OK) return st;
   if (cfg->coding != QSGD_CODING_FIXED) return QSGD_E_ARG; /* Elias coding is CPU only */
   if (!out || ((uintptr_t)out & 3) || (numel && !x) || numel > (1ull << 56)) return QSGD_E_ARG;
   const uint64_t len = fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (cap < len) return QSGD_E_CAPACITY;
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint64_t nb = qsgd_num_buckets(numel, cfg->bucket_size);
   float* scales = reinterpret_cast<float*>(out + QSGD_HEADER_BYTES);
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
@@ -470,9 +485,11 @@ extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_c
   return QSGD_OK;
 }
 
-extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
-                                        int32_t count, float alpha, float* out, uint64_t n,
-                                        int32_t accumulate, int32_t* d_status, void* stream) {
+/* qsgd_decode_sum_cuda; reset_status false keeps *d_status as it is (a failure already there stays, and
+ * makes the decode write nothing), for the steps that decode more than once. */
+static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
+                               float alpha, float* out, uint64_t n, int32_t accumulate, int32_t* d_status,
+                               bool reset_status, cudaStream_t s) {
   if (count < 1 || !d_payloads || !headers || !d_status || (n && !out)) return QSGD_E_ARG;
   const qsgd_header& h0 = headers[0];
   for (int p = 0; p < count; ++p) {
@@ -484,7 +501,6 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
     if (h.payload_len != fixed_nbytes(h.numel, h.bits, h.bucket_size)) return QSGD_E_LENGTH;
     if (!d_payloads[p] || ((uintptr_t)d_payloads[p] & 3)) return QSGD_E_ARG;
   }
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
   const uint64_t nb = qsgd_num_buckets(n, h0.bucket_size);
   Jobs jobs;
   std::vector<PayloadJob> host_jobs(count);
@@ -507,7 +523,7 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
     QSGD_CUDA_TRY(cudaMemcpyAsync(d_jobs, host_jobs.data(), sizeof(PayloadJob) * count, cudaMemcpyHostToDevice, s));
   }
   QSGD_CUDA_TRY(cudaMemsetAsync(d_sums, 0, sums_bytes, s));
-  QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
+  if (reset_status) QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
   const uint64_t work = umax64((h0.payload_len + 7) / 8, nb);
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
   QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(jobs, d_sums, d_status);
@@ -517,5 +533,118 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
                      d_status, vec, s);
   QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
   QSGD_CUDA_TRY(cudaGetLastError());
+  return QSGD_OK;
+}
+extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg,
+                                    uint8_t* out, uint64_t cap, void* stream) {
+  return encode_impl(x, numel, cfg, out, cap, static_cast<cudaStream_t>(stream));
+}
+
+
+extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
+                                        int32_t count, float alpha, float* out, uint64_t n,
+                                        int32_t accumulate, int32_t* d_status, void* stream) {
+  return decode_sum_impl(d_payloads, headers, count, alpha, out, n, accumulate, d_status, true,
+                         static_cast<cudaStream_t>(stream));
+}
+
+/* ---- the chunk steps of scatter_allgather (qsgd.h; the CPU library's qsgd_chunks.cc) ---------- */
+
+extern "C" int32_t qsgd_encode_chunks_cuda(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
+                                           uint8_t* out, uint64_t cap, uint64_t* lens, void* stream) {
+  int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  if (cfg->coding != QSGD_CODING_FIXED || !out || !lens || n < 1 || (numel && !x)) return QSGD_E_ARG;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  uint64_t total = 0, b, e;
+  for (int32_t j = 0; j < n; ++j) { /* every length first: nothing is launched when out is too small */
+    if ((st = qsgd_chunk_bounds(numel, cfg->bucket_size, n, j, &b, &e)) != QSGD_OK) return st;
+    lens[j] = fixed_nbytes(e - b, cfg->bits, cfg->bucket_size);
+    total += lens[j];
+  }
+  if (cap < total) return QSGD_E_CAPACITY;
+  uint64_t off = 0;
+  for (int32_t j = 0; j < n; ++j) {
+    qsgd_chunk_bounds(numel, cfg->bucket_size, n, j, &b, &e);
+    qsgd_config c = *cfg;
+    c.seed = qsgd_seed_of_chunk(cfg->seed, j, 0);
+    uint8_t* dst = out + off;
+    if ((uintptr_t)dst & 3) { /* a chunk after one of odd length: encode aligned, then copy into place */
+      uint8_t* tmp = nullptr;
+      QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&tmp), lens[j], s));
+      if ((st = encode_impl(x + b, e - b, &c, tmp, lens[j], s)) != QSGD_OK) return st;
+      QSGD_CUDA_TRY(cudaMemcpyAsync(dst, tmp, lens[j], cudaMemcpyDeviceToDevice, s));
+      QSGD_CUDA_TRY(cudaFreeAsync(tmp, s));
+    } else if ((st = encode_impl(x + b, e - b, &c, dst, lens[j], s)) != QSGD_OK) {
+      return st;
+    }
+    off += lens[j];
+  }
+  return QSGD_OK;
+}
+
+extern "C" int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
+                                          int32_t count, const qsgd_config* cfg, int32_t j, float* scratch,
+                                          uint64_t scratch_n, uint8_t* out, uint64_t cap, uint64_t* out_len,
+                                          float* residual, uint64_t residual_n, int32_t* d_status, void* stream) {
+  if (!d_payloads || !headers || count < 1 || !cfg || j < 0 || !out || ((uintptr_t)out & 3) || !out_len || !d_status)
+    return QSGD_E_ARG;
+  int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  if (cfg->coding != QSGD_CODING_FIXED) return QSGD_E_ARG;
+  const uint64_t n = headers[0].numel;
+  if (residual && residual_n != n) return QSGD_E_ARG;
+  if (n > scratch_n || (n && !scratch)) return QSGD_E_CAPACITY;
+  const uint64_t len = fixed_nbytes(n, cfg->bits, cfg->bucket_size);
+  if (cap < len) return QSGD_E_CAPACITY;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  /* scratch = S, the sum of the payloads in rank order; with feedback v = S + residual */
+  if ((st = decode_sum_impl(d_payloads, headers, count, 1.0f, scratch, n, 0, d_status, true, s)) != QSGD_OK)
+    return st;
+  const unsigned blocks = (unsigned)umin64(blocks_for(n), 4096);
+  if (residual && n) QSGD_LAUNCH(add_kernel, blocks, kThreads, s)(scratch, residual, n);
+  qsgd_config c = *cfg;
+  c.seed = qsgd_seed_of_chunk(cfg->seed, j, 1);
+  if ((st = encode_impl(scratch, n, &c, out, cap, s)) != QSGD_OK) return st;
+  *out_len = len;
+  if (!residual) return QSGD_OK;
+  /* scratch = v + (-1) * decode(q), then residual = scratch where finite. q is this step's own
+   * payload: its header is known here, and its checksum need not be verified. */
+  qsgd_header h{};
+  h.magic = QSGD_MAGIC;
+  h.version = QSGD_WIRE_VERSION;
+  h.coding = QSGD_CODING_FIXED;
+  h.bits = (uint8_t)c.bits;
+  h.norm = (uint8_t)c.norm;
+  h.dtype = (uint8_t)c.dtype;
+  h.flags = (uint8_t)(c.flags & ~(uint32_t)QSGD_FLAG_CHECKSUM);
+  h.bucket_size = c.bucket_size;
+  h.numel = n;
+  h.payload_len = len;
+  h.fingerprint = c.fingerprint;
+  const uint8_t* q = out;
+  if ((st = decode_sum_impl(&q, &h, 1, -1.0f, scratch, n, 1, d_status, false, s)) != QSGD_OK) return st;
+  if (n) QSGD_LAUNCH(keep_finite_kernel, blocks, kThreads, s)(scratch, residual, n, d_status);
+  QSGD_CUDA_TRY(cudaGetLastError());
+  return QSGD_OK;
+}
+
+extern "C" int32_t qsgd_decode_chunks_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t n,
+                                           float alpha, float* out, uint64_t numel, uint32_t bucket_size,
+                                           int32_t* d_status, void* stream) {
+  if (!d_payloads || !headers || n < 1 || (numel && !out) || !d_status) return QSGD_E_ARG;
+  uint64_t b, e;
+  int32_t st;
+  for (int32_t j = 0; j < n; ++j) { /* every header first: nothing is launched on a mismatch */
+    if ((st = qsgd_chunk_bounds(numel, bucket_size, n, j, &b, &e)) != QSGD_OK) return st;
+    if (headers[j].numel != e - b || headers[j].bucket_size != bucket_size) return QSGD_E_MISMATCH;
+  }
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
+  for (int32_t j = 0; j < n; ++j) {
+    qsgd_chunk_bounds(numel, bucket_size, n, j, &b, &e);
+    if ((st = decode_sum_impl(d_payloads + j, headers + j, 1, alpha, out + b, e - b, 0, d_status, false, s)) != QSGD_OK)
+      return st;
+  }
   return QSGD_OK;
 }

@@ -194,6 +194,31 @@ QSGD_HD uint64_t qsgd_packed_bytes(uint64_t numel, int bits) {
   return (numel / 8) * (uint64_t)bits + ((numel % 8) * (uint64_t)bits + 7) / 8;
 }
 
+/* ---- the seeds and chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py) -------------
+ * step seed:  SplitMix64 of base + (occurrence + 1) * G, which is qsgd_mix64 of that sum;
+ * chunk seed: the step seed's occurrence 2j + phase (phase 0: a rank's share, 1: the reduced chunk);
+ * chunk j of n: the whole buckets floor(j * nb / n) .. floor((j + 1) * nb / n) - 1, nb the bucket count,
+ * as elements clamped to numel (computed in 128 bits: nb * n never overflows). Host code of both
+ * libraries (the CUDA library launches per chunk). */
+QSGD_HD uint64_t qsgd_seed_of_occurrence(uint64_t base, uint64_t occurrence) {
+  return qsgd_mix64(base + (occurrence + 1) * QSGD_GOLDEN64);
+}
+QSGD_HD uint64_t qsgd_seed_of_chunk(uint64_t step_seed, int32_t j, int32_t phase) {
+  return qsgd_seed_of_occurrence(step_seed, 2 * (uint64_t)(uint32_t)j + (phase ? 1u : 0u));
+}
+static inline int32_t qsgd_chunk_bounds(uint64_t numel, uint32_t bucket_size, int32_t n, int32_t j, uint64_t* begin,
+                                        uint64_t* end) {
+  if (bucket_size == 0 || bucket_size > QSGD_MAX_BUCKET || n < 1 || j < 0 || j >= n || !begin || !end)
+    return QSGD_E_ARG;
+  const unsigned __int128 nb = (numel + bucket_size - 1) / bucket_size;
+  const uint64_t b0 = (uint64_t)(nb * (unsigned)j / (unsigned)n);
+  const uint64_t b1 = (uint64_t)(nb * (unsigned)(j + 1) / (unsigned)n);
+  const uint64_t e0 = b0 * bucket_size, e1 = b1 * bucket_size;
+  *begin = e0 < numel ? e0 : numel;
+  *end = e1 < numel ? e1 : numel;
+  return QSGD_OK;
+}
+
 /* Write the 56-byte header (checksum field zero). */
 QSGD_HD void qsgd_write_header(uint8_t* out, const qsgd_config* cfg, uint64_t numel,
                                uint64_t payload_len, uint32_t segment_buckets) {

@@ -47,7 +47,7 @@ MARKERS = {
     "test_robustness::test_round_trip_of_more_than_2_31_elements": {"slow"},                 # 51 s [15 s], > 8 GB
 }
 # (module, parameter, value): the parametrized cases that run on a CUDA device
-GPU_PARAMS = {("test_cuda", "backend", "gpu")}
+GPU_PARAMS = {("test_cuda", "backend", "gpu"), ("test_cuda", "device", "gpu")}
 # what a multi-rank test calls, directly or not
 LAUNCHERS = (helpers.launch,)
 

@@ -9,17 +9,13 @@ import pytest
 from hvd_qsgd import backends, codec, cuda, reduction
 from hvd_qsgd.settings import Settings, Stats
 
-METHODS = ("encode", "decode", "split", "read_headers", "decode_sum", "encode_chunks", "reduce_chunk",
-           "decode_chunks")
+METHODS = ("encode", "decode", "split", "read_headers", "decode_sum", "encode_chunks", "split_by", "reduce_chunk",
+           "reduce_received", "decode_chunks")
 
 
 def test_both_backends_have_the_same_methods_and_signatures():
     for name in METHODS:
         cpu, gpu = getattr(backends.CpuBackend, name), getattr(backends.CudaBackend, name)
-        if gpu is backends.CudaBackend._no_kernel:  # a step with no CUDA kernel: raises, never runs
-            with pytest.raises(NotImplementedError, match="no CUDA kernel"):
-                backends.CUDA.encode_chunks(None, None, 0, 2, 0, "float32", "x")
-            continue
         names = [(q.name, q.kind, q.default) for q in inspect.signature(cpu).parameters.values()]
         assert names == [(q.name, q.kind, q.default) for q in inspect.signature(gpu).parameters.values()], name
 
@@ -31,20 +27,23 @@ def test_cpu_tensors_use_the_cpu_backend_with_no_fallback():
             assert backends.choose("cpu", s, red) == (backends.CPU, None)
 
 
-@pytest.mark.parametrize("coding, red, reason", [
-    ("elias", "allgather", "elias coding has no CUDA kernel"),
-    ("fixed", "scatter_allgather", "the scatter_allgather chunk steps have no CUDA kernel"),
+@pytest.mark.parametrize("coding, red, server_ef, reason", [
+    ("elias", "allgather", False, "elias coding has no CUDA kernel"),
+    ("elias", "scatter_allgather", False, "elias coding has no CUDA kernel"),
+    ("fixed", "scatter_allgather", True, "server error feedback of scatter_allgather has no CUDA path"),
 ])
-def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_the_reason(coding, red, reason,
-                                                                                          monkeypatch):
+def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_the_reason(coding, red, server_ef,
+                                                                                          reason, monkeypatch):
     monkeypatch.setattr(cuda, "available", lambda: True)
-    backend, why = backends.choose("cuda", Settings.make(bits=4, coding=coding, reduction=red), red)
+    s = Settings.make(bits=4, coding=coding, reduction=red, server_error_feedback=server_ef)
+    backend, why = backends.choose("cuda", s, red)
     assert backend is backends.CPU and why == reason
 
 
-def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(monkeypatch):
+@pytest.mark.parametrize("red", ["allgather", "scatter_allgather"])
+def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(red, monkeypatch):
     monkeypatch.setattr(cuda, "available", lambda: True)
-    assert backends.choose("cuda", Settings.make(bits=4), "allgather") == (backends.CUDA, None)
+    assert backends.choose("cuda", Settings.make(bits=4, reduction=red), red) == (backends.CUDA, None)
 
 
 def test_without_the_cuda_library_the_reason_says_which_is_missing(monkeypatch):

@@ -14,7 +14,9 @@ import subprocess
 import numpy as np
 import pytest
 
-from hvd_qsgd import _native, codec
+from types import SimpleNamespace
+
+from hvd_qsgd import _native, codec, reduction
 from tests.helpers import ROOT
 from tests.references import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
 
@@ -42,6 +44,24 @@ class GpuBackend:
             out[:] = y.cpu().numpy()
             return out
         return y.cpu().numpy()
+
+
+    def encode_chunks(self, x, n, **kw):
+        buf, lens = self.cuda.encode_chunks(torch.from_numpy(x).cuda(), n, **kw)
+        return buf.cpu().numpy(), lens
+
+    def reduce_chunk(self, payloads, j, residual=None, **kw):
+        r = None if residual is None else torch.from_numpy(residual).cuda()
+        try:
+            q = self.cuda.reduce_chunk([torch.from_numpy(p).cuda() for p in payloads], j, residual=r, **kw)
+        finally:
+            if residual is not None:
+                residual[:] = r.cpu().numpy()
+        return q.cpu().numpy()
+
+    def decode_chunks(self, payloads, alpha, numel, bucket_size):
+        return self.cuda.decode_chunks([torch.from_numpy(p).cuda() for p in payloads], alpha, numel,
+                                       bucket_size).cpu().numpy()
 
 
 class EmulatedBackend:
@@ -78,6 +98,58 @@ class EmulatedBackend:
             codec.raise_status(st, "decode_sum")
         return out
 
+    @staticmethod
+    def _heads(payloads):
+        payloads = [np.array(p) for p in payloads]  # own, aligned buffers (as hvd_qsgd.cuda.aligned)
+        heads = (_native.CHeader * len(payloads))()
+        for i, p in enumerate(payloads):
+            st = _native.load().qsgd_parse_header(p.ctypes.data, p.size, ctypes.byref(heads[i]))
+            if st != 0:
+                codec.raise_status(st, f"payload {i}", p)
+        return payloads, heads, (ctypes.c_void_p * len(payloads))(*[p.ctypes.data for p in payloads])
+
+    @staticmethod
+    def _cfg(bits, bucket_size, norm="max", step_seed=0, fingerprint=0, checksum=True):
+        cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum)
+        cfg.seed = step_seed
+        return cfg
+
+    def encode_chunks(self, x, n, **kw):
+        cfg = self._cfg(**kw)
+        total = _native.load().qsgd_chunks_max_nbytes(x.size, cfg.bits, cfg.bucket_size, 0, n)
+        out = np.zeros(total + 8, np.uint8)[:total]
+        lens = (ctypes.c_uint64 * n)()
+        st = self.lib.qsgd_encode_chunks_cuda(x.ctypes.data, x.size, ctypes.byref(cfg), n, out.ctypes.data, total,
+                                              lens, None)
+        assert st == 0, _native.status_string(st)
+        return out, [int(v) for v in lens]
+
+    def reduce_chunk(self, payloads, j, residual=None, **kw):
+        cfg = self._cfg(**kw)
+        payloads, heads, ptrs = self._heads(payloads)
+        n = heads[0].numel
+        cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
+        out, scratch = np.zeros(cap + 8, np.uint8)[:cap], np.empty(n, np.float32)
+        status, out_len = np.zeros(1, np.int32), ctypes.c_uint64()
+        st = self.lib.qsgd_reduce_chunk_cuda(ptrs, heads, len(payloads), ctypes.byref(cfg), j, scratch.ctypes.data, n,
+                                             out.ctypes.data, cap, ctypes.byref(out_len),
+                                             None if residual is None else residual.ctypes.data,
+                                             0 if residual is None else residual.size, status.ctypes.data, None)
+        st = st or int(status[0])
+        if st != 0:
+            codec.raise_status(st, "reduce_chunk")
+        return out[: out_len.value]
+
+    def decode_chunks(self, payloads, alpha, numel, bucket_size):
+        payloads, heads, ptrs = self._heads(payloads)
+        out, status = np.empty(numel, np.float32), np.zeros(1, np.int32)
+        st = self.lib.qsgd_decode_chunks_cuda(ptrs, heads, len(payloads), float(alpha), out.ctypes.data, numel,
+                                              bucket_size, status.ctypes.data, None)
+        st = st or int(status[0])
+        if st != 0:
+            codec.raise_status(st, "decode_chunks")
+        return out
+
 
 @pytest.fixture(scope="module")
 def emulated_lib(tmp_path_factory):
@@ -95,6 +167,7 @@ def emulated_lib(tmp_path_factory):
     lib.qsgd_decode_sum_cuda.restype = I32
     lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(P), ctypes.POINTER(_native.CHeader), I32, ctypes.c_float,
                                          P, U64, I32, P, P]
+    _native.declare_cuda_chunks(lib)
     return lib
 
 
@@ -210,3 +283,121 @@ def test_decode_sum_checks_scales_and_padding_behind_the_checksum(backend):
     pad[-1] |= 0x80
     with pytest.raises(codec.PayloadError, match="padding"):
         backend.decode_sum([_reseal(pad)], 1.0)
+
+
+# ---- the chunk steps of scatter_allgather ------------------------------------------------------------
+# (bits, bucket, n ranks, numel): whole and short last buckets, bucket sizes that are and are not
+# multiples of 8, chunk payloads of odd length (then the next chunk is encoded at an unaligned offset),
+# and more ranks than buckets (empty chunks).
+CHUNK_CASES = [(4, 512, 4, 3001), (2, 128, 3, 2000), (8, 100, 5, 1234), (3, 7, 3, 700), (1, 64, 4, 1000),
+               (5, 512, 6, 1100)]
+
+
+def _settings(bits, bucket):
+    return SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", checksum=True)
+
+
+@pytest.mark.parametrize("bits,bucket,n,numel", CHUNK_CASES)
+def test_chunk_steps_are_identical_to_cpu(backend, bits, bucket, n, numel):
+    """scatter_allgather on n simulated ranks: every rank's chunk payloads, every reduced chunk (plain
+    and with server error feedback, residual included) and the decoded result equal the CPU library's."""
+    rng = np.random.default_rng(bits * 1000 + n)
+    xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+    xs[1][5] = np.nan  # one bucket's reduced value is NaN: error feedback keeps its residual there
+    s, seeds, kw = _settings(bits, bucket), [1000 + r for r in range(n)], dict(bits=bits, bucket_size=bucket)
+    bufs = []
+    for r in range(n):
+        want, want_lens = reduction.encode_chunks(xs[r], s, seeds[r], n, fingerprint=7)
+        got, lens = backend.encode_chunks(xs[r], n, step_seed=seeds[r], fingerprint=7, **kw)
+        assert lens == want_lens
+        np.testing.assert_array_equal(got, want, err_msg=f"rank {r}'s chunk payloads")
+        bufs.append(reduction.split_by(want, want_lens))
+    reduced, changed = [], 0
+    for j in range(n):
+        payloads = [bufs[r][j] for r in range(n)]
+        want = reduction.reduce_chunk(payloads, j, s, seeds[j], fingerprint=7)
+        np.testing.assert_array_equal(backend.reduce_chunk(payloads, j, step_seed=seeds[j], fingerprint=7, **kw),
+                                      want, err_msg=f"reduced chunk {j}")
+        reduced.append(want)
+        size = codec.read_header(want).numel
+        r_cpu = (rng.standard_normal(size) * 1e-2).astype(np.float32)
+        r_dev = r_cpu.copy()
+        before = r_cpu.copy()
+        want_ef = reduction.reduce_chunk(payloads, j, s, seeds[j], fingerprint=7, residual=r_cpu)
+        got_ef = backend.reduce_chunk(payloads, j, residual=r_dev, step_seed=seeds[j], fingerprint=7, **kw)
+        np.testing.assert_array_equal(got_ef, want_ef, err_msg=f"reduced chunk {j} with feedback")
+        np.testing.assert_array_equal(r_dev.view(np.uint32), r_cpu.view(np.uint32), err_msg=f"residual of chunk {j}")
+        changed += int(np.count_nonzero(r_cpu != before))
+    assert changed > 0, "error feedback never changed a residual: the comparison above proves nothing"
+    want = reduction.decode_chunks(reduced, 0.25, numel, bucket)
+    np.testing.assert_array_equal(backend.decode_chunks(reduced, 0.25, numel, bucket), want)
+
+
+def test_reduce_chunk_fails_on_a_corrupt_payload_and_keeps_the_residual(backend):
+    s = _settings(4, 128)
+    bufs = [reduction.split_by(*reduction.encode_chunks(np.ones(1000, np.float32), s, r, 2)) for r in range(2)]
+    payloads = [bufs[0][1], bufs[1][1].copy()]
+    payloads[1][100] ^= 1
+    residual = np.full(codec.read_header(payloads[0]).numel, 0.5, np.float32)
+    with pytest.raises(codec.PayloadError, match="checksum"):
+        backend.reduce_chunk(payloads, 1, residual=residual, bits=4, bucket_size=128, step_seed=3)
+    assert np.all(residual == 0.5)
+
+
+@pytest.fixture(params=["gpu"])
+def device(request):
+    """A CUDA device for the tests of the PyTorch-side backends (no emulation of CUDA tensors)."""
+    if _native.load_cuda() is None or not torch.cuda.is_available():
+        if os.environ.get("HVD_QSGD_REQUIRE_GPU") == "1":
+            pytest.fail("HVD_QSGD_REQUIRE_GPU=1 but the CUDA library or device is not usable")
+        pytest.skip("no CUDA device on this machine: the CUDA backend's reduction not checked here")
+    return torch.device("cuda")
+
+
+@pytest.mark.parametrize("bits,bucket,n,numel", [(4, 512, 4, 100_000), (3, 7, 3, 5001), (2, 128, 16, 40_000)])
+def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(device, bits, bucket, n, numel):
+    """The adapter's steps of one scatter_allgather exchange (backends.CudaBackend on CUDA tensors
+    against backends.CpuBackend on arrays, n simulated ranks): chunk payloads, phase-2 frames, the
+    decoded result, and error feedback's own dequantized chunks, all equal; a corrupt payload empties
+    the frame on the device as on the host."""
+    from hvd_qsgd import backends
+    cpu, gpu = backends.CPU, backends.CUDA
+    s = SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", checksum=True,
+                        server_error_feedback=False)
+    assert gpu.missing(s, "scatter_allgather") is None
+    expect = SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", numel=numel,
+                             dtype="float32", fingerprint=11)
+    rng = np.random.default_rng(bits + n)
+    xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
+    host, dev = [], []
+    for r in range(n):
+        hb, hl = cpu.encode_chunks(xs[r], s, 500 + r, n, 11, "float32", "t")
+        db, dl = gpu.encode_chunks(torch.from_numpy(xs[r]).to(device), s, 500 + r, n, 11, "float32", "t")
+        assert dl == hl
+        np.testing.assert_array_equal(db.cpu().numpy(), hb)
+        np.testing.assert_array_equal(gpu.decode_chunks(gpu.split_by(db, dl), 1.0, numel, bucket, "t").cpu().numpy(),
+                                      cpu.decode_chunks(cpu.split_by(hb, hl), 1.0, numel, bucket, "t"))
+        host.append(cpu.split_by(hb, hl))
+        dev.append(gpu.split_by(db, dl))
+    frames_h, frames_d = [], []
+    for j in range(n):
+        splits = [int(host[r][j].size) for r in range(n)]
+        received_h = np.concatenate([host[r][j] for r in range(n)])
+        received_d = torch.cat([dev[r][j] for r in range(n)])
+        fh, eh = cpu.reduce_received(received_h, splits, j, s, 500 + j, expect, "t")
+        fd, ed = gpu.reduce_received(received_d, splits, j, s, 500 + j, expect, "t")
+        assert eh is None and ed is None
+        np.testing.assert_array_equal(fd.cpu().numpy(), fh)
+        frames_h.append(fh)
+        frames_d.append(fd)
+    chunks = reduction.unframe(np.concatenate(frames_h), n, "t")
+    want = cpu.decode_chunks(chunks, 1.0 / n, numel, bucket, "t")
+    got = gpu.decode_chunks([torch.from_numpy(c).to(device) for c in chunks], 1.0 / n, numel, bucket, "t")
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+    # a corrupt payload: an empty frame and the error, on the device as on the host
+    splits = [int(host[r][0].size) for r in range(n)]
+    bad = np.concatenate([host[r][0] for r in range(n)])
+    bad[splits[0] + 70] ^= 1
+    fh, eh = cpu.reduce_received(bad, splits, 0, s, 500, expect, "t")
+    fd, ed = gpu.reduce_received(torch.from_numpy(bad).to(device), splits, 0, s, 500, expect, "t")
+    assert fh.size == 8 and fd.numel() == 8 and type(ed) is type(eh), (eh, ed)

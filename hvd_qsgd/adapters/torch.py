@@ -250,7 +250,7 @@ class QSGD(Compressor):
         buf, lens = b.encode_chunks(self._backend_view(x32, ctx), s, ctx.step_seed, n, ctx.expect.fingerprint,
                                     ctx.expect.dtype, ctx.where)
         if s.error_feedback:
-            own = b.decode_chunks(reduction.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size, ctx.where)
+            own = b.decode_chunks(b.split_by(buf, lens), 1.0, x32.numel(), s.bucket_size, ctx.where)
             self._set_residual(ctx, x32 - _as_torch(own))
         ctx.splits, ctx.own_len = lens, int(sum(lens))
         ctx.payload = buf
@@ -300,6 +300,8 @@ class QSGD(Compressor):
         if ctx.reduction == "scatter_allgather":
             ctx.stage = "scatter"
             buf, ctx.payload = _as_torch(ctx.payload), None
+            if buf.is_cuda and not hvd.nccl_built():  # Horovod's collectives then take host tensors
+                buf = buf.cpu()
             ctx.sent = ctx.own_len - ctx.splits[ctx.set_rank]
             ctx.handle = hvd.alltoall_async(buf, splits=torch.tensor(ctx.splits, dtype=torch.int32),
                                             name=f"{exchange}.scatter", process_set=self._process_set)
@@ -314,7 +316,7 @@ class QSGD(Compressor):
         have joined, the same values error feedback took as sent."""
         b, where = ctx.backend, ctx.where
         if ctx.reduction == "scatter_allgather":
-            own = b.decode_chunks(reduction.split_by(ctx.payload, ctx.splits), 1.0, ctx.expect.numel,
+            own = b.decode_chunks(b.split_by(ctx.payload, ctx.splits), 1.0, ctx.expect.numel,
                                   ctx.settings.bucket_size, where)
         else:
             own = b.decode(self._backend_view(ctx.payload, ctx), where)
@@ -329,12 +331,15 @@ class QSGD(Compressor):
         rsplits = [int(v) for v in rsplits]
         ctx.received = int(sum(rsplits)) - rsplits[j]
         t0 = time.perf_counter()
-        frame, ctx.reduce_error = reduction.reduce_received(
-            received.numpy(), rsplits, j, ctx.settings, ctx.step_seed, ctx.expect, ctx.where,
+        frame, ctx.reduce_error = ctx.backend.reduce_received(
+            self._backend_view(received, ctx), rsplits, j, ctx.settings, ctx.step_seed, ctx.expect, ctx.where,
             server_residual=(lambda: self._server_residual(ctx)) if ctx.settings.server_error_feedback else None)
         self._stats.add(decode_s=time.perf_counter() - t0)
-        ctx.sent += frame.size
-        ctx.gather_handle = hvd.allgather_async(torch.from_numpy(frame), name=f"{ctx.route.exchange}.gather",
+        frame = _as_torch(frame)
+        ctx.sent += frame.numel()
+        if frame.is_cuda and not hvd.nccl_built():
+            frame = frame.cpu()
+        ctx.gather_handle = hvd.allgather_async(frame, name=f"{ctx.route.exchange}.gather",
                                                 process_set=self._process_set)
 
     def _finish_scatter(self, ctx, alpha):
@@ -342,12 +347,15 @@ class QSGD(Compressor):
         if ctx.gather_handle is None:
             raise protocol.MismatchError(f"{ctx.where}: the first phase of the exchange failed on this rank")
         n, j = len(ctx.set_ranks), ctx.set_rank
-        chunks = reduction.unframe(self._wait(ctx.gather_handle).numpy(), n, ctx.where)
+        gathered = self._wait(ctx.gather_handle)
+        # the frames' lengths are read on the host (a copy of the frames where they are CUDA tensors)
+        chunks = reduction.unframe((gathered.cpu() if gathered.is_cuda else gathered).numpy(), n, ctx.where)
         t0 = time.perf_counter()
         if ctx.reduce_error is not None:
             raise protocol.MismatchError(f"{ctx.where}: this rank could not reduce chunk {j}: "
                                          f"{ctx.reduce_error}") from ctx.reduce_error
         ctx.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
+        chunks = [self._backend_view(torch.from_numpy(c), ctx) for c in chunks]
         out = ctx.backend.decode_chunks(chunks, alpha, ctx.expect.numel, ctx.settings.bucket_size,
                                         f"{ctx.where}: reduced chunks")
         self._stats.add(decode_s=time.perf_counter() - t0)

@@ -39,7 +39,7 @@ struct dim3 {
 typedef int cudaError_t;
 typedef void* cudaStream_t;
 enum { cudaSuccess = 0 };
-enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1 };
+enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToDevice = 3 };
 
 namespace qsgd_emu {
 inline thread_local dim3 tid, bid;
