@@ -340,13 +340,13 @@ def _check(st, what):
         raise RuntimeError(f"{what}: {_native.status_string(st)}")
 
 
-def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s):
+def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm="max"):
     """Time qsgd_encode_cuda and qsgd_decode_sum_cuda on device x; the results are checked against
     the CPU codec (bit-identical payload, equal decode) before the row is returned."""
     from hvd_qsgd import cuda
     torch, lib = bl.torch, _native.load_cuda()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    cfg = codec.make_config(bits, bucket, "max", seed, "fixed", 0, checksum)
+    cfg = codec.make_config(bits, bucket, norm, seed, "fixed", 0, checksum)
     cap = codec.payload_nbytes(n, bits, bucket)
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
     te = _cuda_median(lambda: _check(lib.qsgd_encode_cuda(x.data_ptr(), n, ctypes.byref(cfg), out.data_ptr(),
@@ -360,14 +360,14 @@ def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s):
                                                               d_status.data_ptr(), stream),
                                      "qsgd_decode_sum_cuda"), repeats)
     _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
-    ref = codec.encode(x_host, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum)
+    ref = codec.encode(x_host, bits=bits, bucket_size=bucket, norm=norm, seed=seed, checksum=checksum)
     if not np.array_equal(out.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
         raise RuntimeError(f"CUDA results differ from the CPU codec (n={n}, bits={bits})")
     # effective bandwidth: the bytes a kernel must move (encode reads 4n and writes the payload,
     # decode reads the payload and writes 4n; the copy reads and writes 4n) over its time
     copy_bw = 8 * n / copy_s
     enc_bw, dec_bw = (4 * n + cap) / te, (4 * n + cap) / td
-    return dict(numel=n, bits=bits, payload_bytes=cap, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te,
+    return dict(numel=n, bits=bits, norm=norm, payload_bytes=cap, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te,
                 decode_s=td, encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td),
                 ratio_ed_copy=gbps(n, te + td) / gbps(n, copy_s), copy_eff_gbps=copy_bw / 1e9,
                 encode_eff_gbps=enc_bw / 1e9, decode_eff_gbps=dec_bw / 1e9,
@@ -388,11 +388,11 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
         x = torch.from_numpy(x_host).cuda()
         dst = torch.empty_like(x)
         copy_s = _cuda_median(lambda: dst.copy_(x), repeats)
-        for bits in bits_list:
-            r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s)
+        for bits, norm in [(b, "max") for b in bits_list] + [(1, "sign")]:
+            r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm)
             rows.append(r)
             gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
-            cells = [fmt_size(n), bits] + gb + [f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}",
+            cells = [fmt_size(n), bits if norm == "max" else "sign"] + gb + [f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}",
                                                 f"{100 * r['decode_of_copy']:.0f}"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst

@@ -33,6 +33,21 @@ def main():
                             if not np.array_equal(out.cpu().numpy(), want, equal_nan=True):
                                 sys.exit(f"decode_sum differs: n={n} {kw}")
                         cases += 1
+    # the chunk steps of scatter_allgather (odd chunk lengths, empty chunks, server residual)
+    for bits, bucket, n, numel in ((4, 512, 4, 3001), (3, 7, 3, 700), (2, 128, 6, 300)):
+        xs = [torch.from_numpy(rng.standard_normal(numel).astype(np.float32)).cuda() for _ in range(n)]
+        chunks = []
+        for r in range(n):
+            buf, lens = cuda.encode_chunks(xs[r], n, bits, bucket, step_seed=r)
+            chunks.append(list(buf.split(lens)))
+        reduced = []
+        for j in range(n):
+            size = cuda.read_headers([chunks[0][j]])[0].numel
+            residual = torch.zeros(size, device="cuda")
+            cuda.reduce_chunk([chunks[r][j] for r in range(n)], j, bits, bucket, step_seed=j, residual=residual)
+            reduced.append(cuda.reduce_chunk([chunks[r][j] for r in range(n)], j, bits, bucket, step_seed=j))
+        cuda.decode_chunks(reduced, 1.0 / n, numel, bucket)
+        cases += 1
     # a corrupt payload: the error path of the verify kernels
     p = cuda.encode(torch.ones(1001, device="cuda"), bits=3)
     p[200] ^= 4
