@@ -374,12 +374,50 @@ def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm=
                 encode_of_copy=enc_bw / copy_bw, decode_of_copy=dec_bw / copy_bw)
 
 
+def time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s):
+    """4-bit encode of the fused variants: "ef" (fp32 x with error feedback: reads x and the residual,
+    rewrites the residual) or "fp16" (x read as float16). The payload is checked against the CPU codec."""
+    torch, lib = bl.torch, _native.load_cuda()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    cfg = codec.make_config(4, bucket, "max", seed, "fixed", 0, checksum)
+    cap = codec.payload_nbytes(n, 4, bucket)
+    out = torch.empty(cap, dtype=torch.uint8, device=x.device)
+    if kind == "ef":
+        xin, dtype, res = x, 0, torch.full_like(x, 1e-3)
+        moved = 12 * n + cap  # x, the residual read and written, the payload
+        ref_in = x_host + np.float32(1e-3)
+    else:
+        xin, dtype, res = x.half(), 1, None
+        moved = 2 * n + cap
+        ref_in = x_host.astype(np.float16).astype(np.float32)
+    res0 = None if res is None else res.clone()
+
+    def call():
+        if res is not None:
+            res.copy_(res0)  # timed too: subtracted below with a copy-only run
+        _check(lib.qsgd_encode_ex_cuda(xin.data_ptr(), dtype, n, ctypes.byref(cfg), None if res is None else
+                                       res.data_ptr(), 1, out.data_ptr(), cap, stream), "qsgd_encode_ex_cuda")
+    te = _cuda_median(call, repeats)
+    if res is not None:  # the residual's reset is not the encoder's work
+        te -= _cuda_median(lambda: res.copy_(res0), repeats)
+    call()
+    if not np.array_equal(out.cpu().numpy(), codec.encode(ref_in, bits=4, bucket_size=bucket, seed=seed,
+                                                           checksum=checksum)):
+        raise RuntimeError(f"CUDA {kind} encode differs from the CPU codec (n={n})")
+    copy_bw = 8 * n / copy_s
+    return dict(numel=n, bits=4, norm="max", variant=kind, payload_bytes=cap, copy_s=copy_s, encode_s=te,
+                encode_gbps=gbps(n, te), moved_bytes=moved, encode_eff_gbps=moved / te / 1e9,
+                encode_of_copy=moved / te / copy_bw)
+
+
 def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
     torch = bl.torch
     print(f"\nCUDA: {torch.cuda.get_device_name()}; GB/s of fp32 input; decode = qsgd_decode_sum_cuda of "
           "one payload (host header parse not timed); copy = torch .copy_ device to device; enc%/dec% = "
-          "effective bandwidth (4n + payload bytes over the kernel's time) as a fraction of the copy's (8n)")
-    cols = [("size", 6), ("bits", 4), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
+          "effective bandwidth (4n + payload bytes over the kernel's time) as a fraction of the copy's (8n); "
+          "rows 4ef: 4-bit encode with error feedback fused (moves 12n + payload: x, the residual read and "
+          "rewritten), 4fp16: 4-bit encode of float16 x read natively (2n + payload)")
+    cols = [("size", 6), ("bits", 5), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
             ("enc%", 6), ("dec%", 6)]
     print("  ".join(c.rjust(w) for c, w in cols))
     rows = []
@@ -394,6 +432,12 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
             gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
             cells = [fmt_size(n), bits if norm == "max" else "sign"] + gb + [f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}",
                                                 f"{100 * r['decode_of_copy']:.0f}"]
+            print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
+        for kind in ("ef", "fp16"):
+            r = time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s)
+            rows.append(r)
+            cells = [fmt_size(n), f"4{kind}", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}",
+                     "-", "-", "-", f"{100 * r['encode_of_copy']:.0f}", "-"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst
     return rows

@@ -271,8 +271,11 @@ def load_cuda():
 
 
 def declare_cuda_chunks(lib):
-    """The argument types of the CUDA library's chunk steps (also used on the emulated library)."""
+    """The argument types of the CUDA library's chunk steps and its extended encoder (also used on the
+    emulated library)."""
     H = ctypes.POINTER(CHeader)
+    lib.qsgd_encode_ex_cuda.restype = _I32
+    lib.qsgd_encode_ex_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _I32, _P, _U64, _P]
     lib.qsgd_encode_chunks_cuda.restype = _I32
     lib.qsgd_encode_chunks_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, ctypes.POINTER(_U64), _P]
     lib.qsgd_reduce_chunk_cuda.restype = _I32

@@ -38,10 +38,22 @@ class CpuBackend:
 
     name = "cpu"
 
-    def encode(self, x32: np.ndarray, settings, seed: int, fingerprint: int, source_dtype: str, where: str):
+    def encode(self, x32: np.ndarray, settings, seed: int, fingerprint: int, source_dtype: str, where: str,
+               residual: Optional[np.ndarray] = None, residual_valid: bool = True):
+        """The payload of x32; with ``residual`` (float32, x32's size) error feedback: the payload of
+        v = x32 + residual (x32 alone when not ``residual_valid``), and residual = v - decode(payload)
+        where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
         s = settings
-        return codec.encode(x32, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
-                            name=where, source_dtype=source_dtype)
+        if residual is None:
+            return codec.encode(x32, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
+                                name=where, source_dtype=source_dtype)
+        v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
+        q = codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum, name=where,
+                         source_dtype=source_dtype)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = v - codec.decode(q, where)
+        residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
+        return q
 
     def decode(self, payload, where: str) -> np.ndarray:
         return codec.decode(payload, where)
@@ -97,10 +109,13 @@ class CudaBackend:
             return "server error feedback of scatter_allgather has no CUDA path"
         return None
 
-    def encode(self, x32, settings, seed: int, fingerprint: int, source_dtype: str, where: str):
+    def encode(self, x32, settings, seed: int, fingerprint: int, source_dtype: str, where: str,
+               residual=None, residual_valid: bool = True):
+        """As CpuBackend.encode, in one pass on the device; x32 may also be float16 or bfloat16 (read
+        natively, without an fp32 copy)."""
         s = settings
         return cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
-                           source_dtype=source_dtype)
+                           source_dtype=source_dtype, residual=residual, residual_valid=residual_valid)
 
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)

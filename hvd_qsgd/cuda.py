@@ -40,10 +40,18 @@ def _stream_handle(torch, device):
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
+_DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # qsgd_dtype
+
+
 def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, name="tensor",
-           source_dtype=None):
-    """Encode a CUDA tensor (float32, float16 or bfloat16; converted to float32) into a uint8 CUDA
-    tensor holding the payload. ``source_dtype`` overrides the dtype recorded in the header."""
+           source_dtype=None, residual=None, residual_valid=True):
+    """Encode a CUDA tensor (float32, float16 or bfloat16, read natively: no fp32 copy) into a uint8
+    CUDA tensor holding the payload. ``source_dtype`` overrides the dtype recorded in the header.
+
+    With ``residual`` (a contiguous float32 CUDA tensor of x's size), error feedback in the same pass:
+    the payload is that of v = x + residual (of x alone when ``residual_valid`` is False: a new
+    residual), and ``residual`` becomes v - decode(payload) wherever that is finite (keeping its
+    value, or 0 when it was not valid, elsewhere): the values ``decode_sum`` of the payload gives."""
     import torch
     if not x.is_cuda:
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
@@ -52,12 +60,17 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
     cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum,
                             source_dtype or dtype_name)
-    flat = x.detach().reshape(-1).to(torch.float32).contiguous()
+    flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
+    if residual is not None and (not residual.is_cuda or residual.dtype != torch.float32 or residual.numel() != n
+                                 or not residual.is_contiguous() or residual.device != flat.device):
+        raise ValueError(f"{name}: residual must be a contiguous float32 tensor of {n} elements on {flat.device}")
     cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
-    st = _lib().qsgd_encode_cuda(ctypes.c_void_p(flat.data_ptr()), n, ctypes.byref(cfg),
-                                 ctypes.c_void_p(out.data_ptr()), cap, _stream_handle(torch, x.device))
+    st = _lib().qsgd_encode_ex_cuda(ctypes.c_void_p(flat.data_ptr()), _DTYPES[dtype_name], n, ctypes.byref(cfg),
+                                    None if residual is None else ctypes.c_void_p(residual.data_ptr()),
+                                    int(bool(residual_valid)), ctypes.c_void_p(out.data_ptr()), cap,
+                                    _stream_handle(torch, x.device))
     if st != _native.OK:
         raise EncodeError(f"{name}: CUDA encode failed: {_native.status_string(st)}", st)
     return out

@@ -220,6 +220,15 @@ int32_t qsgd_cuda_device_count(void);
  * qsgd_fixed_nbytes(...). Bit-identical to qsgd_encode_cpu for the same input and config. */
 int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                          uint64_t cap, void* stream);
+/* qsgd_encode_cuda generalized: x holds numel elements of type x_dtype (QSGD_DTYPE_F32, _F16 or
+ * _BF16), read natively and converted exactly to fp32 (cfg->dtype is only what the header records).
+ * With residual (device float32[numel], 4-byte aligned) not null, error feedback in the same pass:
+ *   v = x + residual (fp32; when residual_valid is 0 the buffer is not read: v = x, residual 0),
+ *   q = encode(v) into out,  residual[i] = v[i] - decode(q)[i]  where that is finite, else
+ *   residual[i] keeps its value (0 when residual_valid is 0),
+ * decode(q) being qsgd_decode_sum_cuda's 1 * (0 + value); bit-identical to those steps on the CPU. */
+int32_t qsgd_encode_ex_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,
+                            float* residual, int32_t residual_valid, uint8_t* out, uint64_t cap, void* stream);
 /* Decode-and-accumulate on the device. `headers` are the payloads' headers, parsed and checked on
  * the host (qsgd_parse_header on a host copy of the first QSGD_HEADER_BYTES of each payload);
  * `d_payloads` is a host array of device pointers. Checksums and padding are verified on the device;

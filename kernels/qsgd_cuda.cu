@@ -10,8 +10,12 @@
  *               thread per group of 8 output elements, payloads summed in order p = 0, 1, ...
  */
 #include <cuda_runtime.h>
+#if defined(__CUDACC__)
+#include <cuda_fp16.h>
+#endif
 
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "qsgd.h"
@@ -47,48 +51,105 @@ __global__ void header_kernel(uint8_t* out, qsgd_config cfg, uint64_t numel, uin
   qsgd_write_header(out, &cfg, numel, len, 0);
 }
 
+/* ---- the input of the encoder: fp32, fp16 or bf16 elements read natively, + an fp32 residual ---- */
+struct f16_t {
+  uint16_t bits;
+};
+struct bf16_t {
+  uint16_t bits;
+};
+/* Exact conversions to fp32 (every fp16 and bf16 value is an fp32 value). */
+__host__ __device__ __forceinline__ float to_f32(float v) { return v; }
+__host__ __device__ __forceinline__ float to_f32(bf16_t v) { return qsgd_u2f((uint32_t)v.bits << 16); }
+__host__ __device__ __forceinline__ float to_f32(f16_t v) {
+#if defined(__CUDA_ARCH__)
+  return __half2float(__ushort_as_half(v.bits));
+#else
+  const uint32_t sign = (uint32_t)(v.bits & 0x8000u) << 16, e = (v.bits >> 10) & 0x1Fu, m = v.bits & 0x3FFu;
+  if (e == 0x1F) return qsgd_u2f(sign | 0x7F800000u | (m << 13));     /* Inf, NaN */
+  if (e == 0) {                                                       /* zero, subnormal: m * 2^-24 */
+    const float f = (float)m * 5.9604644775390625e-8f;
+    return sign ? -f : f;
+  }
+  return qsgd_u2f(sign | ((e + 112u) << 23) | (m << 13));
+#endif
+}
+
+/* Eight consecutive elements of x from one 16-byte aligned address, as fp32. */
+__device__ __forceinline__ void load8_vec(const float* x, float* v) {
+  const float4 a = reinterpret_cast<const float4*>(x)[0];
+  const float4 b = reinterpret_cast<const float4*>(x)[1];
+  v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+}
+template <typename H>
+__device__ __forceinline__ void load8_vec(const H* x, float* v) { /* fp16, bf16: one 16-byte load */
+  const uint4 w = *reinterpret_cast<const uint4*>(x);
+  const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+  for (int k = 0; k < 4; ++k) {
+    v[2 * k] = to_f32(H{(uint16_t)(words[k] & 0xFFFFu)});
+    v[2 * k + 1] = to_f32(H{(uint16_t)(words[k] >> 16)});
+  }
+}
+
+/* What the encoder quantizes: v[i] = x[i] (as fp32), or with error feedback (EF) v[i] = x[i] + r[i]
+ * in fp32 when the residual r is valid (else v[i] = x[i] and the residual counts as 0). vec: x and r
+ * are 16-byte aligned, so whole groups of 8 are read in 16-byte loads. */
+template <typename T, bool EF>
+struct Source {
+  const T* __restrict__ x;
+  float* __restrict__ r;
+  bool valid;
+  bool vec;
+  __device__ __forceinline__ float at(uint64_t i) const {
+    const float v = to_f32(x[i]);
+    return EF && valid ? v + r[i] : v;
+  }
+  /* v[0 .. n) of the group at i0 (i0 a multiple of 8) */
+  __device__ __forceinline__ void load8(uint64_t i0, int n, float* v) const {
+    if (vec && n == 8) {
+      load8_vec(x + i0, v);
+      if (EF && valid) {
+        float e[8];
+        load8_vec(r + i0, e);
+        for (int j = 0; j < 8; ++j) v[j] = v[j] + e[j];
+      }
+    } else {
+      for (int j = 0; j < n; ++j) v[j] = at(i0 + j);
+    }
+  }
+};
+
 /* The scale of bucket [lo, hi), computed by the 32 lanes of one warp (lane j reads elements lo + j,
  * lo + j + 32, ... in order; the sums fold lane j += lane j ^ off, off = 16, 8, 4, 2, 1, which is the
  * fold of qsgd_math.h on lane 0 and, the additions being commutative, the same value on every lane).
  * Every lane returns the scale. The whole warp must call it. */
-__device__ __forceinline__ float warp_bucket_scale(const float* __restrict__ x, uint64_t lo, uint64_t hi, int norm,
-                                                   int lane) {
+template <class Src>
+__device__ __forceinline__ float warp_bucket_scale(const Src& src, uint64_t lo, uint64_t hi, int norm, int lane) {
   uint32_t m = 0;
-  for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(x[i]) & 0x7FFFFFFFu);
+  for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(src.at(i)) & 0x7FFFFFFFu);
   for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
   if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
   double acc = 0.0;
-  for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(x[i], norm);
+  for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(src.at(i), norm);
   for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
   return norm == QSGD_NORM_SIGN ? qsgd_scale_from_l1(acc, hi - lo, m) : qsgd_scale_from_sumsq(acc, m);
 }
 
-/* One warp per bucket (the general path: any bucket size). */
+/* One warp per bucket (the general path: any bucket size; fp32 input). */
 __global__ void scales_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, int norm,
                               uint64_t nb, float* __restrict__ scales) {
   const uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x & 31;
   if (b >= nb) return; /* whole warps exit together: b is uniform in a warp */
   const uint64_t lo = b * B;
-  const float scale = warp_bucket_scale(x, lo, umin64(numel, lo + B), norm, lane);
+  const Source<float, false> src{x, nullptr, false, false};
+  const float scale = warp_bucket_scale(src, lo, umin64(numel, lo + B), norm, lane);
   if (lane == 0) scales[b] = scale;
 }
 
 /* i / B: a 32-bit division where i fits (the 64-bit one is several times dearer on the GPU). */
 __device__ __forceinline__ uint64_t div_bucket(uint64_t i, uint32_t B) {
   return i <= 0xFFFFFFFFull ? (uint64_t)((uint32_t)i / B) : i / B;
-}
-
-/* x[i0 .. i0 + n) into v; two 16-byte loads when the group is whole and x is 16-byte aligned
- * (i0 is a multiple of 8, so x + i0 is then 32-byte aligned too). */
-__device__ __forceinline__ void load8(const float* __restrict__ x, uint64_t i0, int n, bool vec, float* v) {
-  if (vec && n == 8) {
-    const float4 a = reinterpret_cast<const float4*>(x + i0)[0];
-    const float4 b = reinterpret_cast<const float4*>(x + i0)[1];
-    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
-  } else {
-    for (int j = 0; j < n; ++j) v[j] = x[i0 + j];
-  }
 }
 
 template <int BITS>
@@ -169,43 +230,61 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
  * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
  * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. The max norm reads
  * the bucket in the groups' 16-byte loads (a maximum is the same in any order); the L2 and sign
- * norms keep the lane order of warp_bucket_scale. Grid-stride over the buckets; warps stay whole,
- * as the shuffles need. */
-template <int BITS, bool SIGN>
-__global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS) encode_buckets_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
-                                      int norm, uint64_t nb, float* __restrict__ scales,
-                                      uint8_t* __restrict__ data, bool vec) {
+ * norms keep the lane order of warp_bucket_scale. With error feedback (EF) each element's new
+ * residual is written in the same pass: v - 1 * (0 + decode(code)), exactly what decode_sum of the
+ * payload gives, where that is finite (else the residual keeps its value; 0 where none was valid).
+ * Grid-stride over the buckets; warps stay whole, as the shuffles need. */
+template <int BITS, bool SIGN, typename T, bool EF>
+__global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
+    encode_buckets_kernel(const Source<T, EF> src, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
+                          float* __restrict__ scales, uint8_t* __restrict__ data) {
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
   const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
+  const float s = (float)qsgd_levels_of(BITS);
   for (uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < nb; b += warps) {
     const uint64_t lo = b * B, hi = umin64(numel, lo + B);
     float scale;
-    if (norm == QSGD_NORM_MAX && vec) {
+    if (norm == QSGD_NORM_MAX && src.vec) {
       uint32_t m = 0;
       for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
         const int n = (int)umin64(8, hi - i0);
         float v[8];
-        load8(x, i0, n, vec, v);
+        src.load8(i0, n, v);
         for (int j = 0; j < n; ++j) m = max(m, __float_as_uint(v[j]) & 0x7FFFFFFFu);
       }
       for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
       scale = qsgd_scale_from_absmax_bits(m);
     } else {
-      scale = warp_bucket_scale(x, lo, hi, norm, lane);
+      scale = warp_bucket_scale(src, lo, hi, norm, lane);
     }
     if (lane == 0) scales[b] = scale;
     const bool q = qsgd_scale_quantizes(scale); /* else all-zero codes */
+    const float step = qsgd_step_of(scale, s);  /* EF: the decoder's step */
     for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
       const int n = (int)umin64(8, hi - i0);
       uint64_t codes = 0;
+      float v[8];
+      if (q || EF) src.load8(i0, n, v);
       if (q) {
-        float v[8];
-        load8(x, i0, n, vec, v);
         const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
         codes = quantize_group<BITS, SIGN>(v, n, (uint32_t)i0, scale, key);
       }
       store_codes<BITS>(data, i0, n, codes);
+      if (EF) {
+        float e[8];
+        for (int j = 0; j < n; ++j) {
+          const float d = v[j] - 1.0f * (0.0f + dequantize_dev<BITS>((uint32_t)(codes >> (j * BITS)) & ((1u << BITS) - 1u), step));
+          const float keep = src.valid ? src.r[i0 + j] : 0.0f;
+          e[j] = (qsgd_f2u(d) & 0x7F800000u) != 0x7F800000u ? d : keep;
+        }
+        if (src.vec && n == 8) {
+          reinterpret_cast<float4*>(src.r + i0)[0] = make_float4(e[0], e[1], e[2], e[3]);
+          reinterpret_cast<float4*>(src.r + i0)[1] = make_float4(e[4], e[5], e[6], e[7]);
+        } else {
+          for (int j = 0; j < n; ++j) src.r[i0 + j] = e[j];
+        }
+      }
     }
   }
 }
@@ -403,15 +482,52 @@ void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int 
   if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, norm, scales, data);
 }
 
-template <int BITS>
-void launch_encode_buckets(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
-                           float* scales, uint8_t* data, bool vec, cudaStream_t st) {
+template <int BITS, typename T, bool EF>
+void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
+                           float* scales, uint8_t* data, cudaStream_t st) {
   if (!nb) return;
   const unsigned blocks = (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks);
   if (BITS == 1 && norm == QSGD_NORM_SIGN)
-    QSGD_LAUNCH((encode_buckets_kernel<BITS, true>), blocks, kThreads, st)(x, numel, B, seed, norm, nb, scales, data, vec);
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, true, T, EF>), blocks, kThreads, st)(src, numel, B, seed, norm, nb, scales,
+                                                                                 data);
   else
-    QSGD_LAUNCH((encode_buckets_kernel<BITS, false>), blocks, kThreads, st)(x, numel, B, seed, norm, nb, scales, data, vec);
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, false, T, EF>), blocks, kThreads, st)(src, numel, B, seed, norm, nb, scales,
+                                                                                  data);
+}
+
+/* f(std::integral_constant<int, bits>{}) for bits in 1..8 */
+template <class F>
+void with_bits(int bits, F&& f) {
+  switch (bits) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+/* The fused encoder on x of element type T, with (EF) or without error feedback. */
+template <typename T, bool EF>
+void launch_fused(const void* x, float* residual, bool valid, bool vec, uint64_t numel, const qsgd_config* cfg,
+                  uint64_t nb, float* scales, uint8_t* data, cudaStream_t st) {
+  const Source<T, EF> src{static_cast<const T*>(x), residual, valid, vec};
+  with_bits(cfg->bits, [&](auto b) {
+    launch_encode_buckets<decltype(b)::value>(src, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb, scales, data, st);
+  });
+}
+
+/* out[i] = to_f32(x[i]) (+ r[i] when r is not null): the general path's fp32 input. */
+template <typename T>
+__global__ void to_f32_kernel(const T* __restrict__ x, const float* __restrict__ r, float* __restrict__ out, uint64_t n) {
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    const float v = to_f32(x[i]);
+    out[i] = r ? v + r[i] : v;
+  }
 }
 
 template <int BITS>
@@ -452,25 +568,58 @@ extern "C" int32_t qsgd_cuda_device_count(void) {
   return n;
 }
 
-static int32_t encode_impl(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out, uint64_t cap,
-                           cudaStream_t s) {
+static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
+                               float alpha, float* out, uint64_t n, int32_t accumulate, int32_t* d_status,
+                               bool reset_status, cudaStream_t s);
+
+/* The payload of x (x_dtype elements, read natively) and, with a residual, error feedback
+ * (qsgd_encode_ex_cuda in qsgd.h). Bucket sizes that are multiples of 8 take the fused kernel; the
+ * others the general path, composed of the same steps (conversion, scales, pack, decode, keep). */
+static int32_t encode_core(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg, float* residual,
+                           bool valid, uint8_t* out, uint64_t cap, cudaStream_t s) {
   const int32_t st = qsgd_check_config(cfg);
   if (st != QSGD_OK) return st;
   if (cfg->coding != QSGD_CODING_FIXED) return QSGD_E_ARG; /* Elias coding is CPU only */
+  if (x_dtype != QSGD_DTYPE_F32 && x_dtype != QSGD_DTYPE_F16 && x_dtype != QSGD_DTYPE_BF16) return QSGD_E_ARG;
   if (!out || ((uintptr_t)out & 3) || (numel && !x) || numel > (1ull << 56)) return QSGD_E_ARG;
+  if (residual && ((uintptr_t)residual & 3)) return QSGD_E_ARG;
   const uint64_t len = fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (cap < len) return QSGD_E_CAPACITY;
   const uint64_t nb = qsgd_num_buckets(numel, cfg->bucket_size);
   float* scales = reinterpret_cast<float*>(out + QSGD_HEADER_BYTES);
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
+  const bool ef = residual != nullptr && numel;
+  valid = valid && ef;
   QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len);
+  uint8_t* tmp = nullptr; /* the general path's fp32 copy of v, then its new residual, then a status */
   if (cfg->bucket_size % 8 == 0) {
-    const bool vec = ((uintptr_t)x & 15) == 0;
-    QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb,
-                       scales, data, vec, s);
+    const bool vec = ((uintptr_t)x & 15) == 0 && (!ef || ((uintptr_t)residual & 15) == 0);
+    if (x_dtype == QSGD_DTYPE_F32)
+      ef ? launch_fused<float, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, s)
+         : launch_fused<float, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, s);
+    else if (x_dtype == QSGD_DTYPE_F16)
+      ef ? launch_fused<f16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, s)
+         : launch_fused<f16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, s);
+    else
+      ef ? launch_fused<bf16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, s)
+         : launch_fused<bf16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, s);
   } else {
-    if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x, numel, cfg->bucket_size, cfg->norm, nb, scales);
-    QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
+    const float* x32 = static_cast<const float*>(x);
+    if (x_dtype != QSGD_DTYPE_F32 || ef) {
+      const unsigned blocks = (unsigned)umin64(blocks_for(numel), 4096);
+      const float* r = valid ? residual : nullptr;
+      QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&tmp), 4 * numel + 16, s));
+      float* v = reinterpret_cast<float*>(tmp);
+      if (x_dtype == QSGD_DTYPE_F16)
+        QSGD_LAUNCH(to_f32_kernel<f16_t>, blocks, kThreads, s)(static_cast<const f16_t*>(x), r, v, numel);
+      else if (x_dtype == QSGD_DTYPE_BF16)
+        QSGD_LAUNCH(to_f32_kernel<bf16_t>, blocks, kThreads, s)(static_cast<const bf16_t*>(x), r, v, numel);
+      else
+        QSGD_LAUNCH(to_f32_kernel<float>, blocks, kThreads, s)(static_cast<const float*>(x), r, v, numel);
+      x32 = v;
+    }
+    if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x32, numel, cfg->bucket_size, cfg->norm, nb, scales);
+    QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x32, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
   }
   if (cfg->flags & QSGD_FLAG_CHECKSUM) {
     unsigned long long* sum = nullptr;
@@ -481,8 +630,35 @@ static int32_t encode_impl(const float* x, uint64_t numel, const qsgd_config* cf
     QSGD_LAUNCH(checksum_store_kernel, 1, 1, s)(out, len, sum);
     QSGD_CUDA_TRY(cudaFreeAsync(sum, s));
   }
+  if (tmp && ef) { /* the general path's error feedback: tmp = v + (-1) * decode(q), kept where finite */
+    float* v = reinterpret_cast<float*>(tmp);
+    int32_t* d_status = reinterpret_cast<int32_t*>(tmp + (4 * numel + 15) / 16 * 16);
+    qsgd_header h{};
+    h.magic = QSGD_MAGIC;
+    h.version = QSGD_WIRE_VERSION;
+    h.coding = QSGD_CODING_FIXED;
+    h.bits = (uint8_t)cfg->bits;
+    h.norm = (uint8_t)cfg->norm;
+    h.dtype = (uint8_t)cfg->dtype;
+    h.flags = (uint8_t)(cfg->flags & ~(uint32_t)QSGD_FLAG_CHECKSUM);
+    h.bucket_size = cfg->bucket_size;
+    h.numel = numel;
+    h.payload_len = len;
+    h.fingerprint = cfg->fingerprint;
+    const uint8_t* q = out;
+    int32_t st2 = decode_sum_impl(&q, &h, 1, -1.0f, v, numel, 1, d_status, true, s);
+    if (st2 != QSGD_OK) return st2;
+    if (!valid) QSGD_CUDA_TRY(cudaMemsetAsync(residual, 0, 4 * numel, s));
+    QSGD_LAUNCH(keep_finite_kernel, (unsigned)umin64(blocks_for(numel), 4096), kThreads, s)(v, residual, numel, d_status);
+  }
+  if (tmp) QSGD_CUDA_TRY(cudaFreeAsync(tmp, s));
   QSGD_CUDA_TRY(cudaGetLastError());
   return QSGD_OK;
+}
+
+static int32_t encode_impl(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out, uint64_t cap,
+                           cudaStream_t s) {
+  return encode_core(x, QSGD_DTYPE_F32, numel, cfg, nullptr, false, out, cap, s);
 }
 
 /* qsgd_decode_sum_cuda; reset_status false keeps *d_status as it is (a failure already there stays, and
@@ -546,6 +722,12 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
                                         int32_t accumulate, int32_t* d_status, void* stream) {
   return decode_sum_impl(d_payloads, headers, count, alpha, out, n, accumulate, d_status, true,
                          static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int32_t qsgd_encode_ex_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,
+                                       float* residual, int32_t residual_valid, uint8_t* out, uint64_t cap,
+                                       void* stream) {
+  return encode_core(x, x_dtype, numel, cfg, residual, residual_valid != 0, out, cap, static_cast<cudaStream_t>(stream));
 }
 
 /* ---- the chunk steps of scatter_allgather (qsgd.h; the CPU library's qsgd_chunks.cc) ---------- */

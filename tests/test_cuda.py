@@ -46,6 +46,16 @@ class GpuBackend:
         return y.cpu().numpy()
 
 
+    def encode_ex(self, x, dtype, residual=None, valid=True, **kw):
+        """x: float32/float16 array, or uint16 bit patterns of bfloat16 (dtype says which)."""
+        t = torch.from_numpy(x.view(np.int16)).cuda().view(torch.bfloat16) if dtype == "bfloat16" else \
+            torch.from_numpy(x).cuda()
+        r = None if residual is None else torch.from_numpy(residual).cuda()
+        p = self.cuda.encode(t, residual=r, residual_valid=valid, **kw)
+        if residual is not None:
+            residual[:] = r.cpu().numpy()
+        return p.cpu().numpy()
+
     def encode_chunks(self, x, n, **kw):
         buf, lens = self.cuda.encode_chunks(torch.from_numpy(x).cuda(), n, **kw)
         return buf.cpu().numpy(), lens
@@ -113,6 +123,17 @@ class EmulatedBackend:
         cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum)
         cfg.seed = step_seed
         return cfg
+
+    def encode_ex(self, x, dtype, residual=None, valid=True, bits=4, bucket_size=512, norm="max", seed=0,
+                  source_dtype=None):
+        cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", 0, True, source_dtype or dtype)
+        cap = codec.payload_nbytes(x.size, bits, bucket_size)
+        out = np.zeros(cap + 8, np.uint8)[:cap]
+        st = self.lib.qsgd_encode_ex_cuda(x.ctypes.data, {"float32": 0, "float16": 1, "bfloat16": 2}[dtype], x.size,
+                                          ctypes.byref(cfg), None if residual is None else residual.ctypes.data,
+                                          int(valid), out.ctypes.data, cap, None)
+        assert st == 0, _native.status_string(st)
+        return out
 
     def encode_chunks(self, x, n, **kw):
         cfg = self._cfg(**kw)
@@ -401,3 +422,97 @@ def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(de
     fh, eh = cpu.reduce_received(bad, splits, 0, s, 500, expect, "t")
     fd, ed = gpu.reduce_received(torch.from_numpy(bad).to(device), splits, 0, s, 500, expect, "t")
     assert fh.size == 8 and fd.numel() == 8 and type(ed) is type(eh), (eh, ed)
+
+
+# ---- half-precision input and error feedback fused into the encoder ------------------------------------
+def _as_fp32(x, dtype):
+    """What the encoder reads x as: float16 exactly converted, bfloat16 given as its uint16 bits."""
+    if dtype == "bfloat16":
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x.astype(np.float32)
+
+
+def _half_inputs(dtype, n, rng):
+    x = (rng.standard_normal(n) * rng.choice([1e-6, 1e-2, 1, 300], size=n)).astype(np.float32)
+    x[::97] = 0.0
+    x[5::101] = -0.0
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        if n > 1000:
+            h[7] = np.float16(6e-8)  # a subnormal
+            h[n // 2] = np.inf
+        return h
+    if dtype == "bfloat16":
+        return (x.view(np.uint32) >> 16).astype(np.uint16)
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("bucket", [512, 100, 8])
+def test_half_precision_input_is_read_natively_and_encodes_as_its_fp32_value(backend, dtype, bucket):
+    rng = np.random.default_rng(21)
+    for n in (0, 1, 9, 4099):
+        x = _half_inputs(dtype, n, rng)
+        for bits, norm in ((4, "max"), (8, "l2"), (1, "sign"), (3, "max")):
+            want = codec.encode(_as_fp32(x, dtype), bits=bits, bucket_size=bucket, norm=norm, seed=n,
+                                source_dtype=dtype)
+            got = backend.encode_ex(x, dtype, bits=bits, bucket_size=bucket, norm=norm, seed=n)
+            np.testing.assert_array_equal(got, want, err_msg=f"{dtype} n={n} bits={bits} {norm}")
+
+
+def _ef_reference(x32, residual, valid, **kw):
+    """The unfused steps on the CPU: v = x (+ r), q = encode(v), r' = v - decode(q) where finite."""
+    v = x32 + residual if valid else x32.copy()
+    q = codec.encode(v, **kw)
+    with np.errstate(invalid="ignore"):
+        d = v - codec.decode(q)
+    keep = residual if valid else np.zeros_like(residual)
+    return q, np.where(np.isfinite(d), d, keep).astype(np.float32)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("bucket", [512, 100])
+def test_error_feedback_fused_into_encode_equals_the_unfused_steps(backend, dtype, bucket):
+    rng = np.random.default_rng(8)
+    n = 5003
+    x = _half_inputs(dtype, n, rng)
+    x32 = _as_fp32(x, dtype)
+    if dtype == "float32":
+        x[200], x[3000] = np.nan, np.inf  # their buckets decode non-finite: the residual keeps its value there
+        x32 = x
+    for valid in (True, False):
+        for bits, norm in ((4, "max"), (2, "l2"), (8, "max"), (1, "sign")):
+            kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=3)
+            r0 = (rng.standard_normal(n) * 1e-2).astype(np.float32)
+            r0[::50] = -0.0
+            want_q, want_r = _ef_reference(x32, r0, valid, source_dtype=dtype, **kw)
+            r = r0.copy() if valid else np.full(n, 7.0, np.float32)  # not valid: never read
+            got_q = backend.encode_ex(x, dtype, residual=r, valid=valid, **kw)
+            where = f"{dtype} bits={bits} {norm} valid={valid}"
+            np.testing.assert_array_equal(got_q, want_q, err_msg=where)
+            np.testing.assert_array_equal(r.view(np.uint32), want_r.view(np.uint32), err_msg=where)
+            assert np.any(want_r != r0), "the residual never changed: the comparison proves nothing"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_cuda_backend_encodes_half_precision_and_fuses_error_feedback_as_the_cpu_backend(device, dtype):
+    """backends.CudaBackend.encode on a CUDA tensor of its own dtype, with and without a residual,
+    against backends.CpuBackend.encode on its fp32 value: payloads and residuals bit for bit."""
+    from hvd_qsgd import backends
+    from hvd_qsgd.settings import Settings
+    rng = np.random.default_rng(5)
+    x = _half_inputs(dtype, 300_001, rng)
+    x32 = _as_fp32(x, dtype)
+    t = (torch.from_numpy(x.view(np.int16)).to(device).view(torch.bfloat16) if dtype == "bfloat16"
+         else torch.from_numpy(x).to(device))
+    for bucket in (512, 100):
+        s = Settings.make(bits=4, bucket_size=bucket, error_feedback=True)
+        np.testing.assert_array_equal(backends.CUDA.encode(t, s, 9, 3, dtype, "t").cpu().numpy(),
+                                      backends.CPU.encode(x32, s, 9, 3, dtype, "t"))
+        r_cpu = (rng.standard_normal(x.size) * 1e-3).astype(np.float32)
+        r_dev = torch.from_numpy(r_cpu).to(device)
+        for step in range(3):  # a new residual, then two steps that read and rewrite it
+            q_cpu = backends.CPU.encode(x32, s, step, 3, dtype, "t", residual=r_cpu, residual_valid=step > 0)
+            q_dev = backends.CUDA.encode(t, s, step, 3, dtype, "t", residual=r_dev, residual_valid=step > 0)
+            np.testing.assert_array_equal(q_dev.cpu().numpy(), q_cpu)
+            np.testing.assert_array_equal(r_dev.cpu().numpy().view(np.uint32), r_cpu.view(np.uint32))

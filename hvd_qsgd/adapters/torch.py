@@ -231,17 +231,41 @@ class QSGD(Compressor):
 
     def _encode_allgather(self, tensor, ctx):
         """Encode the tensor (+ residual; update the residual); its allgather starts once the
-        presence allreduce has shown that no rank has joined."""
+        presence allreduce has shown that no rank has joined. On the device the tensor is read in its
+        own dtype and error feedback is fused into the encoder (``_encode_on_device``)."""
         s, where, b = ctx.settings, ctx.where, ctx.backend
-        x32 = self._flat32(tensor, ctx)
-        payload = b.encode(self._backend_view(x32, ctx), s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype,
-                           where)
-        if s.error_feedback:
-            self._set_residual(ctx, x32 - _as_torch(b.decode(payload, where)))
+        payload = self._encode_on_device(tensor, ctx) if b is backends.CUDA else None
+        if payload is None:
+            x32 = self._flat32(tensor, ctx)
+            payload = b.encode(self._backend_view(x32, ctx), s, ctx.step_seed, ctx.expect.fingerprint,
+                               ctx.expect.dtype, where)
+            if s.error_feedback:
+                self._set_residual(ctx, x32 - _as_torch(b.decode(payload, where)))
         payload = _as_torch(payload)
         if payload.is_cuda and not hvd.nccl_built():
             payload = payload.cpu()
         ctx.payload, ctx.own_len = payload, payload.numel()
+
+    def _encode_on_device(self, tensor, ctx):
+        """The payload of a CUDA tensor in one pass (``CudaBackend.encode``): read in its dtype, with
+        error feedback's residual read and rewritten in place. None where the residual must first be
+        rescaled for a new learning rate (then the unfused steps run, also on the device)."""
+        s, x = ctx.settings, tensor.detach().reshape(-1)
+        if not s.error_feedback:
+            return ctx.backend.encode(x, s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype, ctx.where)
+        key = ctx.route.residual_key
+        old = self.residuals.get(key)
+        if old is None:
+            buf = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        else:
+            self._check_residual(old, x, ctx)
+            if self.residuals.factor(key, ctx.lr) != 1.0:
+                return None
+            buf = old.to(device=x.device, dtype=torch.float32).contiguous()  # a copy unless it is one already
+        payload = ctx.backend.encode(x, s, ctx.step_seed, ctx.expect.fingerprint, ctx.expect.dtype, ctx.where,
+                                     residual=buf, residual_valid=old is not None)
+        self.residuals.keep(key, buf, ctx.lr)
+        return payload
 
     def _encode_scatter(self, tensor, ctx):
         """Phase 1's payloads: the n chunks of the tensor (+ residual; update the residual)."""
@@ -477,17 +501,21 @@ class QSGD(Compressor):
         keep = torch.zeros((), dtype=new.dtype, device=new.device) if old is None else old.to(new.device)
         self.residuals.keep(key, torch.where(torch.isfinite(new), new, keep), ctx.lr)
 
+    @staticmethod
+    def _check_residual(residual, x, ctx):
+        if residual.numel() != x.numel():
+            raise protocol.MismatchError(
+                f"{ctx.where}: its error-feedback residual (position {ctx.route.residual_key!r}) has "
+                f"{residual.numel()} elements, the tensor {x.numel()}: the tensors handed to the "
+                "compressor changed order between steps; pass named_parameters= to the compressor")
+
     def _with_residual(self, x32, ctx):
         """x32 + the tensor's residual, rescaled by lr_made / lr_now."""
         key = ctx.route.residual_key
         residual = self.residuals.get(key) if ctx.settings.error_feedback else None
         if residual is None:
             return x32
-        if residual.shape != x32.shape:
-            raise protocol.MismatchError(
-                f"{ctx.where}: its error-feedback residual (position {key!r}) has "
-                f"{residual.numel()} elements, the tensor {x32.numel()}: the tensors handed to the "
-                "compressor changed order between steps; pass named_parameters= to the compressor")
+        self._check_residual(residual, x32, ctx)
         factor = self.residuals.factor(key, ctx.lr)
         residual = residual.to(x32.device)
         return x32 + (residual if factor == 1.0 else residual * factor)

@@ -104,6 +104,9 @@ inline T __shfl_xor_sync(unsigned, T v, int off) {
 struct alignas(16) float4 {
   float x, y, z, w;
 };
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+};
 inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
 
 inline unsigned __float_as_uint(float f) {
