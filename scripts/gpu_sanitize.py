@@ -33,6 +33,15 @@ def main():
                             if not np.array_equal(out.cpu().numpy(), want, equal_nan=True):
                                 sys.exit(f"decode_sum differs: n={n} {kw}")
                         cases += 1
+    # half-precision input and error feedback fused into the encoder (both bucket paths)
+    for bucket in (512, 100):
+        x = torch.from_numpy(rng.standard_normal(4099).astype(np.float32)).cuda()
+        for xin in (x, x.half(), x.bfloat16()):
+            residual = torch.zeros(4099, device="cuda")
+            for valid in (False, True):
+                cuda.encode(xin, 4, bucket, residual=residual, residual_valid=valid)
+            cuda.encode(xin, 2, bucket)
+            cases += 1
     # the chunk steps of scatter_allgather (odd chunk lengths, empty chunks, server residual)
     for bits, bucket, n, numel in ((4, 512, 4, 3001), (3, 7, 3, 700), (2, 128, 6, 300)):
         xs = [torch.from_numpy(rng.standard_normal(numel).astype(np.float32)).cuda() for _ in range(n)]
