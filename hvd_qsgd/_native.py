@@ -276,6 +276,8 @@ def declare_cuda_chunks(lib):
     H = ctypes.POINTER(CHeader)
     lib.qsgd_encode_ex_cuda.restype = _I32
     lib.qsgd_encode_ex_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _I32, _P, _U64, _P]
+    lib.qsgd_encode_elias_cuda.restype = _I32
+    lib.qsgd_encode_elias_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _U64, ctypes.POINTER(_U64), _P]
     lib.qsgd_encode_chunks_cuda.restype = _I32
     lib.qsgd_encode_chunks_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, ctypes.POINTER(_U64), _P]
     lib.qsgd_reduce_chunk_cuda.restype = _I32

@@ -91,9 +91,10 @@ class CpuBackend:
 
 
 class CudaBackend:
-    """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
-    decode-sum, and the chunk steps of scatter_allgather. Elias coding and server error feedback have
-    no CUDA path yet; ``missing`` names what an exchange would need that is not here."""
+    """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): encode and decode-sum of both
+    codings, and the chunk steps of scatter_allgather (fixed coding). The Elias coding's chunk steps
+    and server error feedback have no CUDA path yet; ``missing`` names what an exchange would need
+    that is not here."""
 
     name = "cuda"
 
@@ -103,8 +104,8 @@ class CudaBackend:
         if not cuda.available():
             return "the CUDA kernels are not available (" + (
                 "no CUDA device is visible" if cuda.built() else "the CUDA library was not built") + ")"
-        if settings.coding != "fixed":
-            return f"{settings.coding} coding has no CUDA kernel"
+        if settings.coding != "fixed" and exchange_reduction == "scatter_allgather":
+            return f"the {settings.coding} coding's chunk steps have no CUDA kernel"
         if exchange_reduction == "scatter_allgather" and getattr(settings, "server_error_feedback", False):
             return "server error feedback of scatter_allgather has no CUDA path"
         return None
@@ -115,13 +116,18 @@ class CudaBackend:
         natively, without an fp32 copy)."""
         s = settings
         return cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
-                           source_dtype=source_dtype, residual=residual, residual_valid=residual_valid)
+                           source_dtype=source_dtype, residual=residual, residual_valid=residual_valid,
+                           coding=s.coding)
 
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)
 
     def split(self, gathered, count: int, own_len: int, where: str) -> list:
-        """Fixed coding: every rank's payload has the length of this rank's."""
+        """Fixed coding: every rank's payload has the length of this rank's. Elias coding (lengths
+        differ): cut at each header's length (``cuda.split_payloads``). The coding is read from the
+        first payload's header (one byte of a small device-to-host copy)."""
+        if gathered.numel() >= codec.HEADER_BYTES and int(gathered[5:6].cpu()[0]) == 1:  # byte 5: coding
+            return cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
         if gathered.numel() != count * own_len:
             raise MismatchError(f"{where}: gathered {gathered.numel()} bytes from {count} ranks, "
                                 f"expected {count} payloads of {own_len} bytes")

@@ -44,7 +44,7 @@ _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # qsgd_dtype
 
 
 def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, name="tensor",
-           source_dtype=None, residual=None, residual_valid=True):
+           source_dtype=None, residual=None, residual_valid=True, coding="fixed"):
     """Encode a CUDA tensor (float32, float16 or bfloat16, read natively: no fp32 copy) into a uint8
     CUDA tensor holding the payload. ``source_dtype`` overrides the dtype recorded in the header.
 
@@ -73,6 +73,58 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
                                     _stream_handle(torch, x.device))
     if st != _native.OK:
         raise EncodeError(f"{name}: CUDA encode failed: {_native.status_string(st)}", st)
+    return out
+
+
+def _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype, residual,
+                  residual_valid):
+    import torch
+    if not x.is_cuda:
+        raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
+    dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
+    if dtype_name is None:
+        raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
+    flat = x.detach().reshape(-1).contiguous()
+    if residual is not None:  # the unfused steps of error feedback, each on the device
+        v = flat.float() + residual if residual_valid else flat.float()
+        q = _encode_elias(v, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype or dtype_name,
+                          None, True)
+        d = v - decode_sum([q], where=name)
+        keep = residual if residual_valid else torch.zeros((), dtype=torch.float32, device=v.device)
+        residual.copy_(torch.where(torch.isfinite(d), d, keep))
+        return q
+    cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum, source_dtype or dtype_name)
+    n = flat.numel()
+    cap = int(_native.load().qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size))
+    out = torch.empty(cap, dtype=torch.uint8, device=x.device)
+    out_len = ctypes.c_uint64()
+    st = _lib().qsgd_encode_elias_cuda(ctypes.c_void_p(flat.data_ptr()), _DTYPES[dtype_name], n, ctypes.byref(cfg),
+                                       ctypes.c_void_p(out.data_ptr()), cap, ctypes.byref(out_len),
+                                       _stream_handle(torch, x.device))
+    if st != _native.OK:
+        raise EncodeError(f"{name}: CUDA Elias encode failed: {_native.status_string(st)}", st)
+    return out[: out_len.value]
+
+
+def split_payloads(gathered, count, where="gathered payloads"):
+    """The ``count`` payloads of a uint8 CUDA tensor holding them back to back (an allgather's
+    result), cut at each header's length: one small device-to-host copy per payload (the lengths of
+    Elias payloads are in their headers only)."""
+    lib, out, off = _native.load(), [], 0
+    for r in range(count):
+        where_r = f"{where}: payload {r} of {count}"
+        rest = gathered.numel() - off
+        if rest < codec.HEADER_BYTES:
+            codec.raise_status(_native.E_TRUNCATED, where_r)
+        head = gathered[off: off + codec.HEADER_BYTES].cpu().numpy()
+        h = _native.CHeader()
+        st = lib.qsgd_parse_header(head.ctypes.data, rest, ctypes.byref(h))  # reads the header's 56 bytes only
+        if st != _native.OK:
+            codec.raise_status(st, where_r, head)
+        out.append(gathered[off: off + h.payload_len])
+        off += h.payload_len
+    if off != gathered.numel():
+        codec.raise_status(_native.E_LENGTH, f"{where}: {gathered.numel() - off} bytes after {count} payloads")
     return out
 
 

@@ -229,7 +229,13 @@ int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_config* cfg,
  * decode(q) being qsgd_decode_sum_cuda's 1 * (0 + value); bit-identical to those steps on the CPU. */
 int32_t qsgd_encode_ex_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,
                             float* residual, int32_t residual_valid, uint8_t* out, uint64_t cap, void* stream);
-/* Decode-and-accumulate on the device. `headers` are the payloads' headers, parsed and checked on
+/* The Elias coding on the device (cfg->coding QSGD_CODING_ELIAS; x as for qsgd_encode_ex_cuda, no
+ * residual): bit-identical to qsgd_encode_cpu. *out_len receives the payload's length, which depends
+ * on the data: the call waits for the stream once to learn it (QSGD_E_CAPACITY, with *out_len, when
+ * it exceeds cap; qsgd_elias_max_nbytes bounds it). */
+int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,
+                               uint8_t* out, uint64_t cap, uint64_t* out_len, void* stream);
+/* Decode-and-accumulate on the device (fixed or Elias coding). `headers` are the payloads' headers, parsed and checked on
  * the host (qsgd_parse_header on a host copy of the first QSGD_HEADER_BYTES of each payload);
  * `d_payloads` is a host array of device pointers. Checksums and padding are verified on the device;
  * a failure is written to *d_status (device int32, QSGD_OK on success) and `out` is left untouched

@@ -47,8 +47,8 @@ __host__ __device__ __forceinline__ uint64_t umax64(uint64_t a, uint64_t b) { re
     }                                      \
   } while (0)
 
-__global__ void header_kernel(uint8_t* out, qsgd_config cfg, uint64_t numel, uint64_t len) {
-  qsgd_write_header(out, &cfg, numel, len, 0);
+__global__ void header_kernel(uint8_t* out, qsgd_config cfg, uint64_t numel, uint64_t len, uint32_t segment_buckets) {
+  qsgd_write_header(out, &cfg, numel, len, segment_buckets);
 }
 
 /* ---- the input of the encoder: fp32, fp16 or bf16 elements read natively, + an fp32 residual ---- */
@@ -368,7 +368,7 @@ __global__ void verify_terms_kernel(const Jobs jobs,
 }
 
 __global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
-                                    int bits, const unsigned long long* __restrict__ sums,
+                                    int bits, int elias, const unsigned long long* __restrict__ sums,
                                     int32_t* __restrict__ status) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= count) return;
@@ -376,7 +376,7 @@ __global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
   if ((job.flags & QSGD_FLAG_CHECKSUM) && qsgd_checksum_final(sums[p], job.len) != job.checksum)
     atomicCAS(status, 0, QSGD_E_CHECKSUM);
   const uint64_t used_bits = (numel % 8) * (uint64_t)bits % 8;
-  if (used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
+  if (!elias && used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
 }
 
 /* One thread per group of 8 output elements; the payloads are added in order p = 0, 1, ... The
@@ -468,6 +468,221 @@ __global__ void keep_finite_kernel(const float* __restrict__ d, float* __restric
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
     if ((qsgd_f2u(d[i]) & 0x7F800000u) != 0x7F800000u) residual[i] = d[i];
+}
+
+/* ---- the Elias coding (docs/wire-format.md; the CPU library's qsgd_elias_cpu.cc) ----------------
+ * Encode: the codes (the fixed coding's levels: same scales, same random stream) one byte per
+ * element; then one thread per segment writes the segment's bit stream into a slot of its own (the
+ * segments are independent by the format's design), counting its bytes; a scan makes the segment
+ * table; the slots are copied into place. Decode: one thread per segment parses it, payload after
+ * payload, adding into an fp32 scratch sum; a last pass writes out only when every check passed. */
+
+/* The codes of elements [8g, 8g + 8), one byte each (any bucket size: the bucket is tracked per
+ * element, as in pack_kernel). */
+template <int BITS>
+__global__ void codes_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
+                             const float* __restrict__ scales, uint8_t* __restrict__ codes) {
+  const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  const uint64_t i0 = 8 * g;
+  if (i0 >= numel) return;
+  const uint64_t key = qsgd_page_key(seed, i0);
+  const float s = (float)qsgd_levels_of(BITS);
+  const int n = (int)umin64(8, numel - i0);
+  uint64_t b = div_bucket(i0, B);
+  uint32_t r = (uint32_t)(i0 - b * B);
+  float scale = scales[b];
+  for (int j = 0; j < n; ++j, ++r) {
+    if (r == B) scale = scales[++b], r = 0;
+    const uint64_t i = i0 + j;
+    codes[i] = qsgd_scale_quantizes(scale) ? (uint8_t)quantize_dev(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS) : 0;
+  }
+}
+
+/* Bits written least-significant first, flushed as whole 64-bit little-endian words into an 8-byte
+ * aligned slot owned by one thread. */
+struct DevBitWriter {
+  uint64_t* p;
+  uint64_t acc = 0;
+  int n = 0;
+  uint64_t total = 0;
+  __host__ __device__ __forceinline__ void bit(uint32_t b) {
+    acc |= (uint64_t)b << n;
+    ++total;
+    if (++n == 64) *p++ = acc, acc = 0, n = 0;
+  }
+  __host__ __device__ __forceinline__ void omega(uint64_t k) {
+    uint64_t groups[8];
+    int ng = 0;
+    while (k > 1) {
+      groups[ng++] = k;
+      k = (uint64_t)(qsgd_bit_width(k) - 1);
+    }
+    while (ng--) {
+      const uint64_t v = groups[ng];
+      for (int i = qsgd_bit_width(v) - 1; i >= 0; --i) bit((uint32_t)(v >> i) & 1u);
+    }
+    bit(0);
+  }
+  __host__ __device__ __forceinline__ void flush() {
+    if (n) *p = acc;
+  }
+};
+
+/* One thread per segment: its stream into slot sg (slot_words 64-bit words), its byte count. */
+__global__ void elias_write_kernel(const uint8_t* __restrict__ codes, uint64_t numel, uint32_t B, int bits,
+                                   uint64_t seg_buckets, uint64_t nb, uint64_t nseg, uint64_t* __restrict__ slots,
+                                   uint64_t slot_words, uint64_t* __restrict__ seg_bytes) {
+  const uint64_t sg = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (sg >= nseg) return;
+  DevBitWriter w{slots + sg * slot_words};
+  const uint32_t lmask = (1u << (bits - 1)) - 1u;
+  const uint64_t b1 = umin64(nb, (sg + 1) * seg_buckets);
+  for (uint64_t b = sg * seg_buckets; b < b1; ++b) {
+    const uint64_t lo = b * B, hi = umin64(numel, lo + B);
+    uint64_t nnz = 0;
+    for (uint64_t i = lo; i < hi; ++i) nnz += (codes[i] & lmask) != 0;
+    w.omega(nnz + 1);
+    int64_t prev = -1;
+    for (uint64_t i = lo; i < hi; ++i) {
+      const uint32_t c = codes[i], l = c & lmask;
+      if (!l) continue;
+      const int64_t idx = (int64_t)(i - lo);
+      w.omega((uint64_t)(idx - prev));
+      w.bit((c >> (bits - 1)) & 1u);
+      w.omega(l);
+      prev = idx;
+    }
+  }
+  w.flush();
+  seg_bytes[sg] = (w.total + 7) / 8;
+}
+
+/* The segment table (cumulative end offsets, little-endian uint64 at a 4-byte aligned address) and the
+ * streams' total length, from the segments' byte counts: one thread (the table is nseg entries). */
+__global__ void elias_table_kernel(const uint64_t* __restrict__ seg_bytes, uint64_t nseg, uint8_t* __restrict__ table,
+                                   uint64_t* __restrict__ total) {
+  uint64_t end = 0;
+  for (uint64_t k = 0; k < nseg; ++k) {
+    end += seg_bytes[k];
+    qsgd_store_le(table + 8 * k, end, 8);
+  }
+  *total = end;
+}
+
+/* Block sg copies segment sg's bytes from its slot to its place among the streams. */
+__global__ void elias_place_kernel(const uint64_t* __restrict__ slots, uint64_t slot_words,
+                                   const uint64_t* __restrict__ seg_bytes, const uint8_t* __restrict__ table,
+                                   uint8_t* __restrict__ streams) {
+  const uint64_t sg = blockIdx.x;
+  const uint64_t begin = sg ? qsgd_load_le(table + 8 * (sg - 1), 8) : 0;
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(slots + sg * slot_words);
+  for (uint64_t k = threadIdx.x; k < seg_bytes[sg]; k += blockDim.x) streams[begin + k] = src[k];
+}
+
+/* Bits read least-significant first from one segment's bytes. */
+struct DevBitReader {
+  const uint8_t* p;
+  uint64_t pos, nbits;
+  __host__ __device__ __forceinline__ bool bit(uint32_t* b) {
+    if (pos >= nbits) return false;
+    *b = (p[pos >> 3] >> (pos & 7)) & 1u;
+    ++pos;
+    return true;
+  }
+  /* omega-decode into *k; false on overrun or a value above 2^40 (never valid here) */
+  __host__ __device__ __forceinline__ bool omega(uint64_t* k) {
+    uint64_t n = 1;
+    for (;;) {
+      uint32_t b;
+      if (!bit(&b)) return false;
+      if (!b) {
+        *k = n;
+        return true;
+      }
+      if (n > 40) return false;
+      uint64_t v = 1;
+      for (uint64_t i = 0; i < n; ++i) {
+        if (!bit(&b)) return false;
+        v = (v << 1) | b;
+      }
+      n = v;
+    }
+  }
+};
+
+/* One thread per segment: parse the segment of every payload, in payload order, adding the decoded
+ * values into acc (the CPU's parse_segment, step for step); the first failure goes to *status. */
+__global__ void elias_decode_kernel(const Jobs jobs, int count, uint64_t numel, uint32_t B, int bits,
+                                    uint64_t seg_buckets, uint64_t nb, uint64_t nseg, float* __restrict__ acc,
+                                    int32_t* __restrict__ status) {
+  const uint64_t sg = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+  if (sg >= nseg || *status != QSGD_OK) return;
+  const float s = (float)qsgd_levels_of(bits);
+  const uint64_t b0 = sg * seg_buckets, b1 = umin64(nb, b0 + seg_buckets);
+  for (int p = 0; p < count; ++p) {
+    const PayloadJob& job = jobs[p];
+    const uint8_t* scales = job.ptr + QSGD_HEADER_BYTES;
+    const uint8_t* table = scales + 4 * nb;
+    const uint8_t* streams = table + 8 * nseg;
+    const uint64_t streams_len = job.len - (uint64_t)(streams - job.ptr);
+    const uint64_t begin = sg ? qsgd_load_le(table + 8 * (sg - 1), 8) : 0, end = qsgd_load_le(table + 8 * sg, 8);
+    if (end < begin || end > streams_len) {
+      atomicCAS(status, 0, QSGD_E_STREAM);
+      return;
+    }
+    if (sg == nseg - 1 && end != streams_len) {
+      atomicCAS(status, 0, QSGD_E_LENGTH);
+      return;
+    }
+    DevBitReader r{streams + begin, 0, 8 * (end - begin)};
+    for (uint64_t b = b0; b < b1; ++b) {
+      const uint64_t lo = b * B, len = umin64(numel, lo + B) - lo;
+      float* bacc = acc + lo;
+      const float step = qsgd_step_of(qsgd_u2f((uint32_t)qsgd_load_le(scales + 4 * b, 4)), s);
+      if (!(step - step == 0.0f)) /* non-finite scale: every element decodes non-finite */
+        for (uint64_t k = 0; k < len; ++k) bacc[k] += qsgd_dequantize(0, step, bits);
+      uint64_t cnt1;
+      if (!r.omega(&cnt1) || cnt1 - 1 > len) {
+        atomicCAS(status, 0, QSGD_E_STREAM);
+        return;
+      }
+      int64_t prev = -1;
+      for (uint64_t j = 0; j + 1 < cnt1; ++j) {
+        uint64_t gap, level;
+        uint32_t sign;
+        if (!r.omega(&gap) || gap > len) {
+          atomicCAS(status, 0, QSGD_E_STREAM);
+          return;
+        }
+        const int64_t idx = prev + (int64_t)gap;
+        if (idx >= (int64_t)len || !r.bit(&sign) || !r.omega(&level) || level > (uint64_t)s) {
+          atomicCAS(status, 0, QSGD_E_STREAM);
+          return;
+        }
+        bacc[idx] += qsgd_dequantize((sign << (bits - 1)) | (uint32_t)level, step, bits);
+        prev = idx;
+      }
+    }
+    /* the stream must end in its last byte, and the rest of that byte must be zero */
+    if ((r.pos + 7) / 8 != end - begin) {
+      atomicCAS(status, 0, QSGD_E_STREAM);
+      return;
+    }
+    for (uint64_t q = r.pos; q < r.nbits; ++q)
+      if ((streams[begin + (q >> 3)] >> (q & 7)) & 1u) {
+        atomicCAS(status, 0, QSGD_E_PADDING);
+        return;
+      }
+  }
+}
+
+/* out = [out +] alpha * acc, only when every check passed (the CPU library's finish). */
+__global__ void finish_kernel(float* __restrict__ out, const float* __restrict__ acc, uint64_t n, float alpha,
+                              int accumulate, const int32_t* __restrict__ status) {
+  if (*status != QSGD_OK) return;
+  const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+  for (uint64_t i = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride)
+    out[i] = accumulate ? out[i] + alpha * acc[i] : alpha * acc[i];
 }
 
 inline unsigned blocks_for(uint64_t threads) {
@@ -590,7 +805,7 @@ static int32_t encode_core(const void* x, int32_t x_dtype, uint64_t numel, const
   uint8_t* data = out + QSGD_HEADER_BYTES + 4 * nb;
   const bool ef = residual != nullptr && numel;
   valid = valid && ef;
-  QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len);
+  QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len, 0u);
   uint8_t* tmp = nullptr; /* the general path's fp32 copy of v, then its new residual, then a status */
   if (cfg->bucket_size % 8 == 0) {
     const bool vec = ((uintptr_t)x & 15) == 0 && (!ef || ((uintptr_t)residual & 15) == 0);
@@ -670,11 +885,11 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
   const qsgd_header& h0 = headers[0];
   for (int p = 0; p < count; ++p) {
     const qsgd_header& h = headers[p];
-    if (h.coding != QSGD_CODING_FIXED) return QSGD_E_ARG;
-    if (h.numel != n || h.fingerprint != h0.fingerprint || h.bits != h0.bits ||
+    if (h.numel != n || h.fingerprint != h0.fingerprint || h.bits != h0.bits || h.coding != h0.coding ||
         h.bucket_size != h0.bucket_size || h.norm != h0.norm || h.dtype != h0.dtype)
       return QSGD_E_MISMATCH;
-    if (h.payload_len != fixed_nbytes(h.numel, h.bits, h.bucket_size)) return QSGD_E_LENGTH;
+    if (h.coding == QSGD_CODING_FIXED && h.payload_len != fixed_nbytes(h.numel, h.bits, h.bucket_size))
+      return QSGD_E_LENGTH;
     if (!d_payloads[p] || ((uintptr_t)d_payloads[p] & 3)) return QSGD_E_ARG;
   }
   const uint64_t nb = qsgd_num_buckets(n, h0.bucket_size);
@@ -703,7 +918,24 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
   const uint64_t work = umax64((h0.payload_len + 7) / 8, nb);
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
   QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(jobs, d_sums, d_status);
-  QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(jobs, count, n, h0.bits, d_sums, d_status);
+  const int elias = h0.coding == QSGD_CODING_ELIAS;
+  QSGD_LAUNCH(verify_final_kernel, blocks_for(count), kThreads, s)(jobs, count, n, h0.bits, elias, d_sums, d_status);
+  if (elias) {
+    const uint64_t seg_buckets = h0.segment_buckets, nseg = (nb + seg_buckets - 1) / seg_buckets;
+    float* acc = nullptr;
+    QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&acc), 4 * n + 4, s));
+    QSGD_CUDA_TRY(cudaMemsetAsync(acc, 0, 4 * n, s));
+    if (nseg)
+      QSGD_LAUNCH(elias_decode_kernel, blocks_for(nseg), kThreads, s)(jobs, count, n, h0.bucket_size, h0.bits,
+                                                                     seg_buckets, nb, nseg, acc, d_status);
+    if (n)
+      QSGD_LAUNCH(finish_kernel, (unsigned)umin64(blocks_for(n), 4096), kThreads, s)(out, acc, n, alpha, accumulate,
+                                                                                    d_status);
+    QSGD_CUDA_TRY(cudaFreeAsync(acc, s));
+    QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
+    QSGD_CUDA_TRY(cudaGetLastError());
+    return QSGD_OK;
+  }
   const bool vec = ((uintptr_t)out & 15) == 0;
   QSGD_BITS_DISPATCH(h0.bits, launch_decode, jobs, count, n, h0.bucket_size, alpha, out, accumulate,
                      d_status, vec, s);
@@ -728,6 +960,82 @@ extern "C" int32_t qsgd_encode_ex_cuda(const void* x, int32_t x_dtype, uint64_t 
                                        float* residual, int32_t residual_valid, uint8_t* out, uint64_t cap,
                                        void* stream) {
   return encode_core(x, x_dtype, numel, cfg, residual, residual_valid != 0, out, cap, static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,
+                                          uint8_t* out, uint64_t cap, uint64_t* out_len, void* stream) {
+  int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  if (cfg->coding != QSGD_CODING_ELIAS || !out_len) return QSGD_E_ARG;
+  if (x_dtype != QSGD_DTYPE_F32 && x_dtype != QSGD_DTYPE_F16 && x_dtype != QSGD_DTYPE_BF16) return QSGD_E_ARG;
+  if (!out || ((uintptr_t)out & 3) || (numel && !x) || numel > (1ull << 56)) return QSGD_E_ARG;
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const uint32_t B = cfg->bucket_size;
+  const uint64_t nb = qsgd_num_buckets(numel, B);
+  const uint64_t seg_buckets = B >= 32768u ? 1u : 32768u / B;
+  const uint64_t nseg = (nb + seg_buckets - 1) / seg_buckets;
+  const uint64_t fixed_part = QSGD_HEADER_BYTES + 4 * nb + 8 * nseg;
+  /* a segment's stream is at most (bits bound) per element + 64 per bucket: its slot, in words */
+  const uint64_t slot_words = (seg_buckets * B * qsgd_elias_bits_bound(cfg->bits) + 64 * seg_buckets) / 64 + 2;
+  *out_len = QSGD_HEADER_BYTES + 4 * nb + 8 * nseg + (numel * qsgd_elias_bits_bound(cfg->bits) + 64 * nb) / 8 + 1 + nseg;
+  if (cap < fixed_part) return QSGD_E_CAPACITY;
+  /* scratch: the fp32 input (when x is not), the codes, the slots, the byte counts, the total */
+  const uint64_t x32_bytes = x_dtype == QSGD_DTYPE_F32 ? 0 : (4 * numel + 15) / 16 * 16;
+  const uint64_t codes_bytes = (numel + 15) / 16 * 16;
+  const uint64_t slots_bytes = 8 * slot_words * nseg;
+  uint8_t* scratch = nullptr;
+  QSGD_CUDA_TRY(cudaMallocAsync(reinterpret_cast<void**>(&scratch), x32_bytes + codes_bytes + slots_bytes + 8 * nseg + 8, s));
+  const float* x32 = static_cast<const float*>(x);
+  if (x32_bytes) {
+    float* v = reinterpret_cast<float*>(scratch);
+    const unsigned blocks = (unsigned)umin64(blocks_for(numel), 4096);
+    if (x_dtype == QSGD_DTYPE_F16)
+      QSGD_LAUNCH(to_f32_kernel<f16_t>, blocks, kThreads, s)(static_cast<const f16_t*>(x), nullptr, v, numel);
+    else
+      QSGD_LAUNCH(to_f32_kernel<bf16_t>, blocks, kThreads, s)(static_cast<const bf16_t*>(x), nullptr, v, numel);
+    x32 = v;
+  }
+  uint8_t* codes = scratch + x32_bytes;
+  uint64_t* slots = reinterpret_cast<uint64_t*>(codes + codes_bytes);
+  uint64_t* seg_bytes = slots + slot_words * nseg;
+  uint64_t* d_total = seg_bytes + nseg;
+  float* scales = reinterpret_cast<float*>(out + QSGD_HEADER_BYTES);
+  uint8_t* table = out + QSGD_HEADER_BYTES + 4 * nb;
+  uint8_t* streams = table + 8 * nseg;
+  if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x32, numel, B, cfg->norm, nb, scales);
+  if (numel) {
+    const uint64_t seed = cfg->seed;
+    with_bits(cfg->bits, [&](auto b) {
+      QSGD_LAUNCH(codes_kernel<decltype(b)::value>, blocks_for((numel + 7) / 8), kThreads, s)(x32, numel, B, seed,
+                                                                                          scales, codes);
+    });
+  }
+  if (nseg)
+    QSGD_LAUNCH(elias_write_kernel, blocks_for(nseg), kThreads, s)(codes, numel, B, cfg->bits, seg_buckets, nb, nseg,
+                                                                  slots, slot_words, seg_bytes);
+  QSGD_LAUNCH(elias_table_kernel, 1, 1, s)(seg_bytes, nseg, table, d_total);
+  /* the one wait: the payload's length decides where it ends (and whether it fits) */
+  uint64_t total = 0;
+  QSGD_CUDA_TRY(cudaMemcpyAsync(&total, d_total, 8, cudaMemcpyDeviceToHost, s));
+  QSGD_CUDA_TRY(cudaStreamSynchronize(s));
+  const uint64_t len = fixed_part + total;
+  *out_len = len;
+  if (len > cap) {
+    QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
+    return QSGD_E_CAPACITY;
+  }
+  QSGD_LAUNCH(header_kernel, 1, 1, s)(out, *cfg, numel, len, (uint32_t)seg_buckets);
+  if (nseg) QSGD_LAUNCH(elias_place_kernel, (unsigned)nseg, kThreads, s)(slots, slot_words, seg_bytes, table, streams);
+  if (cfg->flags & QSGD_FLAG_CHECKSUM) {
+    unsigned long long* sum = reinterpret_cast<unsigned long long*>(d_total);
+    QSGD_CUDA_TRY(cudaMemsetAsync(sum, 0, sizeof(*sum), s));
+    const unsigned blocks = (unsigned)umin64(blocks_for((len + 7) / 8), 1024);
+    QSGD_LAUNCH(checksum_kernel, blocks, kThreads, s)(out, len, sum);
+    QSGD_LAUNCH(checksum_store_kernel, 1, 1, s)(out, len, sum);
+  }
+  QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
+  QSGD_CUDA_TRY(cudaGetLastError());
+  return QSGD_OK;
 }
 
 /* ---- the chunk steps of scatter_allgather (qsgd.h; the CPU library's qsgd_chunks.cc) ---------- */

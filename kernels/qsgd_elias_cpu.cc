@@ -27,25 +27,9 @@ namespace qsgd_cpu {
 
 static const uint64_t kStage = 4096;
 
-/* |omega(k)| for k >= 1 */
-static inline int omega_len(uint64_t k) {
-  int len = 1;
-  while (k > 1) {
-    const int nb = 64 - __builtin_clzll(k);
-    len += nb;
-    k = (uint64_t)(nb - 1);
-  }
-  return len;
-}
+static inline int omega_len(uint64_t k) { return qsgd_omega_len(k); }
 
-uint64_t elias_max_bits_per_element(int bits) {
-  /* omega(gap) <= 3 * gap and the gaps of a bucket sum to at most its length: <= 3 bits per
-   * element; plus a sign bit and the longest omega(level), level <= s */
-  const int s = qsgd_levels_of(bits);
-  int lmax = 0;
-  for (int l = 1; l <= s; ++l) lmax = std::max(lmax, omega_len((uint64_t)l));
-  return 3 + 1 + (uint64_t)lmax;
-}
+uint64_t elias_max_bits_per_element(int bits) { return qsgd_elias_bits_bound(bits); }
 
 struct BitWriter {
   uint8_t* p;

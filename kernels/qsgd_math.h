@@ -194,6 +194,34 @@ QSGD_HD uint64_t qsgd_packed_bytes(uint64_t numel, int bits) {
   return (numel / 8) * (uint64_t)bits + ((numel % 8) * (uint64_t)bits + 7) / 8;
 }
 
+/* ---- Elias omega code (the Elias coding; docs/wire-format.md) -------------------------------- */
+/* floor(log2 k) + 1 for k >= 1 */
+QSGD_HD int qsgd_bit_width(uint64_t k) {
+#if defined(__CUDA_ARCH__)
+  return 64 - __clzll((long long)k);
+#else
+  return 64 - __builtin_clzll(k);
+#endif
+}
+/* |omega(k)| for k >= 1 */
+QSGD_HD int qsgd_omega_len(uint64_t k) {
+  int len = 1;
+  while (k > 1) {
+    const int nb = qsgd_bit_width(k);
+    len += nb;
+    k = (uint64_t)(nb - 1);
+  }
+  return len;
+}
+/* Bits per element a b-bit Elias stream can take: omega(gap) <= 3 * gap and the gaps of a bucket sum
+ * to at most its length, so <= 3 per element; plus a sign bit and the longest omega(level). */
+QSGD_HD uint64_t qsgd_elias_bits_bound(int bits) {
+  const int s = qsgd_levels_of(bits);
+  int lmax = 0;
+  for (int l = 1; l <= s; ++l) lmax = qsgd_omega_len((uint64_t)l) > lmax ? qsgd_omega_len((uint64_t)l) : lmax;
+  return 3 + 1 + (uint64_t)lmax;
+}
+
 /* ---- the seeds and chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py) -------------
  * step seed:  SplitMix64 of base + (occurrence + 1) * G, which is qsgd_mix64 of that sum;
  * chunk seed: the step seed's occurrence 2j + phase (phase 0: a rank's share, 1: the reduced chunk);

@@ -56,6 +56,9 @@ class GpuBackend:
             residual[:] = r.cpu().numpy()
         return p.cpu().numpy()
 
+    def encode_elias(self, x, **kw):
+        return self.cuda.encode(torch.from_numpy(x).cuda(), coding="elias", **kw).cpu().numpy()
+
     def encode_chunks(self, x, n, **kw):
         buf, lens = self.cuda.encode_chunks(torch.from_numpy(x).cuda(), n, **kw)
         return buf.cpu().numpy(), lens
@@ -134,6 +137,16 @@ class EmulatedBackend:
                                           int(valid), out.ctypes.data, cap, None)
         assert st == 0, _native.status_string(st)
         return out
+
+    def encode_elias(self, x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True):
+        cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum)
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        cap = int(_native.load().qsgd_elias_max_nbytes(x.size, bits, bucket_size))
+        out, out_len = np.zeros(cap + 8, np.uint8)[:cap], ctypes.c_uint64()
+        st = self.lib.qsgd_encode_elias_cuda(x.ctypes.data, 0, x.size, ctypes.byref(cfg), out.ctypes.data, cap,
+                                             ctypes.byref(out_len), None)
+        assert st == 0, _native.status_string(st)
+        return out[: out_len.value]
 
     def encode_chunks(self, x, n, **kw):
         cfg = self._cfg(**kw)
@@ -516,3 +529,94 @@ def test_cuda_backend_encodes_half_precision_and_fuses_error_feedback_as_the_cpu
             q_dev = backends.CUDA.encode(t, s, step, 3, dtype, "t", residual=r_dev, residual_valid=step > 0)
             np.testing.assert_array_equal(q_dev.cpu().numpy(), q_cpu)
             np.testing.assert_array_equal(r_dev.cpu().numpy().view(np.uint32), r_cpu.view(np.uint32))
+
+
+# ---- the Elias coding ------------------------------------------------------------------------------------
+def test_elias_encode_and_decode_sum_are_identical_to_cpu(backend):
+    """Elias payloads byte for byte (scales, segment table, streams, checksum) and their decode-sums
+    bit for bit: widths 2-8, max and L2 norms, bucket sizes giving many, one and partial segments
+    (and one bucket per segment above 32768), sparse and dense levels, NaN/Inf buckets, empty tensors."""
+    emulated = isinstance(backend, EmulatedBackend)
+    rng = np.random.default_rng(17)
+    cases = []
+    for n in (0, 1, 7, 513, 3001):
+        cases.append((rng.standard_normal(n) * rng.choice([1e-30, 1e-3, 1, 1e30], size=n)).astype(np.float32))
+    x = rng.standard_normal(5000).astype(np.float32)
+    x[17], x[1500], x[3000] = np.nan, np.inf, 1e-45
+    x[2000:2600] = 0.0
+    cases.append(x)
+    if not emulated:
+        cases.append(rng.standard_normal(300_001).astype(np.float32))
+    for bits in (2, 3, 4, 8):
+        for norm in ("max", "l2"):
+            for bucket in (7, 128, 512, 40_000):
+                payloads = []
+                for i, x in enumerate(cases):
+                    kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=50 + i, fingerprint=3)
+                    want = codec.encode(x, coding="elias", **kw)
+                    got = backend.encode_elias(x, **kw)
+                    np.testing.assert_array_equal(got, want, err_msg=f"bits={bits} {norm} bucket={bucket} case={i}")
+                    payloads.append(want)
+                x = cases[-1]
+                ps = [codec.encode(x * (k + 1), bits=bits, bucket_size=bucket, norm=norm, seed=k, coding="elias")
+                      for k in range(3)]
+                want = codec.decode_sum(ps, scale=0.5)
+                np.testing.assert_array_equal(backend.decode_sum(ps, 0.5), want)
+                out = np.full(x.size, 2.0, np.float32)
+                backend.decode_sum(ps, 0.5, out=out, accumulate=True)
+                np.testing.assert_array_equal(out, np.float32(2.0) + want)
+
+
+def test_elias_decode_detects_corruption_and_leaves_out_untouched(backend):
+    from tests.references import reseal
+    x = np.random.default_rng(2).standard_normal(3000).astype(np.float32)
+    p = codec.encode(x, bits=4, bucket_size=128, coding="elias")
+    h = codec.read_header(p)
+    nb = -(-3000 // 128)
+    table = 56 + 4 * nb
+    flipped = p.copy()
+    flipped[table + 40] ^= 1
+    cases = [(flipped, "checksum")]
+    bad_table = p.copy()
+    bad_table[table: table + 8] = np.frombuffer((10 ** 9).to_bytes(8, "little"), np.uint8)
+    cases.append((reseal(bad_table), "Elias stream"))
+    stream = p.copy()
+    stream[table + 8 + 3] ^= 0xFF
+    cases.append((reseal(stream), "Elias stream|padding"))
+    assert h.coding == "elias"
+    for bad, match in cases:
+        out = np.full(3000, 5.0, np.float32)
+        with pytest.raises(codec.PayloadError, match=match):
+            backend.decode_sum([bad], 1.0, out=out, accumulate=True)
+        assert np.all(out == 5.0)
+
+
+def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device):
+    """backends.CudaBackend with the Elias coding: encode with error feedback (three steps), the split
+    of gathered payloads of different lengths, and their decode-sum, against backends.CpuBackend."""
+    from hvd_qsgd import backends
+    from hvd_qsgd.settings import Settings
+    s = Settings.make(bits=4, bucket_size=512, coding="elias", error_feedback=True)
+    assert backends.CUDA.missing(s, "allgather") is None
+    assert "chunk steps" in backends.CUDA.missing(s, "scatter_allgather")
+    rng = np.random.default_rng(4)
+    xs = [(rng.standard_normal(100_003) * (r + 1)).astype(np.float32) for r in range(3)]
+    xs[1][::3] = 0.0  # a sparser rank: its payload is shorter
+    r_cpu = [np.zeros(x.size, np.float32) for x in xs]
+    r_dev = [torch.zeros(x.size, device=device) for x in xs]
+    for step in range(3):
+        host, dev = [], []
+        for r, x in enumerate(xs):
+            qh = backends.CPU.encode(x, s, 10 * step + r, 1, "float32", "t", residual=r_cpu[r], residual_valid=step > 0)
+            qd = backends.CUDA.encode(torch.from_numpy(x).to(device), s, 10 * step + r, 1, "float32", "t",
+                                      residual=r_dev[r], residual_valid=step > 0)
+            np.testing.assert_array_equal(qd.cpu().numpy(), qh)
+            np.testing.assert_array_equal(r_dev[r].cpu().numpy().view(np.uint32), r_cpu[r].view(np.uint32))
+            host.append(qh)
+            dev.append(qd)
+        assert len({q.size for q in host}) > 1
+        gathered = torch.cat(dev)
+        parts = backends.CUDA.split(gathered, 3, dev[0].numel(), "t")
+        assert [p.numel() for p in parts] == [q.size for q in host]
+        np.testing.assert_array_equal(backends.CUDA.decode_sum(parts, 1 / 3, "t").cpu().numpy(),
+                                      backends.CPU.decode_sum(host, 1 / 3, "t"))

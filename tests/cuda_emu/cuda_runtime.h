@@ -39,7 +39,7 @@ struct dim3 {
 typedef int cudaError_t;
 typedef void* cudaStream_t;
 enum { cudaSuccess = 0 };
-enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToDevice = 3 };
+enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 
 namespace qsgd_emu {
 inline thread_local dim3 tid, bid;
@@ -125,6 +125,7 @@ inline int atomicCAS(int* p, int compare, int val) {
 
 inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 inline cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) {
   *p = malloc(n ? n : 1);
   return *p ? cudaSuccess : 2;
