@@ -28,8 +28,7 @@ def test_cpu_tensors_use_the_cpu_backend_with_no_fallback():
 
 
 @pytest.mark.parametrize("coding, red, server_ef, reason", [
-    ("elias", "allgather", False, "elias coding has no CUDA kernel"),
-    ("elias", "scatter_allgather", False, "elias coding has no CUDA kernel"),
+    ("elias", "scatter_allgather", False, "the elias coding's chunk steps have no CUDA kernel"),
     ("fixed", "scatter_allgather", True, "server error feedback of scatter_allgather has no CUDA path"),
 ])
 def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_the_reason(coding, red, server_ef,
@@ -40,10 +39,12 @@ def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_th
     assert backend is backends.CPU and why == reason
 
 
-@pytest.mark.parametrize("red", ["allgather", "scatter_allgather"])
-def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(red, monkeypatch):
+@pytest.mark.parametrize("coding, red", [("fixed", "allgather"), ("fixed", "scatter_allgather"),
+                                         ("elias", "allgather")])
+def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(coding, red, monkeypatch):
     monkeypatch.setattr(cuda, "available", lambda: True)
-    assert backends.choose("cuda", Settings.make(bits=4, reduction=red), red) == (backends.CUDA, None)
+    s = Settings.make(bits=4, coding=coding, reduction=red)
+    assert backends.choose("cuda", s, red) == (backends.CUDA, None)
 
 
 def test_without_the_cuda_library_the_reason_says_which_is_missing(monkeypatch):
