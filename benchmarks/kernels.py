@@ -410,13 +410,43 @@ def time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x
                 encode_of_copy=moved / te / copy_bw)
 
 
+def time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s):
+    """4-bit Elias encode (which waits once for its length) and decode_sum of one payload; both
+    checked against the CPU codec."""
+    from hvd_qsgd import cuda
+    torch, lib = bl.torch, _native.load_cuda()
+    stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    cfg = codec.make_config(4, bucket, "max", seed, "elias", 0, checksum)
+    cap = int(_native.load().qsgd_elias_max_nbytes(n, 4, bucket))
+    out = torch.empty(cap, dtype=torch.uint8, device=x.device)
+    out_len = ctypes.c_uint64()
+    te = _cuda_median(lambda: _check(lib.qsgd_encode_elias_cuda(x.data_ptr(), 0, n, ctypes.byref(cfg), out.data_ptr(),
+                                                                cap, ctypes.byref(out_len), stream),
+                                     "qsgd_encode_elias_cuda"), repeats)
+    payload = out[: out_len.value]
+    headers = cuda.device_headers([payload])
+    ptrs = (ctypes.c_void_p * 1)(payload.data_ptr())
+    y = torch.empty(n, dtype=torch.float32, device=x.device)
+    d_status = torch.zeros(1, dtype=torch.int32, device=x.device)
+    td = _cuda_median(lambda: _check(lib.qsgd_decode_sum_cuda(ptrs, headers, 1, 1.0, y.data_ptr(), n, 0,
+                                                              d_status.data_ptr(), stream), "qsgd_decode_sum_cuda"),
+                      repeats)
+    _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
+    ref = codec.encode(x_host, bits=4, bucket_size=bucket, seed=seed, checksum=checksum, coding="elias")
+    if not np.array_equal(payload.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
+        raise RuntimeError(f"CUDA Elias results differ from the CPU codec (n={n})")
+    return dict(numel=n, bits=4, norm="max", variant="elias", payload_bytes=int(out_len.value), copy_s=copy_s,
+                encode_s=te, decode_s=td, encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td))
+
+
 def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
     torch = bl.torch
     print(f"\nCUDA: {torch.cuda.get_device_name()}; GB/s of fp32 input; decode = qsgd_decode_sum_cuda of "
           "one payload (host header parse not timed); copy = torch .copy_ device to device; enc%/dec% = "
           "effective bandwidth (4n + payload bytes over the kernel's time) as a fraction of the copy's (8n); "
           "rows 4ef: 4-bit encode with error feedback fused (moves 12n + payload: x, the residual read and "
-          "rewritten), 4fp16: 4-bit encode of float16 x read natively (2n + payload)")
+          "rewritten), 4fp16: 4-bit encode of float16 x read natively (2n + payload); 4eli: 4-bit Elias coding (its "
+          "encode waits once for the payload's length)")
     cols = [("size", 6), ("bits", 5), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
             ("enc%", 6), ("dec%", 6)]
     print("  ".join(c.rjust(w) for c, w in cols))
@@ -439,6 +469,11 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
             cells = [fmt_size(n), f"4{kind}", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}",
                      "-", "-", "-", f"{100 * r['encode_of_copy']:.0f}", "-"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
+        r = time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s)
+        rows.append(r)
+        cells = [fmt_size(n), "4eli", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}", f"{r['decode_gbps']:.1f}",
+                 f"{r['ed_gbps']:.1f}", "-", "-", "-"]
+        print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst
     return rows
 

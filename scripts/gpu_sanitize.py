@@ -42,6 +42,14 @@ def main():
                 cuda.encode(xin, 4, bucket, residual=residual, residual_valid=valid)
             cuda.encode(xin, 2, bucket)
             cases += 1
+    # the Elias coding: encode (one and many segments), decode-sum of several payloads
+    for n, bucket in ((0, 128), (5000, 128), (70_000, 40_000), (3001, 7)):
+        x = torch.from_numpy(rng.standard_normal(n).astype(np.float32)).cuda()
+        ps = [cuda.encode(x * (k + 1), 3, bucket, seed=k, coding="elias") for k in range(2)]
+        want = codec.decode_sum([p.cpu().numpy() for p in ps])
+        if not np.array_equal(cuda.decode_sum(ps).cpu().numpy(), want, equal_nan=True):
+            sys.exit(f"Elias decode_sum differs: n={n} bucket={bucket}")
+        cases += 1
     # the chunk steps of scatter_allgather (odd chunk lengths, empty chunks, server residual)
     for bits, bucket, n, numel in ((4, 512, 4, 3001), (3, 7, 3, 700), (2, 128, 6, 300)):
         xs = [torch.from_numpy(rng.standard_normal(numel).astype(np.float32)).cuda() for _ in range(n)]
