@@ -1,5 +1,7 @@
-"""One encode and one decode_sum of a large tensor on the GPU, for ``ncu`` (make gpu-check's profile
-step): ``ncu --set basic python3 scripts/gpu_profile.py [numel] [bits] [bucket]``."""
+"""One call of each kernel family on a large tensor, for ``ncu`` (docs/gpu.md's profile):
+``ncu --section SpeedOfLight --section InstructionStats python3 scripts/gpu_profile.py [numel] [bits] [bucket]``.
+Runs the fixed-coding encode, the encode with error feedback fused, decode_sum, and the Elias
+coding's encode and decode."""
 import sys
 
 import torch
@@ -14,6 +16,10 @@ def main():
     x = torch.randn(n, device="cuda")
     p = cuda.encode(x, bits=bits, bucket_size=bucket)
     cuda.decode_sum([p])
+    residual = torch.zeros(n, device="cuda")
+    cuda.encode(x, bits=bits, bucket_size=bucket, residual=residual, residual_valid=True)
+    q = cuda.encode(x, bits=bits, bucket_size=bucket, coding="elias")
+    cuda.decode_sum([q])
     torch.cuda.synchronize()
 
 
