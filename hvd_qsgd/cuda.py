@@ -51,8 +51,16 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     With ``residual`` (a contiguous float32 CUDA tensor of x's size), error feedback in the same pass:
     the payload is that of v = x + residual (of x alone when ``residual_valid`` is False: a new
     residual), and ``residual`` becomes v - decode(payload) wherever that is finite (keeping its
-    value, or 0 when it was not valid, elsewhere): the values ``decode_sum`` of the payload gives."""
+    value, or 0 when it was not valid, elsewhere): the values ``decode_sum`` of the payload gives.
+
+    ``coding="elias"``: the Elias coding. Its length depends on the data, so the call waits for the
+    device once to learn it; error feedback then runs as separate steps on the device."""
     import torch
+    if coding == "elias":
+        return _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype, residual,
+                             residual_valid)
+    if coding != "fixed":
+        raise ValueError(f"{name}: coding must be 'fixed' or 'elias', got {coding!r}")
     if not x.is_cuda:
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)

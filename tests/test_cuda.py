@@ -593,12 +593,11 @@ def test_elias_decode_detects_corruption_and_leaves_out_untouched(backend):
 
 def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device):
     """backends.CudaBackend with the Elias coding: encode with error feedback (three steps), the split
-    of gathered payloads of different lengths, and their decode-sum, against backends.CpuBackend."""
+    of gathered payloads of different lengths, and their decode-sum, against backends.CpuBackend
+    (the backend's methods called directly: ``missing`` keeps Elias off the GPU until this passes)."""
     from hvd_qsgd import backends
     from hvd_qsgd.settings import Settings
     s = Settings.make(bits=4, bucket_size=512, coding="elias", error_feedback=True)
-    assert backends.CUDA.missing(s, "allgather") is None
-    assert "chunk steps" in backends.CUDA.missing(s, "scatter_allgather")
     rng = np.random.default_rng(4)
     xs = [(rng.standard_normal(100_003) * (r + 1)).astype(np.float32) for r in range(3)]
     xs[1][::3] = 0.0  # a sparser rank: its payload is shorter
