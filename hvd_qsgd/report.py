@@ -114,14 +114,20 @@ class NeverCalledWatch:
 
     def __init__(self):
         self.steps = 0
+        self.patience = NEVER_CALLED_STEPS  # steps without a call before the warning
         self._warned = threading.Event()
+
+    def expect_calls_every(self, steps: int) -> None:
+        """The compressor is called once every ``steps`` optimizer steps (PQASGD's period): wait for
+        ``steps - 1 + NEVER_CALLED_STEPS`` steps without a call before warning."""
+        self.patience = max(self.patience, int(steps) - 1 + NEVER_CALLED_STEPS)
 
     def step(self, calls: int, where: str) -> bool:
         """One optimizer step; ``calls``: tensors the compressor has handled so far. True if it warned."""
         if calls or self._warned.is_set():
             return False
         self.steps += 1
-        if self.steps < NEVER_CALLED_STEPS:
+        if self.steps < self.patience:
             return False
         return self._warn(where, f"has not been called in {self.steps} optimizer steps")
 

@@ -62,6 +62,31 @@ def test_slowdown_warns_once_when_codec_time_exceeds_the_wire_time_saved(caplog)
     assert not report.SlowdownWatch(1e6 / 8).check(busy, "q")
 
 
+def test_a_compressor_called_every_period_steps_is_not_warned_about_before_its_first_call(caplog):
+    """PQASGD calls its compressor at syncs only: with period p the warning waits p - 1 more steps."""
+    with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
+        periodic = report.NeverCalledWatch()
+        periodic.expect_calls_every(4)
+        assert not any(periodic.step(0, "periodic") for _ in range(3))  # steps 1-3: local steps
+        assert not periodic.step(4, "periodic")                         # step 4: the first sync
+        idle = report.NeverCalledWatch()
+        idle.expect_calls_every(4)
+        warned = [idle.step(0, "idle") for _ in range(10)]
+        assert warned.index(True) == 4 - 1 + report.NEVER_CALLED_STEPS - 1
+    assert [r.getMessage().split(" has")[0] for r in caplog.records] == ["idle"]
+
+
+def test_pqasgd_tells_its_compressor_how_often_it_is_called():
+    import torch
+    import hvd_qsgd.torch
+    model = torch.nn.Linear(3, 2)
+    q = hvd_qsgd.QSGD(2)
+    hvd_qsgd.torch.PeriodicQuantizedAveraging(torch.optim.SGD(model.parameters(), lr=0.1),
+                                              list(model.named_parameters()), period=6, compression=q,
+                                              broadcast=False)
+    assert q._never_called.patience == 6 - 1 + report.NEVER_CALLED_STEPS
+
+
 def test_never_called_warns_after_steps_without_calls_and_not_otherwise(caplog):
     with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
         used, idle = report.NeverCalledWatch(), report.NeverCalledWatch()

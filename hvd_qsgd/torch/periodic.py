@@ -75,6 +75,9 @@ class PeriodicQuantizedAveraging:
         self.named_parameters = named
         self.period = period
         self.compression = hvd_qsgd.QSGD(2) if compression is None else compression
+        watch = getattr(self.compression, "_never_called", None)
+        if watch is not None:  # called at syncs only: no no-op warning before the first one is due
+            watch.expect_calls_every(period)
         self.momentum = momentum
         self.process_set = process_set if process_set is not None else hvd.global_process_set
         self.local_steps = 0
