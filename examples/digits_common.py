@@ -53,12 +53,13 @@ PQASGD_MOMENTUM = ("local", "average", "reset")
 METHOD_COMPRESSION = {"dqsgd": "dqsgd", "pqasgd": "qsgd", "efsgdm": "blocksign"}
 
 
-def parse_args(argv, description, threads_help, methods=("sgd",)):
+def parse_args(argv, description, threads_help, methods=("sgd",), add_flags=None):
     """The examples' command line, parsed; ``threads_help`` is the framework's text for --threads.
 
     ``methods``: the training methods the example offers; with more than ``sgd`` (the PyTorch
     example: ``METHODS``) the flags ``--method``, ``--budget-bits``, ``--period``,
-    ``--pqasgd-momentum`` and ``--block-size`` exist. Without them ``args.method`` is ``"sgd"``."""
+    ``--pqasgd-momentum`` and ``--block-size`` exist. Without them ``args.method`` is ``"sgd"``.
+    ``add_flags(parser)``, when given, adds an example's own flags (and defaults) last."""
     p = argparse.ArgumentParser(description=description)
     if len(methods) > 1:
         p.add_argument("--method", choices=methods, default="sgd",
@@ -97,6 +98,8 @@ def parse_args(argv, description, threads_help, methods=("sgd",)):
     p.add_argument("--threads", type=int, default=1, help=threads_help)
     p.add_argument("--json", metavar="PATH", help="rank 0 writes the results here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    if add_flags is not None:
+        add_flags(p)
     args = p.parse_args(argv)
     if args.epochs < 1:
         p.error("--epochs must be at least 1")
