@@ -62,26 +62,37 @@ DEFAULT_PNG = "convergence.png"
 def _methods(text):
     import argparse
 
+    from benchmarks import convergence_lm
+
     names = [m.strip() for m in text.split(",") if m.strip()]
-    bad = [m for m in names if m not in METHODS]
+    bad = [m for m in names if m not in METHODS and m not in convergence_lm.METHODS]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"methods are {', '.join(METHODS)}, comma-separated: {text!r}")
+        raise argparse.ArgumentTypeError(f"methods are {', '.join(METHODS)} (digits) or "
+                                         f"{', '.join(convergence_lm.METHODS)} (lm), comma-separated: {text!r}")
     return ["none"] + [m for m in dict.fromkeys(names) if m != "none"]  # none: the reference, first
 
 
 def add_arguments(p):
+    from benchmarks import convergence_lm
+
+    p.add_argument("--workload", choices=("digits", "lm"), default="digits",
+                   help="digits: the MLP on scikit-learn's digits (this module's docstring); lm: the byte-level "
+                        "language model on the standard library, time to target (benchmarks/convergence_lm.py)")
     p.add_argument("--np", type=positive_int, default=4, help="ranks of every job (default %(default)s)")
     p.add_argument("--epochs", type=positive_int, default=20,
                    help="training epochs of every method (default %(default)s, the example's)")
     p.add_argument("--max-steps", type=positive_int, default=None, metavar="N",
                    help="stop every job after N steps (quick checks)")
-    p.add_argument("--methods", type=_methods, default=",".join(METHODS),
-                   help="comma-separated, from %(default)s (none is always run)")
+    p.add_argument("--methods", type=_methods, default=None,
+                   help="comma-separated (none is always run); default: every method of the workload")
     p.add_argument("--seed", type=int, default=42, help="the example's --seed (default %(default)s)")
     p.add_argument("--png", default=DEFAULT_PNG, help="the plot (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every result here")
     p.add_argument("--timeout", type=positive_int, default=900,
                    help="seconds allowed to each job (default %(default)s)")
+    p.add_argument("--out", default=os.path.join("bench_out", "convergence_lm"),
+                   help="lm: the directory of every run's results (default %(default)s)")
+    convergence_lm.add_lm_arguments(p)
 
 
 # ---- launching -----------------------------------------------------------------------------------
@@ -175,6 +186,20 @@ def plot(rows, path, args):
 
 
 def run(args):
+    if args.workload == "lm":
+        from benchmarks import convergence_lm
+        if args.methods is None:
+            args.methods = list(convergence_lm.METHODS)
+        if args.png == DEFAULT_PNG:
+            args.png = "convergence_lm.png"
+        return convergence_lm.run(args)
+    if args.methods is None:
+        args.methods = list(METHODS)
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        print(f"--workload digits has no method {', '.join(unknown)}; its methods: {', '.join(METHODS)}",
+              file=sys.stderr)
+        return 2
     if not os.path.exists(os.path.join(REPO_ROOT, EXAMPLE)):
         print(f"the example {EXAMPLE} is not under {REPO_ROOT}: run from a checkout of the repository", file=sys.stderr)
         return 2

@@ -1,4 +1,5 @@
-"""One rank of the demo's shaped-link runs (``benchmarks.demo_shaped``): ``examples/pytorch_digits.py``
+"""One rank of the demo's shaped-link runs (``benchmarks.demo_shaped``; also of ``python -m benchmarks
+convergence --workload lm --rate R``, which puts ``--example pytorch_lm`` first): ``examples/pytorch_digits.py``
 in a rank's network namespace, started by ``benchmarks.e2e_launch`` as ``ip netns exec <namespace>
 python -m benchmarks.demo_rank <digits flags> --rate R`` with the Gloo worker's environment.
 
@@ -53,13 +54,17 @@ def watch_loop(hvd, readings):
 
 def main(argv=None):
     flags, rate = split_rate(sys.argv[1:] if argv is None else argv)
-    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))  # as `python examples/pytorch_digits.py`
+    example = "pytorch_digits"
+    if flags[:1] == ["--example"]:  # another example with the same two collectives (examples/pytorch_lm.py)
+        example, flags = flags[1], flags[2:]
+    sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))  # as `python examples/<example>.py`
+    import importlib
+
     import horovod.torch as hvd
-    import pytorch_digits
 
     readings = {}
     watch_loop(hvd, readings)
-    result = pytorch_digits.main(flags)
+    result = importlib.import_module(example).main(flags)
     path = json_path(flags)
     if result is not None and path:  # rank 0
         if set(readings) != {START, END}:

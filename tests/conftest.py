@@ -28,6 +28,7 @@ MARKERS = {
     "test_elastic": {"multirank", "slow"},                        # horovodrun --min-np/--max-np (elastic)
     "test_bench_torch": {"multirank", "slow"},                    # python -m benchmarks torch --np 2
     "test_bench_convergence": {"multirank", "slow"},              # python -m benchmarks convergence --np 2
+    "test_bench_lm::test_lm_smoke_reports_what_it_computed": {"multirank", "slow"},  # convergence --workload lm --np 2
     "test_bench_reduction": {"multirank", "slow"},                # python -m benchmarks reduction --np 2 3
     "test_bench_e2e::test_real_run_counts_bytes_and_cleans_up": {"multirank", "slow"},
     "test_bench_e2e::test_sigterm_kills_ranks_and_deletes_namespaces": {"multirank"},
