@@ -52,7 +52,7 @@ def add_flags(p):
     p.add_argument("--train-mb", type=float, default=8.0, help="MB of training text (default 8)")
     p.add_argument("--val-mb", type=float, default=1.0, help="MB of validation text (default 1)")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves its final parameters here")
-    p.set_defaults(batch_size=4, lr=0.3, max_steps=300)
+    p.set_defaults(batch_size=4, lr=0.1, max_steps=300)
 
 
 def parse_args(argv=None):
