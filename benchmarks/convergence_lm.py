@@ -32,6 +32,7 @@ What is reported:
 """
 import json
 import os
+import signal
 import statistics
 import sys
 import time
@@ -199,6 +200,10 @@ def run(args):
           f"{where}, {args.steps} steps each", flush=True)
     rows, topo, out_dir = [], None, os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
+    old_handlers = {}
+    if args.rate:  # SIGTERM / SIGINT: kill the ranks and delete the namespaces on the way out
+        from benchmarks import e2e_launch
+        old_handlers = {s: signal.signal(s, e2e_launch._on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         if args.rate:
             from benchmarks import e2e_launch, netns
@@ -242,6 +247,8 @@ def run(args):
             from benchmarks import e2e_launch
             e2e_launch.kill_children()
             topo.destroy()
+        for s, h in old_handlers.items():
+            signal.signal(s, h)
     target, summary = summarize(rows)
     lines = table_lines(rows, target, summary)
     print()
