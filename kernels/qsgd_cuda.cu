@@ -29,8 +29,8 @@
 namespace {
 
 constexpr int kThreads = 256;
-/* Blocks per SM the encoder's register budget is set for: 6 blocks of 256 threads (40 registers a
- * thread) issue more than 4 (the 52 registers it takes unconstrained); see docs/gpu.md. */
+/* Blocks per SM the encoder's register budget is set for (6: 40 registers a thread). On the H100 the
+ * encoder timed the same with 4, 5 and 6 (docs/gpu.md): it is issue-bound, not latency-bound. */
 #ifndef QSGD_ENCODE_MIN_BLOCKS
 #define QSGD_ENCODE_MIN_BLOCKS 6
 #endif
