@@ -15,7 +15,6 @@
 #endif
 
 #include <type_traits>
-#include <utility>
 #include <vector>
 
 #include "qsgd.h"
@@ -710,19 +709,23 @@ void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B,
                                                                                   data);
 }
 
-/* f(std::integral_constant<int, bits>{}) for bits in 1..8 */
-template <class F>
-void with_bits(int bits, F&& f) {
-  switch (bits) {
-    case 1: f(std::integral_constant<int, 1>{}); break;
-    case 2: f(std::integral_constant<int, 2>{}); break;
-    case 3: f(std::integral_constant<int, 3>{}); break;
-    case 4: f(std::integral_constant<int, 4>{}); break;
-    case 5: f(std::integral_constant<int, 5>{}); break;
-    case 6: f(std::integral_constant<int, 6>{}); break;
-    case 7: f(std::integral_constant<int, 7>{}); break;
-    default: f(std::integral_constant<int, 8>{}); break;
+#define QSGD_BITS_DISPATCH(bits, fn, ...)   \
+  switch (bits) {                           \
+    case 1: fn<1>(__VA_ARGS__); break;      \
+    case 2: fn<2>(__VA_ARGS__); break;      \
+    case 3: fn<3>(__VA_ARGS__); break;      \
+    case 4: fn<4>(__VA_ARGS__); break;      \
+    case 5: fn<5>(__VA_ARGS__); break;      \
+    case 6: fn<6>(__VA_ARGS__); break;      \
+    case 7: fn<7>(__VA_ARGS__); break;      \
+    default: fn<8>(__VA_ARGS__); break;     \
   }
+
+/* The Elias encoder's codes kernel for BITS (QSGD_BITS_DISPATCH calls it). */
+template <int BITS>
+void launch_codes(const float* x, uint64_t numel, uint32_t B, uint64_t seed, const float* scales, uint8_t* codes,
+                  cudaStream_t st) {
+  QSGD_LAUNCH(codes_kernel<BITS>, blocks_for((numel + 7) / 8), kThreads, st)(x, numel, B, seed, scales, codes);
 }
 
 /* The fused encoder on x of element type T, with (EF) or without error feedback. */
@@ -730,9 +733,8 @@ template <typename T, bool EF>
 void launch_fused(const void* x, float* residual, bool valid, bool vec, uint64_t numel, const qsgd_config* cfg,
                   uint64_t nb, float* scales, uint8_t* data, cudaStream_t st) {
   const Source<T, EF> src{static_cast<const T*>(x), residual, valid, vec};
-  with_bits(cfg->bits, [&](auto b) {
-    launch_encode_buckets<decltype(b)::value>(src, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb, scales, data, st);
-  });
+  QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, src, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb, scales,
+                     data, st);
 }
 
 /* out[i] = to_f32(x[i]) (+ r[i] when r is not null): the general path's fp32 input. */
@@ -754,17 +756,6 @@ void launch_decode(const Jobs& jobs, int count, uint64_t numel, uint32_t B, floa
                                                                       accumulate, status, vec);
 }
 
-#define QSGD_BITS_DISPATCH(bits, fn, ...)   \
-  switch (bits) {                           \
-    case 1: fn<1>(__VA_ARGS__); break;      \
-    case 2: fn<2>(__VA_ARGS__); break;      \
-    case 3: fn<3>(__VA_ARGS__); break;      \
-    case 4: fn<4>(__VA_ARGS__); break;      \
-    case 5: fn<5>(__VA_ARGS__); break;      \
-    case 6: fn<6>(__VA_ARGS__); break;      \
-    case 7: fn<7>(__VA_ARGS__); break;      \
-    default: fn<8>(__VA_ARGS__); break;     \
-  }
 
 inline uint64_t fixed_nbytes(uint64_t numel, int bits, uint32_t B) {
   return QSGD_HEADER_BYTES + 4 * qsgd_num_buckets(numel, B) + qsgd_packed_bytes(numel, bits);
@@ -1004,11 +995,7 @@ extern "C" int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64
   uint8_t* streams = table + 8 * nseg;
   if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x32, numel, B, cfg->norm, nb, scales);
   if (numel) {
-    const uint64_t seed = cfg->seed;
-    with_bits(cfg->bits, [&](auto b) {
-      QSGD_LAUNCH(codes_kernel<decltype(b)::value>, blocks_for((numel + 7) / 8), kThreads, s)(x32, numel, B, seed,
-                                                                                          scales, codes);
-    });
+    QSGD_BITS_DISPATCH(cfg->bits, launch_codes, x32, numel, B, cfg->seed, scales, codes, s);
   }
   if (nseg)
     QSGD_LAUNCH(elias_write_kernel, blocks_for(nseg), kThreads, s)(codes, numel, B, cfg->bits, seg_buckets, nb, nseg,
