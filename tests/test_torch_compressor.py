@@ -34,7 +34,7 @@ def test_features_sparse_dynamic_error_feedback_process_sets():
 
 
 SCATTER = ["scatter-allreduce", "scatter-optimizer", "scatter-elias", "auto", "scatter-error-feedback",
-           "scatter-dynamic-named"]
+           "scatter-dynamic-named", "scatter-collective-failure"]
 
 
 @pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])

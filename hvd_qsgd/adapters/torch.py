@@ -64,6 +64,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrupt
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
@@ -419,6 +420,10 @@ class QSGD(Compressor):
             t0 = time.perf_counter()
             self.driver.finish(ctx)  # every rank started its stages (the control check passed)
             self._stats.add(wait_s=time.perf_counter() - t0)
+            if isinstance(ctx.stage_error, (HorovodInternalError, HostsUpdatedInterrupt)):
+                # a collective failed or the hosts changed: Horovod's own error, unchanged, so that
+                # elastic training (hvd.elastic.run) resets and restores instead of stopping
+                raise ctx.stage_error
             if ctx.stage_error is not None:
                 raise protocol.MismatchError(f"{ctx.where}: {ctx.stage_error}") from ctx.stage_error
             if ctx.stage == "joined":

@@ -364,6 +364,27 @@ def scenario(s):
         # predivide, as the optimizer applies it: prescale 1/f, postscale f/n -> alpha 1/n
         out = hvd.grouped_allreduce([torch.randn(20000, generator=g), torch.randn(30000, generator=g)], compression=c)
         assert [o.numel() for o in out] == [20000, 30000]
+    elif s == "scatter-collective-failure":
+        # a collective of the second phase fails (as when a rank dies in elastic training): the
+        # optimizer sees Horovod's own HorovodInternalError, which hvd.elastic.run recovers from, and
+        # the compressor keeps working afterwards
+        from horovod.common.exceptions import HorovodInternalError
+        import hvd_qsgd.adapters.torch as adapter
+        c = hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather")
+        t = torch.randn(20000, generator=torch.Generator().manual_seed(rank))
+        real = adapter.hvd.allgather_async
+
+        def failing(*args, **kwargs):
+            raise HorovodInternalError("simulated: a rank left during the second phase")
+        adapter.hvd.allgather_async = failing
+        try:
+            hvd.allreduce(t, compression=c, name="fails")
+            raise AssertionError("a failed second phase did not raise")
+        except HorovodInternalError as e:
+            assert type(e) is HorovodInternalError and "simulated" in str(e), repr(e)
+        finally:
+            adapter.hvd.allgather_async = real
+        check_scatter_allreduce(c, t, 1, 1.0 / n, name="after")
     elif s == "scatter-elias":
         # ranks scale their gradients differently: Elias payloads differ in length per rank
         t = torch.randn(40000, generator=torch.Generator().manual_seed(rank)) * torch.linspace(0, 1, 40000) ** (rank + 1)
