@@ -59,7 +59,7 @@ SEEDED = ("none", "fp16", "qsgd4", "qsgd8")
 # --size: the model and the text (the example's flags)
 SIZES = {
     "tiny": ["--d-model", "32", "--layers", "1", "--heads", "2", "--context", "16", "--batch-size", "2",
-             "--eval-windows", "32", "--train-mb", "1", "--val-mb", "0.2", "--min-numel", "1000"],
+             "--eval-windows", "32", "--train-mb", "1", "--val-mb", "0.2", "--min-numel", "1000", "--ngram-rows", "512"],
     "default": [],
 }
 

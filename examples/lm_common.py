@@ -20,9 +20,22 @@ own draw, every step a fresh one, reproducible). The validation set is ``windows
 validation loss is the mean cross-entropy of every predicted byte, and bits per byte is that loss
 (in nats) divided by ln 2.
 
-The model. Bytes are embedded (256 symbols, ``d_model``, initialised N(0, 0.02)), plus learned positions; ``layers``
-pre-norm transformer blocks (causal multi-head self-attention with ``heads`` heads, a 4x MLP with
-GELU); a final LayerNorm and a linear head to 256 logits (tied to the embedding).
+The model. Bytes are embedded (256 symbols, ``d_model``, initialised N(0, 0.02)), plus learned
+positions, plus hashed n-gram embeddings (below); ``layers`` pre-norm transformer blocks (causal
+multi-head self-attention with ``heads`` heads, a 4x MLP with GELU); a final LayerNorm and a linear
+head to 256 logits (tied to the byte embedding).
+
+Hashed n-gram embeddings (as byte-level models use them to see words without a tokenizer): for each
+order n of ``ngram_orders`` a table of ``ngram_rows`` rows of ``d_model`` (initialised to zero), and
+the input at position t adds row ``ngram_id(t, n)`` of table n, where, with b_i the byte at position
+i (0 before the window's start),
+
+    h = b_{t-n+1} * 257^(n-1) + ... + b_{t-1} * 257 + b_t,    ngram_id(t, n) = (h * 40503 + 7919 n) mod rows.
+
+The tables hold most of the parameters and almost none of the arithmetic: their gradients are dense
+(PyTorch's default ``nn.Embedding``, as most models have them), so the exchange, not the compute,
+sets the pace of a data-parallel step on a slow link, as in the models data-parallel training is
+used for. ``ngram_rows=0`` leaves them out.
 """
 import hashlib
 import math
@@ -109,7 +122,21 @@ def val_windows(text, context, windows):
     return w[:, :-1], w[:, 1:]
 
 
-def make_model(d_model=128, layers=2, heads=4, context=128):
+NGRAM_MULTIPLIER, NGRAM_OFFSET, NGRAM_BASE = 40503, 7919, 257
+
+
+def ngram_ids(x, n, rows):
+    """Row of the order-n table for every position of the int64 windows x (batch, t): the hash of
+    the module docstring (bytes before the window's start count as 0)."""
+    import torch.nn.functional as F
+    t = x.shape[1]
+    h = x.new_zeros(x.shape)
+    for i in range(n - 1, -1, -1):  # oldest byte first: h = b_{t-n+1} * 257^(n-1) + ... + b_t
+        h = h * NGRAM_BASE + F.pad(x, (i, 0))[:, :t]
+    return (h * NGRAM_MULTIPLIER + NGRAM_OFFSET * n) % rows
+
+
+def make_model(d_model=128, layers=2, heads=4, context=128, ngram_rows=0, ngram_orders=(2, 3)):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
@@ -138,9 +165,15 @@ def make_model(d_model=128, layers=2, heads=4, context=128):
             self.ln = nn.LayerNorm(d_model)
             nn.init.normal_(self.embed.weight, std=0.02)  # small logits at the start: about 8 bits per byte
             nn.init.normal_(self.pos, std=0.02)
+            self.orders = tuple(ngram_orders) if ngram_rows else ()
+            self.ngrams = nn.ModuleList([nn.Embedding(ngram_rows, d_model) for _ in self.orders])
+            for table in self.ngrams:
+                nn.init.zeros_(table.weight)
 
         def forward(self, x):
             h = self.embed(x) + self.pos[: x.shape[1]]
+            for n, table in zip(self.orders, self.ngrams):
+                h = h + table(ngram_ids(x, n, table.num_embeddings))
             for blk in self.blocks:
                 h = blk(h)
             return self.ln(h) @ self.embed.weight.t()

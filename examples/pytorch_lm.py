@@ -47,6 +47,9 @@ def add_flags(p):
     p.add_argument("--d-model", type=int, default=128, help="model width (default 128)")
     p.add_argument("--layers", type=int, default=2, help="transformer blocks (default 2)")
     p.add_argument("--heads", type=int, default=4, help="attention heads (default 4)")
+    p.add_argument("--ngram-rows", type=int, default=16384,
+                   help="rows of each hashed n-gram embedding table (default 16384; 0: none)")
+    p.add_argument("--ngram-orders", default="2,3", help="orders of the n-gram tables (default 2,3)")
     p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (default 50)")
     p.add_argument("--eval-windows", type=int, default=256, help="validation windows (default 256)")
     p.add_argument("--train-mb", type=float, default=8.0, help="MB of training text (default 8)")
@@ -72,7 +75,8 @@ def main(argv=None):
     val_x, val_y = lm.val_windows(corpus.val, args.context, args.eval_windows)
 
     torch.manual_seed(args.seed + rank)  # the broadcast makes the ranks start alike
-    model = lm.make_model(args.d_model, args.layers, args.heads, args.context)
+    orders = tuple(int(n) for n in args.ngram_orders.split(",") if n.strip())
+    model = lm.make_model(args.d_model, args.layers, args.heads, args.context, args.ngram_rows, orders)
     compression = digits.make_compression(args, model)
     opt = digits.make_optimizer(args, model, compression)
     numel = sum(p.numel() for p in model.parameters())
@@ -132,7 +136,8 @@ def main(argv=None):
             final_val_bpb=curve[-1]["val_bpb"], bytes_sent_total=total, bytes_per_step=total / steps,
             ranks_identical=len(set(sums)) == 1, checksums=sums, stats=stats, curve=curve,
             method_info=digits.method_info(args, opt), corpus=corpus.manifest,
-            model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, context=args.context),
+            model=dict(d_model=args.d_model, layers=args.layers, heads=args.heads, context=args.context,
+                       ngram_rows=args.ngram_rows, ngram_orders=list(orders)),
             batch_size=args.batch_size, lr=args.lr, momentum=args.momentum)
         print(f"[lm] {result['label']}: val {result['final_val_bpb']:.4f} bits/byte after {steps} steps, "
               f"{train_time:.1f} s, {total / steps:.0f} bytes/step, ranks identical: {result['ranks_identical']}",

@@ -45,6 +45,31 @@ def test_batches_are_reproducible_per_seed_rank_and_step_and_validation_is_fixed
     assert vx[0, 0] == text[0] and vy[-1, -1] == text[-1]                   # the first and last bytes
 
 
+def test_ngram_ids_are_the_documented_hash():
+    import torch
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 256, size=(3, 7))
+    for n, rows in ((2, 16384), (3, 16384), (3, 1000)):
+        ids = lm.ngram_ids(torch.from_numpy(x), n, rows).numpy()
+        for b in range(3):
+            for t in range(7):
+                h = 0
+                for i in range(t - n + 1, t + 1):  # oldest byte first, 0 before the window
+                    h = h * 257 + (int(x[b, i]) if i >= 0 else 0)
+                assert ids[b, t] == (h * 40503 + 7919 * n) % rows, (n, rows, b, t)
+    # the tables start at zero, hold most of the parameters, and get gradients only in the rows used
+    model = lm.make_model(32, 1, 2, 16, ngram_rows=4096)
+    assert all(float(t.weight.abs().sum()) == 0 for t in model.ngrams)
+    ngram = sum(t.weight.numel() for t in model.ngrams)
+    assert ngram == 2 * 4096 * 32 and ngram > sum(p.numel() for p in model.parameters()) - ngram
+    xt = torch.from_numpy(x)
+    model(xt).sum().backward()
+    for n, t in zip((2, 3), model.ngrams):
+        used = set(lm.ngram_ids(xt, n, 4096).flatten().tolist())
+        touched = set(torch.nonzero(t.weight.grad.abs().sum(1)).flatten().tolist())
+        assert touched <= used and len(touched) > 0
+
+
 def test_lm_smoke_reports_what_it_computed(tmp_path):
     import torch
 
@@ -63,7 +88,8 @@ def test_lm_smoke_reports_what_it_computed(tmp_path):
         assert [p["step"] for p in res["curve"]] == [0, 4, 8] and res["final_val_bpb"] == res["curve"][-1]["val_bpb"]
         # the loss it reports is that of the parameters it saved, evaluated directly
         args = res["model"]
-        model = lm.make_model(args["d_model"], args["layers"], args["heads"], args["context"])
+        model = lm.make_model(args["d_model"], args["layers"], args["heads"], args["context"],
+                              args["ngram_rows"], args["ngram_orders"])
         model.load_state_dict(torch.load(out / f"{method}_s1.pt"))
         corpus = lm.Corpus(1, 0.2)
         assert corpus.manifest == res["corpus"]
