@@ -6,16 +6,16 @@ where they apply). Run under Horovod (Gloo or MPI controller alike), e.g.::
     horovodrun -np 4 --gloo -H localhost:4 .venv/bin/python examples/keras_digits.py \
         --compression qsgd --bits 4 --json /tmp/qsgd.json
 
-Keras 2 (``tf_keras``) is required: Horovod 0.28.1's ``horovod.tensorflow.keras`` imports
-``tensorflow.keras``, which is Keras 3 in TensorFlow >= 2.16 unless ``TF_USE_LEGACY_KERAS=1`` is set
-before TensorFlow is imported (this script sets it), and its ``DistributedOptimizer`` subclasses
-Keras 2 optimizers (``_compute_gradients``/``_aggregate_gradients``), which Keras 3 does not have.
-
-The training is the stock Horovod Keras recipe: ``model.compile(optimizer=
-hvd.DistributedOptimizer(keras.optimizers.SGD(lr, momentum), compression=...))``, ``model.fit`` with
-``hvd.callbacks.BroadcastGlobalVariablesCallback(0)`` (it broadcasts rank 0's weights and optimizer
-state after the first batch; ranks initialise differently on purpose, so the broadcast is what
-makes them agree), with
+Keras 3 by default, as TensorFlow 2.16 and later ship it: ``model.compile(optimizer=
+hvd_qsgd.tensorflow.keras.DistributedOptimizer(keras.optimizers.SGD(lr, momentum),
+compression=...), jit_compile=False)`` and ``model.fit`` with the callbacks
+``hvd_qsgd.tensorflow.keras.BroadcastInitialState(0)`` (rank 0's weights and optimizer state to every
+rank at the start, and after the first batch) and ``MetricAverage()``. Horovod 0.28.1's own Keras
+wrapper does not average a Keras 3 optimizer's gradients (its issue 4290), which is why the
+package's is used. ``--tf-keras`` runs the stock Horovod Keras recipe on Keras 2 (``tf_keras``,
+``TF_USE_LEGACY_KERAS=1`` set before TensorFlow is imported): ``horovod.tensorflow.keras.
+DistributedOptimizer`` and ``hvd.callbacks.BroadcastGlobalVariablesCallback(0)``. Ranks initialise
+differently on purpose, so the broadcast is what makes them agree. The compressions:
 
 * ``none``: ``hvd.Compression.none`` (float32 allreduce);
 * ``fp16``: ``hvd.Compression.fp16`` (float16 allreduce);
@@ -26,7 +26,7 @@ makes them agree), with
   allreduce *as float64* (the TensorFlow adapter casts them, so that a grouped allreduce can hold
   them together with its float64 control vectors).
 
-The model is a ``tf_keras`` Sequential 64-512-512-10 ReLU MLP initialised like PyTorch's
+The model is a Keras Sequential 64-512-512-10 ReLU MLP initialised like PyTorch's
 ``nn.Linear`` (uniform in +-1/sqrt(fan_in)); SGD with momentum is Keras's. The train/test split is
 fixed (stratified, 25% test, independent of ``--seed``); each rank trains on its own equal shard.
 Keras shuffles each rank's shard every epoch (seeded by ``--seed`` and the rank).
@@ -45,16 +45,25 @@ The flags, the data split and shards, and the end-of-run reporting (bytes per st
 JSON results) are shared with the PyTorch and TensorFlow 2 examples in ``examples/digits_common.py``.
 """
 import os
+import sys
 
-os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported: tf.keras is tf_keras (Keras 2)
+TF_KERAS = "--tf-keras" in sys.argv
+if TF_KERAS:
+    os.environ["TF_USE_LEGACY_KERAS"] = "1"  # before TensorFlow is imported: tf.keras is tf_keras (Keras 2)
 
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import tf_keras as keras  # noqa: E402
 
-import horovod.tensorflow.keras as hvd  # noqa: E402
+if TF_KERAS:
+    import tf_keras as keras  # noqa: E402
+    import horovod.tensorflow.keras as hvd  # noqa: E402
+    hqk = None
+else:
+    import keras  # noqa: E402
+    import horovod.tensorflow as hvd  # noqa: E402
+    import hvd_qsgd.tensorflow.keras as hqk  # noqa: E402
 
 from hvd_qsgd import codec  # noqa: E402
 
@@ -63,10 +72,15 @@ import digits_common as common  # noqa: E402  (examples/digits_common.py: flags,
 RAW_BYTES_QSGD = 8  # uncompressed gradients travel as float64 with hvd_qsgd's TensorFlow adapter
 
 
+def add_flags(p):
+    p.add_argument("--tf-keras", action="store_true",
+                   help="Keras 2 (tf_keras) and Horovod's own Keras wrapper instead of Keras 3")
+
+
 def parse_args(argv=None):
     return common.parse_args(argv, __doc__.split("\n\n")[0],
                              "TensorFlow intra- and inter-op threads and codec threads per rank "
-                             "(default 1: ranks share few cores)")
+                             "(default 1: ranks share few cores)", add_flags=add_flags)
 
 
 def make_model(seed, n_in=64, hidden=512, n_out=10):
@@ -76,18 +90,26 @@ def make_model(seed, n_in=64, hidden=512, n_out=10):
     for i, (name, fan_in, units) in enumerate((("fc1", n_in, hidden), ("fc2", hidden, hidden),
                                                 ("fc3", hidden, n_out))):
         bound = 1.0 / np.sqrt(fan_in)
-        kw = dict(input_shape=(n_in,)) if i == 0 else {}
+        kw = dict(input_shape=(n_in,)) if i == 0 and TF_KERAS else {}
         init = keras.initializers
         layers.append(keras.layers.Dense(
             units, activation="relu" if name != "fc3" else None, name=name,
             kernel_initializer=init.VarianceScaling(1 / 3, "fan_in", "uniform", seed=seed + 2 * i),
             bias_initializer=init.RandomUniform(-bound, bound, seed=seed + 2 * i + 1), **kw))
+    if not TF_KERAS:
+        layers.insert(0, keras.Input((n_in,)))
     return keras.Sequential(layers, name="mlp")
+
+
+def weight_name(v):
+    """A weight's name without the model's: ``fc1/kernel`` (Keras 3: its path; tf_keras: its name)."""
+    name = v.path if not TF_KERAS else v.name.split(":")[0]
+    return name[len("mlp/"):] if name.startswith("mlp/") else name
 
 
 def weight_checksum(model):
     """A 63-bit digest of every weight's bytes, in model.weights order."""
-    return common.checksum((v.name, v.numpy()) for v in model.weights)
+    return common.checksum((weight_name(v), v.numpy()) for v in model.weights)
 
 
 class StepLimit(keras.callbacks.Callback):
@@ -123,10 +145,16 @@ def main(argv=None):
     keras.utils.set_random_seed(args.seed * 1000 + rank)
     model = make_model(args.seed * 1000 + 10 * rank, hidden=args.hidden)
     compression = common.make_compression(args, hvd.Compression)
-    opt = hvd.DistributedOptimizer(keras.optimizers.SGD(learning_rate=args.lr, momentum=args.momentum),
-                                   compression=compression)
-    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                  metrics=["accuracy"])
+    sgd = keras.optimizers.SGD(learning_rate=args.lr, momentum=args.momentum)
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    if TF_KERAS:
+        opt = hvd.DistributedOptimizer(sgd, compression=compression)
+        model.compile(optimizer=opt, loss=loss, metrics=["accuracy"])
+        broadcast = [hvd.callbacks.BroadcastGlobalVariablesCallback(0)]
+    else:  # XLA off: Horovod's collectives and the codec's ops have no XLA kernels
+        opt = hqk.DistributedOptimizer(sgd, compression=compression)
+        model.compile(optimizer=opt, loss=loss, metrics=["accuracy"], jit_compile=False)
+        broadcast = [hqk.BroadcastInitialState(0), hqk.MetricAverage()]
 
     _, total_steps, epochs = common.schedule(args, len(x_tr))
 
@@ -134,7 +162,7 @@ def main(argv=None):
         common.announce(args, compression, "keras", size, n_train, len(x_tr), len(x_te), total_steps)
 
     limit = StepLimit(total_steps)
-    callbacks = [hvd.callbacks.BroadcastGlobalVariablesCallback(0), limit]
+    callbacks = broadcast + [limit]
     hvd.allreduce(tf.zeros([1]), name="start")  # line the ranks up before timing
     t0 = time.perf_counter()
     model.fit(x_tr, y_tr, batch_size=args.batch_size, epochs=epochs, shuffle=True, callbacks=callbacks,
@@ -148,7 +176,7 @@ def main(argv=None):
     mine = tf.constant([weight_checksum(model)], dtype=tf.int64)
     sums = hvd.allgather(mine, name="param_checksum").numpy().tolist()
 
-    named_sizes = [(v.name.split(":")[0], int(v.shape.num_elements())) for v in model.trainable_weights]
+    named_sizes = [(weight_name(v), int(np.prod(v.shape))) for v in model.trainable_weights]
     stats = common.compressor_stats(args, compression)
     per_step, control_per_step = common.bytes_sent(args, sum(n for _, n in named_sizes), stats, step,
                                                    size, raw_bytes=RAW_BYTES_QSGD)
@@ -161,7 +189,7 @@ def main(argv=None):
         result = common.results(
             args, compression, named_sizes, size=size, epochs=epochs, steps=step,
             test_accuracy=test_accuracy, per_step=per_step, control_per_step=control_per_step,
-            train_time=train_time, checksums=sums, stats=stats, framework="keras",
+            train_time=train_time, checksums=sums, stats=stats, framework="keras" if not TF_KERAS else "tf_keras",
             raw_bytes_per_element=RAW_BYTES_QSGD, test_loss=test_loss, first_step=limit.first_step)
         common.report(args, result, what="weights")
     hvd.shutdown()

@@ -37,7 +37,9 @@ LAYERS = [
     ("front objects and optimizers", {"hvd_qsgd", "hvd_qsgd.compressor", "hvd_qsgd.block_sign",
                                       "hvd_qsgd.torch", "hvd_qsgd.torch.ef_sgdm", "hvd_qsgd.torch.periodic",
                                       "hvd_qsgd.torch.elastic", "hvd_qsgd.tensorflow",
-                                      "hvd_qsgd.tensorflow.ops"}),
+                                      "hvd_qsgd.tensorflow.ops", "hvd_qsgd.tensorflow.tape",
+                                      "hvd_qsgd.tensorflow.keras", "hvd_qsgd.tensorflow.keras_base",
+                                      "hvd_qsgd.tensorflow.periodic"}),
 ]
 
 

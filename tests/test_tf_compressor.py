@@ -42,10 +42,17 @@ def test_compat_v1_distributed_optimizer_in_a_session():
     assert ok_count(out, "v1") == 2, out[-3000:]
 
 
-def test_keras3_model_with_distributed_gradient_tape():
-    """Keras 3 (not tf_keras) through DistributedGradientTape over hvd_qsgd.tensorflow.tf_variables."""
-    out = launch(2, "gloo", [WORKER, "keras3"], timeout=200)
-    assert ok_count(out, "keras3") == 2, out[-3000:]
+KERAS3 = ["keras3", "keras3-tape", "keras3-tape-none", "keras3-fit", "keras3-fit-none", "keras3-pqasgd"]
+
+
+@pytest.mark.parametrize("np_,controller", [(2, "gloo"), (4, "gloo"), (2, "mpi")])
+def test_keras3_tape_and_fit_equal_single_process_decode_on_every_rank(np_, controller):
+    """Keras 3 (no legacy flag): Horovod's tape over tf_variables; hvd_qsgd.tensorflow's tape over the
+    model's own variables; model.fit with hvd_qsgd.tensorflow.keras.DistributedOptimizer and its
+    callbacks; each with QSGD(4) and with hvd.Compression.none; PQASGD step by step."""
+    out = launch(np_, controller, [WORKER] + KERAS3, timeout=300)
+    for s in KERAS3:
+        assert ok_count(out, s) == np_, f"{s}:\n{out[-3000:]}"
 
 
 @pytest.mark.parametrize("kind,pattern", [

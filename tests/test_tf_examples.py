@@ -1,7 +1,8 @@
 """The TensorFlow training examples under horovodrun: examples/tensorflow2_digits.py
 (``hvd.DistributedGradientTape(tape, compression=hvd_qsgd.QSGD(...))`` in a ``tf.function`` step) and
-examples/keras_digits.py (tf_keras, ``horovod.tensorflow.keras.DistributedOptimizer(SGD,
-compression=hvd_qsgd.QSGD(...))`` and ``model.fit``): byte accounting against the codec's payload
+examples/keras_digits.py (Keras 3: ``hvd_qsgd.tensorflow.keras.DistributedOptimizer(SGD,
+compression=hvd_qsgd.QSGD(...))`` and ``model.fit``; with ``--tf-keras``, tf_keras and Horovod's own
+``horovod.tensorflow.keras.DistributedOptimizer``): byte accounting against the codec's payload
 sizes, bit-identical replicas, and training parity with the uncompressed run.
 
 Measured on the 2-core development machine: 154 s for the file when it had the machine to itself
@@ -26,7 +27,8 @@ ALL = sum(QUANTIZED.values()) + RAW
 @pytest.mark.parametrize("script, controller, bits, bucket_args, bucket", [
     (TF2, "gloo", 4, [], 512),                             # the defaults
     (KERAS, "mpi", 8, ["--bucket-size", "256"], 256),      # flags reach the compressor; MPI controller
-], ids=["tensorflow2", "keras"])
+    (KERAS, "gloo", 4, ["--tf-keras"], 512),               # Keras 2 (tf_keras), Horovod's Keras wrapper
+], ids=["tensorflow2", "keras3", "tf_keras"])
 def test_qsgd_bytes_match_the_payload_sizes(tmp_path, script, controller, bits, bucket_args, bucket):
     r = run(tmp_path, 2, script, "qsgd", ["--compression", "qsgd", "--bits", str(bits), "--epochs", "3"]
             + bucket_args, controller=controller)
@@ -73,7 +75,7 @@ def test_tensorflow2_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
     check_parity(none, [q8, q4])
 
 
-def test_keras_qsgd4_reaches_the_uncompressed_accuracy(tmp_path):
+def test_keras3_qsgd4_reaches_the_uncompressed_accuracy(tmp_path):
     # reduction="allgather": check_runs' byte identity is allgather's (at 4 ranks the default, auto,
     # sends the 262,144-element gradient by scatter_allgather)
     common = ["--epochs", "10", "--seed", "42", "--reduction", "allgather"]

@@ -214,6 +214,223 @@ def scenario_keras3():
     assert c.stats["tensors"] == 3, c.stats
 
 
+def keras3_model(seed):
+    """A Keras 3 MLP (12800-, 20000- and 1000-element kernels) with weights drawn from ``seed``."""
+    import keras
+    assert keras.__version__.startswith("3"), keras.__version__
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(200, activation="relu"),
+                              keras.layers.Dense(100, activation="relu"), keras.layers.Dense(10)])
+    rng = np.random.default_rng(seed)
+    model.set_weights([rng.standard_normal(w.shape).astype(np.float32) * 0.1 for w in model.get_weights()])
+    return model
+
+
+def keras3_loss(model, x, y):
+    import keras
+    return tf.reduce_mean(keras.losses.sparse_categorical_crossentropy(y, model(x), from_logits=True))
+
+
+def keras3_compression(kind):
+    return hvd_qsgd.QSGD(4, seed=SEED) if kind == "qsgd" else hvd.Compression.none
+
+
+def reduced_reference(mine, c, occurrence=0):
+    """[(reference, exact)] for every rank's gradients ``mine``: with QSGD, the compressed ones
+    (>= 10,000 elements, in the order of the last trace's exchanges) are the single-process decode
+    (exact); the others, and all of them uncompressed, the mean (up to rounding)."""
+    compressed = [i for i, g in enumerate(mine) if g.size >= 10000] if isinstance(c, hvd_qsgd.QSGD) else []
+    names = ([name for name, _ in c._adapters["tensorflow"].traced_exchanges[-len(compressed):]]
+             if compressed else [])
+    out = []
+    for i, m in enumerate(mine):
+        per = gather_np(m)
+        if i in compressed:
+            out.append((reference(per, names[compressed.index(i)], occurrence), True))
+        else:
+            out.append((np.mean(per, axis=0), False))
+    return out
+
+
+def check_reduced(got, mine, c, what, occurrence=0):
+    """The reduced gradients ``got`` against ``reduced_reference``; all bit-identical across ranks."""
+    for i, (g, (ref, exact)) in enumerate(zip(got, reduced_reference(mine, c, occurrence))):
+        if exact:
+            assert np.array_equal(g, ref), f"{what} {i}: max diff {np.abs(g - ref).max()}"
+        else:
+            assert np.allclose(g, ref, rtol=1e-5, atol=1e-7), f"{what} {i}"
+        check_identical(g, f"{what} {i}")
+
+
+def scenario_keras3_tape(kind):
+    """hvd_qsgd.tensorflow.DistributedGradientTape over a Keras 3 model's own variables (no
+    tf_variables, no legacy flag), in a tf.function, two steps: the reduced gradients equal the
+    single-process decode of every rank's payloads (QSGD) or the mean (no compression). Eagerly:
+    nested sources come back in their structure, and a registered local source keeps its own
+    gradient (scaled by 1/n, as Horovod's tape does)."""
+    import hvd_qsgd.tensorflow as qtf
+    rank, n = hvd.rank(), hvd.size()
+    model = keras3_model(0)
+    c = keras3_compression(kind)
+    variables = model.trainable_variables
+    assert not hasattr(variables[0], "ref")  # Keras 3 variables, which Horovod's own tape cannot take
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        return qtf.DistributedGradientTape(tape, compression=c).gradient(loss, variables)
+
+    for s in range(2):
+        x, y = batch(rank, s)
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        mine = [g.numpy() for g in tape.gradient(loss, variables)]
+        check_reduced([g.numpy() for g in step(x, y)], mine, c, f"step {s} gradient", occurrence=s)
+    if kind == "none":
+        x, y = batch(rank, 5)
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        mine = [g.numpy() for g in tape.gradient(loss, variables)]
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        tape = qtf.DistributedGradientTape(tape, compression=c)
+        tape.register_local_source(variables[-1])
+        got = tape.gradient(loss, {"first": variables[0], "rest": list(variables[1:])})
+        assert set(got) == {"first", "rest"} and len(got["rest"]) == len(variables) - 1
+        flat = [got["first"].numpy()] + [g.numpy() for g in got["rest"]]
+        check_reduced(flat[:-1], mine[:-1], c, "eager gradient")
+        assert np.allclose(flat[-1], mine[-1] / n, rtol=1e-6), "the local source's gradient"
+
+
+def scenario_keras3_fit(kind):
+    """Keras 3 model.fit with hvd_qsgd.tensorflow.keras.DistributedOptimizer(SGD(0.5)),
+    BroadcastInitialState and MetricAverage: the ranks start from different weights, and after one
+    step every weight is rank 0's initial weight minus 0.5 times the reduced gradient computed at
+    rank 0's weights (QSGD: the single-process decode, exactly; none: the mean), bit-identical
+    across ranks; the loss fit reports is the mean of the ranks' losses."""
+    import keras
+    import hvd_qsgd.tensorflow.keras as hqk
+    rank = hvd.rank()
+    model = keras3_model(100 + rank)  # different on every rank: the broadcast makes them alike
+    root = [hvd.broadcast(tf.constant(w), root_rank=0, name=f"root_weight_{i}").numpy()
+            for i, w in enumerate(model.get_weights())]
+    at_root = keras3_model(0)
+    at_root.set_weights(root)
+    x, y = batch(rank)
+    with tf.GradientTape() as tape:
+        loss = keras3_loss(at_root, x, y)
+    mine = [g.numpy() for g in tape.gradient(loss, at_root.trainable_variables)]
+    c = keras3_compression(kind)
+    opt = hqk.DistributedOptimizer(keras.optimizers.SGD(0.5), compression=c)
+    assert isinstance(opt, keras.optimizers.SGD) and type(opt).__name__ == "SGD"
+    try:
+        hqk.DistributedOptimizer(opt, compression=c)
+        raise AssertionError("a twice-distributed optimizer was accepted")
+    except ValueError as e:
+        assert "already wrapped" in str(e), e
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=16, epochs=1, verbose=0, shuffle=False,
+                        callbacks=[hqk.BroadcastInitialState(0), hqk.MetricAverage()])
+    after = model.get_weights()
+    for i, (w0, w1, (g, exact)) in enumerate(zip(root, after, reduced_reference(mine, c))):
+        want = (tf.constant(w0) - 0.5 * tf.constant(g)).numpy()  # SGD: w <- w - 0.5 g, in float32
+        if exact:
+            assert np.array_equal(w1, want), f"weight {i}: max diff {np.abs(w1 - want).max()}"
+        else:
+            assert np.allclose(w1, want, rtol=1e-5, atol=1e-6), f"weight {i}"
+        check_identical(w1, f"weight {i}")
+    losses = gather_np(np.float32(loss.numpy()).reshape(1))
+    assert np.isclose(history.history["loss"][0], np.mean(losses), rtol=1e-5), (history.history, losses)
+    if kind == "qsgd":
+        assert c.stats["tensors"] == 2, c.stats
+        # XLA (jit_compile=True) cannot run the collectives: a clear error, not a compiler's
+        xla = keras3_model(0)
+        xla.compile(optimizer=hqk.DistributedOptimizer(keras.optimizers.SGD(0.5), compression=c),
+                    loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=True)
+        try:
+            xla.fit(x, y, batch_size=16, epochs=1, verbose=0)
+            raise AssertionError("an XLA-compiled step was accepted")
+        except ValueError as e:
+            assert "jit_compile=False" in str(e), e
+
+
+def scenario_keras3_pqasgd():
+    """hvd_qsgd.tensorflow.keras.PeriodicQuantizedAveraging(SGD(0.1), period=2, QSGD(2)) in a
+    tf.function step, 4 steps, against its re-statement from the model's own state: a local step is
+    x - 0.1 g (this rank's gradient); at steps 2 and 4, x^ <- x^ + decode_sum of every rank's
+    Q(x - x^) (exactly, for the compressed variables; the mean for the others) and x <- x^ on every
+    rank. Then the momentum modes (the state after a sync: local differs across ranks, average is
+    alike, reset is zero) and model.fit."""
+    import keras
+    import hvd_qsgd.tensorflow.keras as hqk
+    rank, lr, period = hvd.rank(), np.float32(0.1), 2
+    model = keras3_model(0)
+    variables = model.trainable_variables
+    c = hvd_qsgd.QSGD(2, seed=SEED)
+    opt = hqk.PeriodicQuantizedAveraging(keras.optimizers.SGD(0.1), period=period, compression=c)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        opt.apply(tape.gradient(loss, variables), variables)
+
+    compressed = [i for i, v in enumerate(variables) if np.prod(v.shape) >= 10000]
+    for s in range(4):
+        x, y = batch(rank, s)
+        before = [v.numpy() for v in variables]
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(model, x, y)
+        g = [t.numpy() for t in tape.gradient(loss, variables)]
+        anchors = [a.numpy() for a in opt._pqasgd_anchors] if s else before
+        step(x, y)
+        want = [(tf.constant(b) - tf.constant(gi) * lr).numpy() for b, gi in zip(before, g)]  # SGD: x - g lr
+        if (s + 1) % period == 0:
+            names = [n for n, _ in c._adapters["tensorflow"].traced_exchanges[-len(compressed):]]
+            for i, (w, a) in enumerate(zip(want, anchors)):
+                per = gather_np((tf.constant(w) - tf.constant(a)).numpy())
+                if i in compressed:
+                    avg = reference(per, names[compressed.index(i)], s // period, bits=2, bucket=c.settings.bucket_size)
+                else:
+                    avg = np.mean(per, axis=0)
+                want[i] = (tf.constant(a) + tf.constant(avg)).numpy()
+        for i, (v, w) in enumerate(zip(variables, want)):
+            if i in compressed or (s + 1) % period:
+                assert np.array_equal(v.numpy(), w), f"step {s} variable {i}: max diff {np.abs(v.numpy() - w).max()}"
+            else:
+                assert np.allclose(v.numpy(), w, rtol=1e-5, atol=1e-7), f"step {s} variable {i}"
+            if (s + 1) % period == 0:
+                check_identical(v.numpy(), f"step {s} variable {i}")
+                assert np.array_equal(v.numpy(), opt._pqasgd_anchors[i].numpy())
+    assert c.stats["tensors"] == 2 * len(compressed), c.stats
+    for mode in ("local", "average", "reset"):
+        m = keras3_model(0)
+        o = hqk.PeriodicQuantizedAveraging(keras.optimizers.SGD(0.1, momentum=0.9), period=1,
+                                           compression=hvd.Compression.none, momentum=mode)
+        x, y = batch(rank, 7)
+        with tf.GradientTape() as tape:
+            loss = keras3_loss(m, x, y)
+        o.apply(tape.gradient(loss, m.trainable_variables), m.trainable_variables)  # eager, a sync
+        buf = o.momentums[0].numpy()
+        copies = gather_np(buf)
+        if mode == "reset":
+            assert not buf.any(), mode
+        elif mode == "average":
+            assert all(np.array_equal(b, copies[0]) for b in copies), mode
+        else:
+            assert not np.array_equal(copies[0], copies[1]), mode
+    m = keras3_model(0)
+    c2 = hvd_qsgd.QSGD(2, seed=SEED)
+    m.compile(optimizer=hqk.PeriodicQuantizedAveraging(keras.optimizers.SGD(0.1), period=2, compression=c2),
+              loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    x, y = batch(rank)
+    m.fit(np.concatenate([x] * 4), np.concatenate([y] * 4), batch_size=16, epochs=1, verbose=0, shuffle=False,
+          callbacks=[hqk.BroadcastInitialState(0)])
+    for v in m.trainable_variables:
+        check_identical(v.numpy(), "fit " + v.path)
+    assert c2.stats["tensors"] == 2 * len(compressed), c2.stats
+
+
 def scenario_error_feedback():
     """With error_feedback, after one step each compressed tensor's residual variable holds
     g - decode(encode(g)) for this rank's own gradient g and payload; the statistics and residuals
@@ -547,7 +764,12 @@ def main():
             sys.exit(1)
         else:
             {"tape": scenario_tape, "allreduce": scenario_allreduce, "keras": scenario_keras,
-             "keras3": scenario_keras3, "v1": scenario_v1, "error-feedback": scenario_error_feedback,
+             "keras3": scenario_keras3, "v1": scenario_v1,
+             "keras3-tape": lambda: scenario_keras3_tape("qsgd"),
+             "keras3-tape-none": lambda: scenario_keras3_tape("none"),
+             "keras3-fit": lambda: scenario_keras3_fit("qsgd"),
+             "keras3-fit-none": lambda: scenario_keras3_fit("none"),
+             "keras3-pqasgd": scenario_keras3_pqasgd, "error-feedback": scenario_error_feedback,
              "error-feedback-lr": scenario_error_feedback_lr,
              "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
              "elias": scenario_elias, "auto": scenario_auto, "join": scenario_join}[s]()
