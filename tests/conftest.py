@@ -37,7 +37,7 @@ MARKERS = {
     "test_demo": {"slow"},                                        # 30-160 s
     "test_algorithms_convergence": {"slow"},                      # 45-90 s
     "test_tf_examples::test_tensorflow2_qsgd_reaches_the_uncompressed_accuracy": {"slow"},  # 94 s
-    "test_tf_examples::test_keras_qsgd4_reaches_the_uncompressed_accuracy": {"slow"},       # 63 s
+    "test_tf_examples::test_keras3_qsgd4_reaches_the_uncompressed_accuracy": {"slow"},       # 63 s
     "test_tf_compressor::test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank": {"slow"},  # 22-41 s
     "test_tf_compressor::test_scatter_allgather_equals_the_reduction_simulation_on_every_rank": {"slow"},  # 26-37 s
     "test_multirank::test_horovod_allgather_of_payloads": {"slow"},                          # up to 33 s
