@@ -66,8 +66,8 @@ SIZES = {
 
 def add_lm_arguments(p):
     p.add_argument("--seeds", default="1,2,3", help="lm: seeds of the SEEDED methods (default %(default)s)")
-    p.add_argument("--steps", type=int, default=600, help="lm: optimizer steps of every run (default %(default)s)")
-    p.add_argument("--eval-every", type=int, default=50, help="lm: steps between evaluations (default %(default)s)")
+    p.add_argument("--steps", type=int, default=300, help="lm: optimizer steps of every run (default %(default)s)")
+    p.add_argument("--eval-every", type=int, default=30, help="lm: steps between evaluations (default %(default)s)")
     p.add_argument("--size", choices=tuple(SIZES), default="default", help="lm: the model's size (default %(default)s)")
     p.add_argument("--rate", default=None, help="lm: shape every rank's link to this rate (tc syntax, e.g. 1gbit); "
                                                 "default: loopback, nothing shaped")
