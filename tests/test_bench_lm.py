@@ -59,7 +59,7 @@ def test_ngram_ids_are_the_documented_hash():
                 assert ids[b, t] == (h * 40503 + 7919 * n) % rows, (n, rows, b, t)
     # the tables start at zero, hold most of the parameters, and get gradients only in the rows used
     model = lm.make_model(32, 1, 2, 16, ngram_rows=4096)
-    assert all(float(t.weight.abs().sum()) == 0 for t in model.ngrams)
+    assert all(not t.weight.detach().any() for t in model.ngrams)
     ngram = sum(t.weight.numel() for t in model.ngrams)
     assert ngram == 2 * 4096 * 32 and ngram > sum(p.numel() for p in model.parameters()) - ngram
     xt = torch.from_numpy(x)
