@@ -28,14 +28,13 @@ created variables (Keras 3 builds a model without an ``Input``, and the optimize
 first step). ``MetricAverage``: at the end of every epoch each numeric entry of ``logs`` is replaced
 by its average over the ranks (keys in sorted order, the same on every rank).
 """
-import re
 from typing import Optional
 
 import keras
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
-from hvd_qsgd.tensorflow.keras_base import is_keras3_optimizer, refuse_xla, variable_name, wrap
+from hvd_qsgd.tensorflow.keras_base import is_keras3_optimizer, op_name, refuse_xla, variable_name, wrap
 from hvd_qsgd.tensorflow.periodic import PeriodicQuantizedAveraging  # noqa: F401
 from hvd_qsgd.tensorflow.tape import tf_variables
 
@@ -99,9 +98,7 @@ def DistributedOptimizer(optimizer, compression=None, op=None, sparse_as_dense: 
             grads = reduce(grads, variables)
         return base.apply(self, grads, trainable_variables)
 
-    optimizer = wrap(optimizer, WHO, {"apply": apply})
-    optimizer.hvd_qsgd_compression = compression
-    return optimizer
+    return wrap(optimizer, WHO, {"apply": apply})
 
 
 def broadcast_variables(variables, root_rank: int = 0, process_set=None):
@@ -153,6 +150,6 @@ class MetricAverage(keras.callbacks.Callback):
             value = logs[key]
             if isinstance(value, (int, float)) or (hasattr(value, "shape") and tuple(value.shape) == ()):
                 mean = hvd.allreduce(tf.constant(float(value), tf.float64), op=hvd.Average,
-                                     name=f"hvd_qsgd.metric.{re.sub(r'[^A-Za-z0-9_.]', '_', key)}",
+                                     name=op_name(f"hvd_qsgd.metric.{key}"),
                                      process_set=self.process_set)
                 logs[key] = float(mean.numpy())

@@ -7,6 +7,8 @@ does around the optimizer's own: Keras 3's ``apply_gradients`` calls ``apply``, 
 ``model.fit``'s step. A mark on the subclass names the wrapper, so that two of them are never
 stacked on one optimizer (gradients reduced twice, or averaged inside local steps).
 """
+import re
+
 import keras
 import tensorflow as tf
 
@@ -46,9 +48,12 @@ def wrap(optimizer, who: str, methods: dict):
     return optimizer
 
 
+def op_name(text: str) -> str:
+    """``text`` with the characters Horovod's collective names refuse replaced by ``_``."""
+    return re.sub(r"[^A-Za-z0-9_.\-/]", "_", text)
+
+
 def variable_name(i: int, variable) -> str:
-    """``<i>_<path>`` with characters Horovod's op names refuse replaced: a collective's name for the
-    i-th variable, the same on every rank that builds the same model."""
-    import re
-    path = getattr(variable, "path", None) or getattr(variable, "name", "") or "var"
-    return f"{i}_" + re.sub(r"[^A-Za-z0-9_.\-/]", "_", path)
+    """``<i>_<path>``: a collective's name for the i-th variable, the same on every rank that builds
+    the same model."""
+    return op_name(f"{i}_" + (getattr(variable, "path", None) or getattr(variable, "name", "") or "var"))

@@ -51,9 +51,6 @@ def PeriodicQuantizedAveraging(optimizer, period: int, compression=None, momentu
     if compression is None:
         import hvd_qsgd
         compression = hvd_qsgd.QSGD(2)
-    watch = getattr(compression, "_never_called", None)
-    if watch is not None:  # called at syncs only
-        watch.expect_calls_every(period)
     process_set = hvd.global_process_set if process_set is None else process_set
     base = type(optimizer)
 
@@ -110,5 +107,8 @@ def PeriodicQuantizedAveraging(optimizer, period: int, compression=None, momentu
         due = tf.equal(tf.math.floormod(tf.convert_to_tensor(self._pqasgd_steps), period), 0)
         tf.cond(due, sync, lambda: tf.constant(0))
 
-    return wrap(optimizer, WHO, {"build": build, "apply": apply, "pqasgd_period": period,
-                                 "pqasgd_compression": compression, "pqasgd_momentum": momentum})
+    optimizer = wrap(optimizer, WHO, {"build": build, "apply": apply})
+    watch = getattr(compression, "_never_called", None)
+    if watch is not None:  # called at syncs only
+        watch.expect_calls_every(period)
+    return optimizer

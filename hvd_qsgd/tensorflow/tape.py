@@ -61,8 +61,9 @@ def DistributedGradientTape(gradtape: tf.GradientTape, compression=None, **kwarg
 
     def get_local_and_global_gradients(target, sources, output_gradients=None, use_generic_names=False):
         flat = list(sources)
-        by_id = {id(t): s for s, t in zip(flat, tf_variables(flat))}
-        local, global_ = local_and_global(target, tf_variables(flat), output_gradients, use_generic_names)
+        inner = tf_variables(flat)
+        by_id = {id(t): s for s, t in zip(flat, inner)}
+        local, global_ = local_and_global(target, inner, output_gradients, use_generic_names)
         return ([(by_id[id(t)], g) for t, g in local], [(by_id[id(t)], g) for t, g in global_])
 
     tape.gradient = gradient
