@@ -454,6 +454,64 @@ class QSGD(Compressor):
             if k in self.residuals.rates:
                 self.residuals.rates[k].assign(v)
 
+    # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
+
+    def exchange_counters(self):
+        """What names and seeds the next traced exchanges: the exchanges numbered so far (``seq``)
+        and the occurrence counter of every traced exchange, by state key."""
+        with self._lock:
+            occurrences = dict(self._occurrences)
+        return {"seq": self.names.counters()["seq"], "occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}
+
+    def load_exchange_counters(self, counters):
+        """Set the counters of ``exchange_counters()`` (e.g. another rank's): the occurrence counters
+        this compressor has are assigned (0 where ``counters`` has none), the others are created."""
+        occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
+        self.names.load_counters({"seq": counters["seq"], "occurrences": {}})
+        for k in occurrences:
+            self._state(self._occurrences, k, lambda: tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                                  name=f"{self.names.prefix}_occurrence"))
+        for k, v in list(self._occurrences.items()):
+            v.assign(occurrences.get(k, 0))
+
+    def residual_layout(self):
+        """{state key: elements} of the error-feedback residuals, and the keys of their learning rates."""
+        return {"residuals": {k: int(v.shape.num_elements()) for k, v in self.residuals.residuals.items()},
+                "rates": sorted(self.residuals.rates)}
+
+    def create_residuals(self, layout):
+        """Create the residuals (zero) and learning rates of ``residual_layout()`` this compressor lacks,
+        so that a trace finds them: a tf.function whose first trace creates variables traces twice, and
+        every trace numbers its exchanges."""
+        for k, n in layout["residuals"].items():
+            v = self._state(self.residuals.residuals, k, lambda: tf.Variable(
+                tf.zeros([n], tf.float32), trainable=False, name=f"{self.names.prefix}_residual"))
+            if v.shape.num_elements() != n:
+                raise protocol.MismatchError(f"hvd_qsgd: the error-feedback residual {k} has "
+                                             f"{v.shape.num_elements()} elements here and {n} in the layout given")
+        for k in layout["rates"]:
+            self._state(self.residuals.rates, k, lambda: tf.Variable(
+                0.0, dtype=tf.float32, trainable=False, name=f"{self.names.prefix}_residual_lr"))
+
+    def load_stats(self, stats):
+        """Set the statistics counters (those of ``stats``, as the eager ``stats`` gives them)."""
+        for k, v in self._counter_vars().items():
+            v.assign(int(stats[k]))
+        for k, v in self._timing_vars().items():
+            v.assign(int(stats[k]) if k == "allreduce_bytes" else float(stats[k]))
+
+    def reset(self, residuals=True):
+        """Forget every exchange in progress (the slots of eager exchanges), and with ``residuals``
+        zero every error-feedback residual and the learning rate it was made at (as when created).
+        For after Horovod was shut down and re-initialised (an elastic reset); the exchange counters
+        are kept. The variables stay: the traced functions that read them stay valid."""
+        self.names.reset()
+        if residuals:
+            for v in self.residuals.residuals.values():
+                v.assign(tf.zeros_like(v))
+            for v in self.residuals.rates.values():
+                v.assign(tf.zeros_like(v))
+
 
 def _usable(lr):
     """Where a learning rate can rescale a residual: finite and positive."""
