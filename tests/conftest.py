@@ -26,6 +26,7 @@ from tests import helpers
 MARKERS = {
     # jobs started without tests.helpers.launch
     "test_elastic": {"multirank", "slow"},                        # horovodrun --min-np/--max-np (elastic)
+    "test_tf_elastic": {"multirank", "slow"},                     # the same, TensorFlow
     "test_bench_torch": {"multirank", "slow"},                    # python -m benchmarks torch --np 2
     "test_bench_convergence": {"multirank", "slow"},              # python -m benchmarks convergence --np 2
     "test_bench_lm::test_lm_smoke_reports_what_it_computed": {"multirank", "slow"},  # convergence --workload lm --np 2
