@@ -254,8 +254,9 @@ class DynamicQSGD(QSGD):
     discount, total_steps: 1 - alpha mu and T of the bound's horizon term (default 1: none)
     bucket_size:           elements per bucket; None (default): the QSGD paper's 128 for 2 bits and
                            512 for more, per step
-    The other parameters are QSGD's, by name. PyTorch only (the TensorFlow ops take their bits as
-    graph attributes). ``bits_history`` of the torch adapter lists the bits each exchange used.
+    The other parameters are QSGD's, by name. ``bits_history`` of the torch adapter lists the bits
+    each exchange used. In TensorFlow the schedule runs in the graph (``hvd_qsgd.adapters.tf_schedule``)
+    and needs a ``tf.function`` step; ``schedules()`` of the TensorFlow adapter shows its state.
     """
 
     def __init__(self, budget_bits_per_coord: float = 4.0, min_bits: int = 2, max_bits: int = 8,
@@ -281,7 +282,4 @@ class DynamicQSGD(QSGD):
                 f"error_feedback={s.error_feedback}, reduction={s.reduction!r})")
 
     def _policy(self, framework: str) -> ScheduledBits:
-        if framework != "torch":
-            raise TypeError("hvd_qsgd.DynamicQSGD compresses PyTorch tensors; the TensorFlow ops take their bits "
-                            "as graph attributes, fixed per trace (use hvd_qsgd.QSGD in TensorFlow)")
         return ScheduledBits(self.settings, self.schedule_args, self.fixed_bucket_size)

@@ -79,11 +79,21 @@ class ScheduledBits(FixedBits):
             self.bits_history.append((key, bits))
             if len(self.bits_history) > self.HISTORY:
                 del self.bits_history[: self.HISTORY // 2]
-        settings = self._of_bits.get(bits)
-        if settings is None:  # made (and checked) once per bit width
-            bucket = self.fixed_bucket_size or default_bucket_size(bits)
-            settings = self._of_bits[bits] = self.settings.replace(bits=bits, bucket_size=bucket)
+        return self.settings_of_bits(bits)
+
+    def settings_of_bits(self, bits: int) -> Settings:
+        """The settings of an exchange with ``bits`` bits: the bucket size fixed, or the paper's for
+        those bits (made and checked once per bit width)."""
+        with self._lock:
+            settings = self._of_bits.get(bits)
+            if settings is None:
+                bucket = self.fixed_bucket_size or default_bucket_size(bits)
+                settings = self._of_bits[bits] = self.settings.replace(bits=bits, bucket_size=bucket)
         return settings
+
+    def bits_range(self) -> range:
+        """The bit widths an exchange may use."""
+        return range(self.schedule_args["min_bits"], self.schedule_args["max_bits"] + 1)
 
     def observe(self, key: Hashable, reduced: np.ndarray) -> None:
         x = np.asarray(reduced).reshape(-1).astype(np.float64)

@@ -1,6 +1,8 @@
 """Reference statements of the codec's documented arithmetic (docs/wire-format.md) and payload
 helpers, shared by the test modules that check the CPU and the CUDA kernels against them
 (tests/test_codec_format.py, tests/test_codec_validation.py, tests/test_cuda.py)."""
+import math
+
 import numpy as np
 
 from hvd_qsgd import _native
@@ -112,3 +114,28 @@ def check_nonfinite(y, xs, bucket, bits, clean):
 
 def cleaned(x):
     return np.where(np.isfinite(x), x, 0).astype(x.dtype)
+
+
+def dqsgd_bits(budget, norms, lo=2, hi=8):
+    """The DQSGD rule re-stated (hvd_qsgd.dynamic's docstring, discount 1): b_0 = round(budget); then
+    r_t = log2 ||previous reduced gradient||, target = budget + r_t - mean(r_1..r_t), and the budget
+    left unspent so far is added before rounding and clamping."""
+    bits, unspent, rs = [], 0.0, []
+    for t in range(len(norms) + 1):
+        target = budget
+        if t > 0:
+            rs.append(math.log2(norms[t - 1]))
+            target += rs[-1] - sum(rs) / len(rs)
+        b = int(min(hi, max(lo, math.floor(target + unspent + 0.5))))
+        unspent += budget - b
+        bits.append(b)
+    return bits
+
+
+def block_sign(v, block):
+    """C(v): per block, mean |v| times sign(v) (sign(0) = +1)."""
+    out = np.empty_like(v)
+    for i in range(0, v.size, block):
+        blk = v[i: i + block]
+        out[i: i + block] = np.where(blk >= 0, 1.0, -1.0) * np.mean(np.abs(blk))
+    return out

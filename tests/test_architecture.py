@@ -32,14 +32,14 @@ LAYERS = [
     ("settings and state objects", {"hvd_qsgd.settings", "hvd_qsgd.dynamic", "hvd_qsgd.policy",
                                     "hvd_qsgd.state", "hvd_qsgd.driver", "hvd_qsgd.report"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
-                            "hvd_qsgd.adapters.tensorflow",
+                            "hvd_qsgd.adapters.tensorflow", "hvd_qsgd.adapters.tf_schedule",
                             "hvd_qsgd.mpi"}),
     ("front objects and optimizers", {"hvd_qsgd", "hvd_qsgd.compressor", "hvd_qsgd.block_sign",
                                       "hvd_qsgd.torch", "hvd_qsgd.torch.ef_sgdm", "hvd_qsgd.torch.periodic",
                                       "hvd_qsgd.torch.elastic", "hvd_qsgd.tensorflow",
                                       "hvd_qsgd.tensorflow.ops", "hvd_qsgd.tensorflow.tape",
                                       "hvd_qsgd.tensorflow.keras", "hvd_qsgd.tensorflow.keras_base",
-                                      "hvd_qsgd.tensorflow.periodic", "hvd_qsgd.tensorflow.elastic"}),
+                                      "hvd_qsgd.tensorflow.periodic", "hvd_qsgd.tensorflow.ef_sgdm", "hvd_qsgd.tensorflow.elastic"}),
 ]
 
 

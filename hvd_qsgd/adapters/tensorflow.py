@@ -55,6 +55,13 @@ not payload and are not counted). In eager execution (no ``tf.function``) every 
 exchange, seeded as occurrence 0 of ``hvd_qsgd_<k>_s<seq>``; error feedback needs a ``tf.function``
 step (its residual must persist per traced tensor).
 
+DQSGD (a ``ScheduledBits`` policy): the codec ops take their bits as attrs, so compress and
+decompress are each a ``tf.switch_case`` over the bit widths ``min_bits..max_bits``, every branch
+the exchange above with that width's settings (``policy.settings_of_bits``); the step's bits, from
+the tensor's schedule variable (``hvd_qsgd.adapters.tf_schedule``), pick the branch, and the control
+vector is that width's row of a constant table, so ranks that chose different bits fail the check.
+After the exchange the norm of the reduced result is recorded for the next choice. Graph mode only.
+
 In eager execution the ops run as they are called, and TensorFlow's eager runtime keeps a kernel for
 every distinct set of attrs an op was called with, for the life of the process (about 40 KB each).
 So nothing that differs from call to call may be an attr: an eager exchange travels as
@@ -74,8 +81,9 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, report
-from hvd_qsgd.policy import FixedBits
+from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, reduction, report
+from hvd_qsgd.adapters import tf_schedule
+from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
 from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
 
@@ -102,8 +110,8 @@ class _Exchange:
     """The context of one compressed tensor between compress and decompress."""
 
     __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
-                 "set_rank", "fingerprint", "reduction", "occurrence", "seed", "slot", "lr", "residual_lr",
-                 "timing")
+                 "set_rank", "fingerprint", "occurrence", "seed", "slot", "lr", "residual_lr",
+                 "timing", "variants", "index", "schedule", "key")
 
 
 class QSGD(Compressor):
@@ -114,13 +122,9 @@ class QSGD(Compressor):
     def __init__(self, *args, process_set=None, settings=None, policy=None, creation_index=None, **kwargs):
         self.settings = settings = Settings.given("hvd_qsgd.tensorflow.QSGD", settings, args, kwargs)
         self.policy = policy if policy is not None else FixedBits(settings)
-        if type(self.policy) is not FixedBits:
-            raise TypeError(f"hvd_qsgd.tensorflow.QSGD: the TensorFlow ops take their bits as graph attributes, "
-                            f"fixed per trace; a {type(self.policy).__name__} policy needs PyTorch")
-        if self.settings.server_error_feedback:
-            raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True (two-way error feedback) is "
-                             "implemented for PyTorch only; pass server_error_feedback=False "
-                             "(docs/algorithms.md says what is where)")
+        if type(self.policy) not in (FixedBits, ScheduledBits):
+            raise TypeError(f"hvd_qsgd.tensorflow.QSGD: a {type(self.policy).__name__} policy is not one the "
+                            "TensorFlow adapter knows (FixedBits, ScheduledBits)")
         self._creation_index = next_creation_index() if creation_index is None else creation_index
         self._process_set = process_set if process_set is not None else hvd.global_process_set
         self._lock = threading.Lock()
@@ -133,6 +137,7 @@ class QSGD(Compressor):
         self._slowdown = report.SlowdownWatch(self.settings.link_bps())
         self._eager_exchanges = itertools.count(1)
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
+        self._schedules = {}                            # DQSGD: schedule variables by state key
         self._occurrences = {}
 
     def __repr__(self):
@@ -166,7 +171,7 @@ class QSGD(Compressor):
             t0 = tf.timestamp()
         with tf.control_dependencies([t0]):
             result = make()
-        with tf.control_dependencies(tf.nest.flatten(result)):
+        with tf.control_dependencies([t for t in tf.nest.flatten(result) if t is not None]):
             t1 = tf.timestamp()
         return result, self._timing_vars()[field].assign_add(t1 - t0)
 
@@ -248,6 +253,16 @@ class QSGD(Compressor):
             occurrence = counter.assign_add(1) - 1
         x = tensor
         ctx.residual = ctx.lr = ctx.residual_lr = None
+        ctx.variants, ctx.index, ctx.schedule, ctx.key = [s], None, None, state_key
+        if isinstance(self.policy, ScheduledBits):
+            if eager:
+                raise ValueError("hvd_qsgd.DynamicQSGD in TensorFlow needs a tf.function training step: the bits "
+                                 "schedule is kept per traced tensor")
+            ctx.schedule = self._state(self._schedules, state_key, lambda: tf_schedule.new_state(f"{ctx.name}_schedule"))
+            bits, advance = tf_schedule.next_bits(ctx.schedule, self.policy.schedule_args)
+            ctx.variants = [self.policy.settings_of_bits(b) for b in self.policy.bits_range()]
+            with tf.control_dependencies([advance]):
+                ctx.index = tf.identity(bits - self.policy.bits_range()[0])
         if s.error_feedback:
             if eager:
                 raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
@@ -261,22 +276,37 @@ class QSGD(Compressor):
             x = tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual * self._rescale_factor(ctx, state_key)
         ctx.x32 = x
         ctx.set_rank, ctx.occurrence = set_rank, occurrence
-        ctx.reduction = s.exchange_reduction(len(set_ranks), ctx.numel)
         ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
-        attrs = self._codec_attrs(ctx)
-        if ctx.reduction == "scatter_allgather":
-            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence], lambda: tuple(
-                qops.load().qsgd_encode_chunks(x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs)))
-        else:
+
+        def encode(v, uniform):
+            """The payload(s) with settings v; ``uniform``: (payload, splits) for every reduction."""
+            attrs = self._codec_attrs(ctx, v)
+            if self._reduction(ctx, v) == "scatter_allgather":
+                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, checksum=v.checksum, seed=ctx.seed,
+                                                            **attrs))
             attrs.pop("world")
-            ctx.payload, encode_time = self._timed("encode_s", [x, occurrence], lambda: qops.load().qsgd_encode(
-                x, occurrence, checksum=s.checksum, seed=ctx.seed, **attrs))
+            payload = qops.load().qsgd_encode(x, occurrence, checksum=v.checksum, seed=ctx.seed, **attrs)
+            return payload, (tf.zeros([len(set_ranks)], tf.int32) if uniform else None)
+
+        if ctx.index is None:
+            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence], lambda: encode(s, False))
+        else:  # DQSGD: the bits of this step pick the branch (every branch's attrs are fixed)
+            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence, ctx.index], lambda: tuple(
+                tf.switch_case(ctx.index, [lambda v=v: encode(v, True) for v in ctx.variants])))
         ctx.timing = [encode_time]
-        tags = protocol.exchange_tags(len(set_ranks), self._creation_index, s.tag(ctx.reduction),
-                                      numbered_key(seq if ctx.slot is None else ctx.slot))
-        control = tf.constant(protocol.control_vector(world, grank, set_rank, tags), dtype=tf.float64,
-                              name=f"{ctx.name}_control")
+        key = numbered_key(seq if ctx.slot is None else ctx.slot)
+        vectors = [protocol.control_vector(world, grank, set_rank, protocol.exchange_tags(
+            len(set_ranks), self._creation_index, v.tag(self._reduction(ctx, v)), key)) for v in ctx.variants]
+        if ctx.index is None:
+            control = tf.constant(vectors[0], dtype=tf.float64, name=f"{ctx.name}_control")
+        else:  # the settings tag of the bits chosen: ranks that chose differently fail the check
+            control = tf.gather(tf.constant(np.stack(vectors), dtype=tf.float64), ctx.index,
+                                name=f"{ctx.name}_control")
         return control, ctx
+
+    def _reduction(self, ctx, v):
+        """The reduction of the exchange ``ctx`` with settings v (alike on every rank)."""
+        return v.exchange_reduction(len(ctx.set_ranks), ctx.numel)
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):
@@ -288,10 +318,15 @@ class QSGD(Compressor):
         try:
             alpha = ops.qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
                                            tag_names=list(protocol.TAG_NAMES), where=ctx.where)
-            if ctx.reduction == "scatter_allgather":
-                out, deps = self._scatter_allgather(ctx, alpha)
-            else:
-                out, deps = self._allgather(ctx, alpha)
+            if ctx.index is None:
+                out, deps = self._reduce(ctx, alpha, self.settings)
+            else:  # DQSGD: the exchange with the bits chosen in compress; its norm chooses the next bits
+                def branch(v):
+                    out, deps = self._reduce(ctx, alpha, v)
+                    with tf.control_dependencies(deps):
+                        return tf.identity(out)
+                out = tf.switch_case(ctx.index, [lambda v=v: branch(v) for v in ctx.variants])
+                deps = [tf_schedule.observe(ctx.schedule, out)]
             with tf.control_dependencies(deps):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
             # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
@@ -302,21 +337,27 @@ class QSGD(Compressor):
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
 
-    def _codec_attrs(self, ctx):
-        """The settings attrs the codec ops of one exchange share."""
-        s = self.settings
+    def _reduce(self, ctx, alpha, v):
+        """(alpha * the reduced gradient, the statistics and residual updates) with settings v."""
+        if self._reduction(ctx, v) == "scatter_allgather":
+            return self._scatter_allgather(ctx, alpha, v)
+        return self._allgather(ctx, alpha, v)
+
+    @staticmethod
+    def _codec_attrs(ctx, s):
+        """The attrs the codec ops of one exchange with settings s share."""
         return dict(bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm], coding=codec.CODINGS[s.coding],
                     dtype_code=codec.DTYPES[SOURCE_DTYPES[ctx.dtype]],
                     fingerprint=qops.as_int64_attr(ctx.fingerprint), world=len(ctx.set_ranks), where=ctx.where)
 
-    def _allgather(self, ctx, alpha):
+    def _allgather(self, ctx, alpha, v):
         """(alpha * the decoded sum of every rank's payload, the statistics and residual updates)."""
         ops = qops.load()
         with tf.control_dependencies([alpha]):
             payload = tf.identity(ctx.payload)
         gathered, wait_time = self._timed("wait_s", [payload], lambda: hvd.allgather(
             payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set))
-        attrs = self._codec_attrs(ctx)
+        attrs = self._codec_attrs(ctx, v)
         attrs.pop("world")
         out, decode_time = self._timed("decode_s", [gathered], lambda: ops.qsgd_decode_sum(
             gathered, alpha, count=len(ctx.set_ranks), numel=ctx.numel, **attrs))
@@ -329,17 +370,28 @@ class QSGD(Compressor):
             deps.append(self._assign_residual(ctx, own))
         return out, deps
 
-    def _scatter_allgather(self, ctx, alpha):
+    def _scatter_allgather(self, ctx, alpha, v):
         """(alpha * the decoded reduced chunks, the statistics and residual updates)."""
         ops, ps, j = qops.load(), self._process_set, ctx.set_rank
-        attrs = self._codec_attrs(ctx)
+        attrs = self._codec_attrs(ctx, v)
         with tf.control_dependencies([alpha]):
             payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)
         (received, received_splits), wait1 = self._timed("wait_s", [payloads, splits], lambda: tuple(hvd.alltoall(
             payloads, splits=splits, name=f"{ctx.name}_scatter", ignore_name_scope=True, process_set=ps)))
-        (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], lambda: tuple(
-            ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j, numel=ctx.numel,
-                                  checksum=self.settings.checksum, seed=ctx.seed, **attrs)))
+        if v.server_error_feedback:   # rank j's residual of its chunk j (two-way error feedback)
+            server = self._server_residual(ctx, v)
+
+            def reduce_step():
+                reduced, error, new = ops.qsgd_reduce_chunk_ef(received, received_splits, ctx.occurrence, server,
+                                                               chunk=j, numel=ctx.numel, checksum=v.checksum,
+                                                               seed=ctx.seed, **attrs)
+                with tf.control_dependencies([server.assign(new)]):
+                    return tf.identity(reduced), tf.identity(error)
+        else:
+            def reduce_step():
+                return tuple(ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j,
+                                                   numel=ctx.numel, checksum=v.checksum, seed=ctx.seed, **attrs))
+        (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], reduce_step)
 
         def gather_both():
             return (hvd.allgather(reduced, name=f"{ctx.name}_gather", ignore_name_scope=True, process_set=ps),
@@ -362,6 +414,20 @@ class QSGD(Compressor):
                                          **attrs)
             deps.append(self._assign_residual(ctx, own))
         return out, deps
+
+    def _server_residual(self, ctx, v):
+        """This rank's server residual of the exchange ``ctx`` (its chunk's elements, zero at first)."""
+        if ctx.key is None:
+            raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True needs a tf.function training step: "
+                             "the reducing rank's residual is kept per traced tensor")
+        begin, end = reduction.chunk_ranges(ctx.numel, v.bucket_size, len(ctx.set_ranks))[ctx.set_rank]
+        server = self._state(self.residuals.server, ctx.key, lambda: tf.Variable(
+            tf.zeros([end - begin], tf.float32), trainable=False, name=f"{ctx.name}_server_residual"))
+        if server.shape.num_elements() != end - begin:
+            raise ValueError(f"{ctx.where}: its server error-feedback residual has {server.shape.num_elements()} "
+                             f"elements, this rank's chunk {end - begin}: the tensor, the bucket size or the "
+                             "number of ranks changed since it was made")
+        return server
 
     def _count_allreduce_bytes(self, ctx):
         n = len(ctx.set_ranks)
@@ -433,15 +499,21 @@ class QSGD(Compressor):
 
     @property
     def variables(self):
-        """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals),
-        for a ``tf.train.Checkpoint``."""
+        """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals,
+        DQSGD's schedules, server residuals), for a ``tf.train.Checkpoint``."""
         return (list(self._counter_vars().values()) + list(self._occurrences.values())
-                + list(self.residuals.residuals.values()) + list(self.residuals.rates.values()))
+                + list(self.residuals.residuals.values()) + list(self.residuals.rates.values())
+                + list(self._schedules.values()) + list(self.residuals.server.values()))
+
+    def schedules(self):
+        """DQSGD: {state key: the schedule's fields (``tf_schedule.FIELDS``)}, eagerly."""
+        return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
 
     def state_dict(self):
         """Statistics and residuals as NumPy values (eager execution)."""
         return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
-                                                                  rate=lambda v: float(v.numpy()))}
+                                                                  rate=lambda v: float(v.numpy()),
+                                                                  server=lambda v: v.numpy())}
 
     def load_state_dict(self, state):
         for k, v in state.get("stats", {}).items():
@@ -453,6 +525,9 @@ class QSGD(Compressor):
         for k, v in state.get("residual_lr", {}).items():
             if k in self.residuals.rates:
                 self.residuals.rates[k].assign(v)
+        for k, v in state.get("server_residuals", {}).items():
+            if k in self.residuals.server:
+                self.residuals.server[k].assign(v)
 
     # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
 
@@ -511,7 +586,9 @@ class QSGD(Compressor):
                 v.assign(tf.zeros_like(v))
             for v in self.residuals.rates.values():
                 v.assign(tf.zeros_like(v))
-
+            # a server residual is the chunk of a world that is gone: dropped; the retrace of the
+            # step makes one of the new chunk's size
+            self.residuals.server = {}
 
 def _usable(lr):
     """Where a learning rate can rescale a residual: finite and positive."""

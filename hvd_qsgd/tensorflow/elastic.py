@@ -70,7 +70,7 @@ two traces ahead of the survivors' (and fail the control check).
 Statistics are per process: a survivor's are rolled back to the commit (the undone steps are done
 again and counted then), a new worker's start at zero. Commit between steps. Elastic training needs
 the global process set, in eager execution (TensorFlow 2), with a fixed-bits compressor (a bits
-schedule, ``DynamicQSGD``, is not carried and is refused).
+schedule, ``DynamicQSGD``, is not carried and is refused, and so is server error feedback).
 """
 import tensorflow as tf
 import horovod.tensorflow as hvd
@@ -136,6 +136,10 @@ def tf_adapter(compression):
         raise ValueError(f"{WHO}: the compressor's {type(adapter.policy).__name__} policy keeps state the "
                          "elastic state does not carry (it would not be rolled back or synchronised); use a "
                          "fixed-bits QSGD")
+    if adapter.settings.server_error_feedback and adapter.settings.reduction != "allgather":
+        raise ValueError(f"{WHO}: server error feedback (server_error_feedback=True) is not carried by the "
+                         "elastic state yet (its residuals belong to a chunk of the old world); pass "
+                         "server_error_feedback=False")
     return adapter
 
 

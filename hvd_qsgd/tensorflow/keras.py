@@ -35,6 +35,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from hvd_qsgd.tensorflow.keras_base import is_keras3_optimizer, op_name, refuse_xla, variable_name, wrap
+from hvd_qsgd.tensorflow.ef_sgdm import EFSGDM  # noqa: F401
 from hvd_qsgd.tensorflow.periodic import PeriodicQuantizedAveraging  # noqa: F401
 from hvd_qsgd.tensorflow.tape import tf_variables
 

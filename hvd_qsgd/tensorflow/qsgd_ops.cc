@@ -487,6 +487,31 @@ REGISTER_OP("QsgdReduceChunk")
          "sees the empty slot after the allgather and raises, so no rank is left waiting); else error "
          "is ''.");
 
+REGISTER_OP("QsgdReduceChunkEf")
+    .Input("received: uint8")
+    .Input("received_splits: int32")
+    .Input("occurrence: int64")
+    .Input("residual: float")
+    .Output("payload: uint8")
+    .Output("error: string")
+    .Output("new_residual: float")
+    .QSGD_SETTINGS_ATTRS
+    .Attr("chunk: int")
+    .Attr("numel: int")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->input(3));
+      return OkStatus();
+    })
+    .Doc("QsgdReduceChunk with error feedback on the reducing rank (qsgd_reduce_chunk_ef_cpu): the "
+         "chunk's sum S plus `residual` (this rank's chunk of the server residual, one float per element "
+         "of the chunk) is re-quantized, and new_residual is (S + residual) - decode(payload) where that is "
+         "finite, else the old value. On any failure `payload` is empty, `error` says why and "
+         "new_residual equals residual.");
+
+// QsgdReduceChunk (kEf false) and QsgdReduceChunkEf (kEf true).
+template <bool kEf>
 class QsgdReduceChunkOp : public OpKernel {
  public:
   explicit QsgdReduceChunkOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -502,7 +527,17 @@ class QsgdReduceChunkOp : public OpKernel {
 
   void Compute(OpKernelContext* ctx) override {
     std::vector<uint8_t> out;
-    const std::string error = Reduce(ctx, &out);
+    float* residual = nullptr;
+    uint64_t residual_n = 0;
+    if (kEf) {  // new_residual starts as a copy of residual; the kernel writes it only on success
+      const Tensor& in = ctx->input(3);
+      Tensor* r = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(2, in.shape(), &r));
+      residual_n = uint64_t(in.NumElements());
+      if (residual_n) std::memcpy(r->flat<float>().data(), in.flat<float>().data(), residual_n * sizeof(float));
+      residual = r->flat<float>().data();
+    }
+    const std::string error = Reduce(ctx, &out, residual, residual_n);
     Tensor* payload = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({error.empty() ? int64_t(out.size()) : 0}), &payload));
     if (error.empty()) std::memcpy(payload->flat<uint8_t>().data(), out.data(), out.size());
@@ -513,7 +548,7 @@ class QsgdReduceChunkOp : public OpKernel {
 
  private:
   // "" and the reduced payload in *out, or why this rank cannot reduce its chunk.
-  std::string Reduce(OpKernelContext* ctx, std::vector<uint8_t>* out) {
+  std::string Reduce(OpKernelContext* ctx, std::vector<uint8_t>* out, float* residual, uint64_t residual_n) {
     const std::string where = where_ + ": reducing chunk " + std::to_string(chunk_);
     const Tensor& occ = ctx->input(2);
     if (!TensorShapeUtils::IsScalar(occ.shape())) return where + ": occurrence must be a scalar";
@@ -545,8 +580,13 @@ class QsgdReduceChunkOp : public OpKernel {
     std::vector<float> scratch(m);
     out->resize(cap);
     uint64_t len = 0;
-    st = qsgd_reduce_chunk_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), &cfg, int32_t(chunk_),
-                               scratch.data(), m, out->data(), cap, &len);
+    if (kEf && residual_n != m)
+      return where + ": the server residual has " + std::to_string(residual_n) + " elements, the chunk " +
+             std::to_string(m);
+    st = kEf ? qsgd_reduce_chunk_ef_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), &cfg, int32_t(chunk_),
+                                        scratch.data(), m, out->data(), cap, &len, residual, residual_n)
+             : qsgd_reduce_chunk_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), &cfg, int32_t(chunk_),
+                                     scratch.data(), m, out->data(), cap, &len);
     if (st != QSGD_OK) return PayloadFailure(st, ptrs, lens, where);
     out->resize(len);
     return "";
@@ -558,7 +598,8 @@ class QsgdReduceChunkOp : public OpKernel {
   std::string where_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("QsgdReduceChunk").Device(DEVICE_CPU), QsgdReduceChunkOp);
+REGISTER_KERNEL_BUILDER(Name("QsgdReduceChunk").Device(DEVICE_CPU), QsgdReduceChunkOp<false>);
+REGISTER_KERNEL_BUILDER(Name("QsgdReduceChunkEf").Device(DEVICE_CPU), QsgdReduceChunkOp<true>);
 
 REGISTER_OP("QsgdDecodeChunks")
     .Input("gathered: uint8")

@@ -10,7 +10,6 @@ algorithm in NumPy (quantizing with ``hvd_qsgd.codec`` and the documented payloa
 codec is specified and tested on its own) and every step's parameters must match. Every rank prints
 ``OK <scenario>``; a failed check raises (the rank exits non-zero) naming the step.
 """
-import math
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ import hvd_qsgd
 import hvd_qsgd.torch
 from hvd_qsgd import codec, protocol
 from hvd_qsgd.settings import default_bucket_size
+from tests.references import block_sign, dqsgd_bits
 
 NW, NB = 12000, 100
 MIN_NUMEL = 1000
@@ -129,22 +129,6 @@ def scenario_error_feedback(n, rank):
 
 # -- DQSGD -----------------------------------------------------------------------------------------
 
-def dqsgd_bits(budget, norms, lo=2, hi=8):
-    """The DQSGD rule re-stated (hvd_qsgd.dynamic's docstring, discount 1): b_0 = round(budget); then
-    r_t = log2 ||previous reduced gradient||, target = budget + r_t - mean(r_1..r_t), and the budget
-    left unspent so far is added before rounding and clamping."""
-    bits, unspent, rs = [], 0.0, []
-    for t in range(len(norms) + 1):
-        target = budget
-        if t > 0:
-            rs.append(math.log2(norms[t - 1]))
-            target += rs[-1] - sum(rs) / len(rs)
-        b = int(min(hi, max(lo, math.floor(target + unspent + 0.5))))
-        unspent += budget - b
-        bits.append(b)
-    return bits
-
-
 def scenario_dqsgd(n, rank):
     """DynamicQSGD(3.0) under hvd.DistributedOptimizer(SGD): step t quantizes every rank's gradient
     with b_t bits (bucket 128 for 2 bits, else 512), b_t from the norms of the previous reduced
@@ -171,15 +155,6 @@ def scenario_dqsgd(n, rank):
 
 
 # -- dist-EF-SGDM ------------------------------------------------------------------------------------
-
-def block_sign(v, block):
-    """C(v): per block, mean |v| times sign(v) (sign(0) = +1)."""
-    out = np.empty_like(v)
-    for i in range(0, v.size, block):
-        blk = v[i: i + block]
-        out[i: i + block] = np.where(blk >= 0, 1.0, -1.0) * np.mean(np.abs(blk))
-    return out
-
 
 def scenario_efsgdm(n, rank, reduction):
     """EFSGDM with BlockSign(256): Algorithm 1 of dist-EF-SGDM in float64,

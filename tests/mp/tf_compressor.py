@@ -541,8 +541,8 @@ def rank_input(r, shape, step=0, tensor=0, zeros=0.0):
 class Expected:
     """The reference of one exchange, computed in this worker from every rank's input."""
 
-    def __init__(self, c, per, name, occurrence, alpha, dtype="float32"):
-        s = c.settings
+    def __init__(self, c, per, name, occurrence, alpha, dtype="float32", settings=None):
+        s = settings or c.settings
         n, me = len(per), hvd.rank()
         shape, numel = per[0].shape, per[0].size
         fp = codec.tensor_fingerprint("", shape, dtype)
@@ -553,6 +553,7 @@ class Expected:
         if self.reduction == "scatter_allgather":
             out, sent, reduced = reduction.simulate(xs, s, seeds, alpha, fp, dtype)
             self.sent_chunks = sent[me]
+            self.own = [np.concatenate([codec.decode(p) for p in sent[r]]) for r in range(n)]
             chunks = reduction.chunk_ranges(numel, s.bucket_size, n)
             self.lengths = {"phase 1": [sum(len(p) for p in sent[r]) for r in range(n)],   # (empty chunks: header only)
                             "reduced": [len(q) for q, (b, e) in zip(reduced, chunks) if e > b]}
@@ -563,6 +564,7 @@ class Expected:
             ps = [codec.encode(x, s.bits, s.bucket_size, s.norm, seeds[r], s.coding, fp, s.checksum, source_dtype=dtype)
                   for r, x in enumerate(xs)]
             out = codec.decode_sum(ps, alpha)
+            self.own = [codec.decode(p) for p in ps]
             self.lengths = {"payload": [len(p) for p in ps]}
             self.bytes_sent = len(ps[me])
             self.bytes_received = sum(len(p) for p in ps) - len(ps[me])
@@ -661,6 +663,155 @@ def scenario_scatter_eager():
     check_exact(out.numpy(), expected[-1].out.astype(np.float16), "fp16")
     assert all(e.reduction == "scatter_allgather" for e in expected)
     check_stats(c, expected)
+
+
+DQSGD_SCALES = [1.0, 8.0, 0.5, 4.0, 1.0, 0.1]   # gradient size per step: DQSGD's bits vary
+
+
+def scenario_dqsgd():
+    """hvd_qsgd.DynamicQSGD(3.0) in a tf.function tape step, against the NumPy re-statement step by
+    step: step k's bits b_k come from the rule (tests.references.dqsgd_bits) applied to the norms of
+    the tensor's previous reduced gradients, and the reduced gradient equals the single-process
+    reference with b_k bits (bucket 128 for 2 bits, else 512) exactly, on every rank. First with the
+    default reduction (6 steps; the bits must vary), then scatter_allgather with error feedback (the
+    input of step k is rank r's gradient plus its residual, the residual that input minus the
+    decode of r's own phase-1 chunks). Also: model.fit with a Keras 3 DistributedOptimizer runs it."""
+    import keras
+    import hvd_qsgd.tensorflow.keras as hqk
+    from hvd_qsgd.settings import default_bucket_size
+    from tests.references import dqsgd_bits
+    n, rank = hvd.size(), hvd.rank()
+    for kwargs, steps, shapes in (({}, 6, [(20000,), (40, 25), (10,)]),
+                                  ({"reduction": "scatter_allgather", "error_feedback": True}, 3, [(20000,)])):
+        c = hvd_qsgd.DynamicQSGD(3.0, seed=SEED, min_numel=500, **kwargs)
+        vs = [tf.Variable(tf.zeros(sh)) for sh in shapes]
+
+        @tf.function
+        def reduced_grads(targets):
+            with tf.GradientTape() as tape:
+                loss = tf.add_n([tf.reduce_sum(v * t) for v, t in zip(vs, targets)])
+            return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+
+        compressed = [i for i, sh in enumerate(shapes) if int(np.prod(sh)) >= 500]
+        norms = {i: [] for i in compressed}
+        residual = {i: [np.zeros(int(np.prod(shapes[i])), np.float32) for _ in range(n)] for i in compressed}
+        for k in range(steps):
+            per = [[rank_input(r, sh, k, i) * np.float32(DQSGD_SCALES[k]) for i, sh in enumerate(shapes)]
+                   for r in range(n)]
+            grads = [g.numpy() for g in reduced_grads([tf.constant(t) for t in per[rank]])]
+            adapter = c._adapters["tensorflow"]
+            names = [name for name, _ in adapter.traced_exchanges[-len(compressed):]]
+            for i, g in enumerate(grads):
+                if i not in compressed:
+                    assert np.allclose(g, np.mean([per[r][i] for r in range(n)], axis=0), rtol=1e-5, atol=1e-6), i
+                    continue
+                b = dqsgd_bits(3.0, norms[i])[k]
+                xs = [per[r][i] + residual[i][r].reshape(shapes[i]) for r in range(n)]
+                e = Expected(c, xs, names[compressed.index(i)], k, 1.0 / n,
+                             settings=c.settings.replace(bits=b, bucket_size=default_bucket_size(b)))
+                check_exact(g, e.out, f"dqsgd {kwargs}, tensor {i} step {k} ({b} bits, {e.reduction})")
+                norms[i].append(float(np.sqrt(np.sum(e.out.astype(np.float64) ** 2))))
+                if kwargs.get("error_feedback"):
+                    residual[i] = [xs[r].reshape(-1) - e.own[r] for r in range(n)]
+        for i in compressed:
+            bits = dqsgd_bits(3.0, norms[i])[:steps]
+            if steps == 6:
+                assert len(set(bits)) > 1, bits
+            state = list(adapter.schedules().values())[compressed.index(i)]   # in trace order
+            assert state["steps"] == steps and state["carry"] == sum(3.0 - b for b in bits), (state, bits)
+        if kwargs.get("error_feedback"):
+            mine = list(adapter.residuals.residuals.values())[0].numpy()
+            assert np.array_equal(mine, residual[0][rank]), "dqsgd: this rank's residual"
+        assert len(adapter.variables) > len(adapter.schedules()) > 0   # the schedules are checkpointed
+
+    # model.fit: the bits chosen in the graph, the same on every rank, two steps
+    model = keras3_model(0)
+    c = hvd_qsgd.DynamicQSGD(3.0, seed=SEED)
+    model.compile(optimizer=hqk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=c),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    x, y = batch(rank)
+    model.fit(np.concatenate([x, x]), np.concatenate([y, y]), batch_size=16, epochs=1, verbose=0, shuffle=False)
+    states = c._adapters["tensorflow"].schedules()
+    assert len(states) == 2 and all(st["steps"] == 2 for st in states.values()), states
+    for i, w in enumerate(model.get_weights()):
+        check_identical(w, f"dqsgd fit: weight {i}")
+
+
+def scenario_keras3_efsgdm():
+    """hvd_qsgd.tensorflow.keras.EFSGDM(0.1, momentum 0.9, BlockSign(256)) on a Keras 3 model in a
+    tf.function step, 3 steps, against Algorithm 1 of dist-EF-SGDM in float64 from every rank's
+    gradient at the (common) weights (the re-statement the PyTorch optimizer is tested against):
+        m_r = mu m_r + g_r;  p_r = lr (mu m_r + g_r) + e_r;  D_r = C(p_r);  e_r = p_r - D_r
+        server (scatter_allgather, two-way): D~ = (1/n) sum_r D_r + e~;  D = C(D~);  e~ = D~ - D
+        one-way (allgather):                 D = (1/n) sum_r D_r
+        w <- w - D;  uncompressed (under 10,000 elements): w <- w - (1/n) sum_r lr (mu m_r + g_r).
+    Then model.fit with it: bit-identical weights on every rank."""
+    import keras
+    import hvd_qsgd.tensorflow.keras as hqk
+    from tests.references import block_sign
+    n, rank = hvd.size(), hvd.rank()
+    block, mu, lr = 256, 0.9, 0.1
+    for red in ("scatter_allgather", "allgather"):
+        model = keras3_model(0)
+        variables = model.trainable_variables
+        c = hvd_qsgd.BlockSign(block_size=block, reduction=red)
+        opt = hqk.EFSGDM(lr, momentum=mu, compression=c)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = keras3_loss(model, x, y)
+            opt.apply(tape.gradient(loss, variables), variables)
+
+        w = [v.numpy().astype(np.float64) for v in variables]
+        m = [[np.zeros_like(x) for x in w] for _ in range(n)]
+        e = [[np.zeros(x.size) for x in w] for _ in range(n)]
+        server = [np.zeros(x.size) for x in w]
+        for t in range(3):
+            x, y = batch(rank, t)
+            with tf.GradientTape() as tape:
+                loss = keras3_loss(model, x, y)
+            per = [gather_np(g.numpy()) for g in tape.gradient(loss, variables)]
+            step(x, y)
+            for i, v in enumerate(variables):
+                compressed = w[i].size >= 10000
+                sent = []
+                for r in range(n):
+                    g = per[i][r].astype(np.float64)
+                    m[r][i] = mu * m[r][i] + g
+                    p = lr * (mu * m[r][i] + g)
+                    if compressed:
+                        p = p.reshape(-1) + e[r][i]
+                        q = block_sign(p, block)
+                        e[r][i] = p - q
+                        p = q.reshape(w[i].shape)
+                    sent.append(p)
+                delta = np.mean(sent, axis=0)
+                if compressed and red == "scatter_allgather":
+                    avg = delta.reshape(-1) + server[i]
+                    q = block_sign(avg, block)
+                    server[i] = avg - q
+                    delta = q.reshape(w[i].shape)
+                w[i] = w[i] - delta
+                got = v.numpy()
+                scale = float(np.abs(delta).max())
+                assert np.allclose(got, w[i], rtol=1e-5, atol=1e-5 * scale), \
+                    f"efsgdm ({red}) step {t} variable {i}: max diff {np.abs(got - w[i]).max()} (scale {scale})"
+                check_identical(got, f"efsgdm ({red}) step {t} variable {i}")
+        adapter = c._adapters["tensorflow"]
+        assert len(adapter.residuals.residuals) == 2, adapter.residuals.residuals.keys()
+        assert len(adapter.residuals.server) == (2 if red == "scatter_allgather" else 0), adapter.residuals.server
+        assert c.stats["tensors"] == 6, c.stats
+
+    # model.fit, ranks started from different weights: BroadcastInitialState, then identical steps
+    model = keras3_model(100 + rank)
+    model.compile(optimizer=hqk.EFSGDM(lr, momentum=mu, compression=hvd_qsgd.BlockSign(block_size=block)),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), jit_compile=False)
+    x, y = batch(rank)
+    model.fit(np.concatenate([x, x]), np.concatenate([y, y]), batch_size=16, epochs=1, verbose=0, shuffle=False,
+              callbacks=[hqk.BroadcastInitialState(0)])
+    for i, wt in enumerate(model.get_weights()):
+        check_identical(wt, f"efsgdm fit: weight {i}")
 
 
 def scenario_elias():
@@ -769,7 +920,8 @@ def main():
              "keras3-tape-none": lambda: scenario_keras3_tape("none"),
              "keras3-fit": lambda: scenario_keras3_fit("qsgd"),
              "keras3-fit-none": lambda: scenario_keras3_fit("none"),
-             "keras3-pqasgd": scenario_keras3_pqasgd, "error-feedback": scenario_error_feedback,
+             "keras3-pqasgd": scenario_keras3_pqasgd, "dqsgd": scenario_dqsgd,
+             "keras3-efsgdm": scenario_keras3_efsgdm, "error-feedback": scenario_error_feedback,
              "error-feedback-lr": scenario_error_feedback_lr,
              "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
              "elias": scenario_elias, "auto": scenario_auto, "join": scenario_join}[s]()
