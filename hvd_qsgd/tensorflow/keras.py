@@ -1,6 +1,6 @@
 """Keras 3 ``model.fit`` with Horovod: a distributed optimizer and the two callbacks a ``fit`` needs
 around it, built on Horovod's TensorFlow collectives; and PQASGD (``PeriodicQuantizedAveraging``,
-``hvd_qsgd.tensorflow.periodic``).
+``hvd_qsgd.tensorflow.periodic``) and dist-EF-SGDM (``EFSGDM``, ``hvd_qsgd.tensorflow.ef_sgdm``).
 
 ``DistributedOptimizer(optimizer, compression=...)`` returns the Keras 3 optimizer, its class
 replaced by a subclass (same name, same config, same state) whose ``apply`` first reduces every
