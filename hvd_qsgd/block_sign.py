@@ -22,11 +22,31 @@ rank). The default, 512, keeps the wire near 1.06 bits per coordinate and spread
 
 As a Horovod compressor (``hvd.DistributedOptimizer(opt, compression=hvd_qsgd.BlockSign())``) it
 compresses gradients with error feedback; the full dist-EF-SGDM update (momentum before
-compression) is ``hvd_qsgd.torch.EFSGDM``.
+compression) is ``hvd_qsgd.torch.EFSGDM`` (PyTorch) or ``hvd_qsgd.tensorflow.keras.EFSGDM`` (Keras 3);
+``efsgdm_compression`` checks the arguments both share.
 """
-from typing import Any, Iterable, Optional, Tuple
+from typing import Any, Dict, Iterable, Optional, Tuple
 
 from hvd_qsgd.compressor import QSGD
+
+
+def efsgdm_compression(who: str, numbers: Dict[str, Any], compression: Optional[QSGD]) -> QSGD:
+    """The compressor of a dist-EF-SGDM optimizer (``BlockSign()`` if None), after checking its
+    arguments: each of ``numbers`` (name: value; ``momentum`` among them) a number >= 0, momentum < 1,
+    and a compressor of the package with worker error feedback. ValueError/TypeError naming ``who``."""
+    for name, value in numbers.items():
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
+            raise ValueError(f"{who}: {name} must be a number >= 0, got {value!r}")
+    if not numbers["momentum"] < 1:
+        raise ValueError(f"{who}: momentum must be < 1, got {numbers['momentum']!r}")
+    compression = BlockSign() if compression is None else compression
+    if not isinstance(compression, QSGD):
+        raise TypeError(f"{who}: compression must be a hvd_qsgd compressor (hvd_qsgd.BlockSign), "
+                        f"got {compression!r}")
+    if not compression.settings.error_feedback:
+        raise ValueError(f"{who}: the compressor must keep worker error feedback (error_feedback=True): "
+                         "dist-EF-SGDM's e_{t,i}")
+    return compression
 
 
 class BlockSign(QSGD):

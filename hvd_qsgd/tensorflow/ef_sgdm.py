@@ -32,7 +32,7 @@ import keras
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
-import hvd_qsgd
+from hvd_qsgd.block_sign import efsgdm_compression
 from hvd_qsgd.tensorflow.keras_base import refuse_xla, variable_name
 
 WHO = "hvd_qsgd.tensorflow.keras.EFSGDM"
@@ -51,18 +51,7 @@ class EFSGDM(keras.optimizers.Optimizer):
 
     def __init__(self, learning_rate=0.01, momentum=0.9, weight_decay=0.0, compression=None, process_set=None,
                  name="EFSGDM", **kwargs):
-        for what, value in (("momentum", momentum), ("weight_decay", weight_decay)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"{WHO}: {what} must be a number >= 0, got {value!r}")
-        if not momentum < 1:
-            raise ValueError(f"{WHO}: momentum must be < 1, got {momentum!r}")
-        compression = hvd_qsgd.BlockSign() if compression is None else compression
-        if not isinstance(compression, hvd_qsgd.QSGD):
-            raise TypeError(f"{WHO}: compression must be a hvd_qsgd compressor (hvd_qsgd.BlockSign), "
-                            f"got {compression!r}")
-        if not compression.settings.error_feedback:
-            raise ValueError(f"{WHO}: the compressor must keep worker error feedback (error_feedback=True): "
-                             "dist-EF-SGDM's e_{t,i}")
+        compression = efsgdm_compression(WHO, dict(momentum=momentum, weight_decay=weight_decay), compression)
         super().__init__(learning_rate=learning_rate, name=name, **kwargs)
         self.momentum, self.coupled_weight_decay = float(momentum), float(weight_decay)
         self.compression = compression

@@ -41,6 +41,7 @@ import horovod.torch as hvd
 
 import hvd_qsgd
 from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
+from hvd_qsgd.block_sign import efsgdm_compression
 
 
 class EFSGDM(torch.optim.Optimizer):
@@ -57,18 +58,8 @@ class EFSGDM(torch.optim.Optimizer):
     def __init__(self, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]], lr: float, momentum: float = 0.9,
                  weight_decay: float = 0.0, compression: Optional["hvd_qsgd.QSGD"] = None, process_set: Any = None):
         named = named_parameter_list(named_parameters, "EFSGDM")
-        for name, value in (("lr", lr), ("momentum", momentum), ("weight_decay", weight_decay)):
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or not value >= 0:
-                raise ValueError(f"EFSGDM: {name} must be a number >= 0, got {value!r}")
-        if not momentum < 1:
-            raise ValueError(f"EFSGDM: momentum must be < 1, got {momentum!r}")
-        compression = hvd_qsgd.BlockSign() if compression is None else compression
-        if not isinstance(compression, hvd_qsgd.QSGD):
-            raise TypeError(f"EFSGDM: compression must be a hvd_qsgd compressor (hvd_qsgd.BlockSign), "
-                            f"got {compression!r}")
-        if not compression.settings.error_feedback:
-            raise ValueError("EFSGDM: the compressor must keep worker error feedback (error_feedback=True): "
-                             "dist-EF-SGDM's e_{t,i}")
+        compression = efsgdm_compression("EFSGDM", dict(lr=lr, momentum=momentum, weight_decay=weight_decay),
+                                         compression)
         self._names = {id(p): n for n, p in named}
         super().__init__([p for _, p in named], dict(lr=float(lr), momentum=float(momentum),
                                                      weight_decay=float(weight_decay)))
