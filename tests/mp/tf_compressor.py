@@ -576,11 +576,9 @@ def check_exact(got, want, what):
     check_identical(got, what)
 
 
-def run_tape_steps(c, shapes, steps, zeros=lambda r, i: 0.0):
-    """DistributedGradientTape (Average) in a tf.function over loss = sum_i sum(v_i * t_i), whose
-    gradient is exactly rank r's t_i = rank_input(r, ...); each compressed gradient must equal the
-    reference of its exchange bit for bit on every rank. Returns the references."""
-    n, rank = hvd.size(), hvd.rank()
+def tape_step(c, shapes):
+    """A tf.function step: DistributedGradientTape (Average) over loss = sum_i sum(v_i * t_i), whose
+    gradient with respect to v_i is exactly the target t_i; returns the reduced gradients."""
     vs = [tf.Variable(tf.zeros(sh)) for sh in shapes]
 
     @tf.function
@@ -589,6 +587,14 @@ def run_tape_steps(c, shapes, steps, zeros=lambda r, i: 0.0):
             loss = tf.add_n([tf.reduce_sum(v * t) for v, t in zip(vs, targets)])
         return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
 
+    return reduced_grads
+
+
+def run_tape_steps(c, shapes, steps, zeros=lambda r, i: 0.0):
+    """``tape_step`` with rank r's targets t_i = rank_input(r, ...); each compressed gradient must
+    equal the reference of its exchange bit for bit on every rank. Returns the references."""
+    n, rank = hvd.size(), hvd.rank()
+    reduced_grads = tape_step(c, shapes)
     adapter, expected = None, []
     compressed = [i for i, sh in enumerate(shapes) if int(np.prod(sh)) >= c.settings.min_numel]
     for k in range(steps):
@@ -684,14 +690,7 @@ def scenario_dqsgd():
     for kwargs, steps, shapes in (({}, 6, [(20000,), (40, 25), (10,)]),
                                   ({"reduction": "scatter_allgather", "error_feedback": True}, 3, [(20000,)])):
         c = hvd_qsgd.DynamicQSGD(3.0, seed=SEED, min_numel=500, **kwargs)
-        vs = [tf.Variable(tf.zeros(sh)) for sh in shapes]
-
-        @tf.function
-        def reduced_grads(targets):
-            with tf.GradientTape() as tape:
-                loss = tf.add_n([tf.reduce_sum(v * t) for v, t in zip(vs, targets)])
-            return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
-
+        reduced_grads = tape_step(c, shapes)
         compressed = [i for i, sh in enumerate(shapes) if int(np.prod(sh)) >= 500]
         norms = {i: [] for i in compressed}
         residual = {i: [np.zeros(int(np.prod(shapes[i])), np.float32) for _ in range(n)] for i in compressed}
