@@ -29,39 +29,17 @@ computes it.
 """
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
 import pytest
 
-from tests.helpers import BIN, ROOT, mp_env, run_bounded
-from tests.digits_checks import QUANTIZED, RAW, check_parity
+from tests.elastic_checks import (CLEAN, EPOCHS, STEPS, check_failure, check_final, check_rejoin,
+                                  check_restart_after_failure, events, run_elastic)
+from tests.helpers import ROOT, mp_env
+from tests.digits_checks import QUANTIZED, RAW
 
 WORKER = os.path.join(ROOT, "tests", "mp", "elastic_worker.py")
-DISCOVER = os.path.join(ROOT, "tests", "mp", "discover_hosts.sh")
-KILL_STEP, COMMIT_EVERY, REJOIN_STEP, EPOCHS = 23, 5, 40, 6
-STEPS = 14 * EPOCHS  # 1,347 training samples: 14 global batches of 96 an epoch
-CLEAN = ("start", "reset", "commit", "waiting", "final")          # events between steps
-
-
-def run_elastic(tmp_path, reduction, timeout=240):
-    env = mp_env()
-    env.update(HVD_QSGD_ELASTIC_DIR=str(tmp_path), HOROVOD_GLOO_TIMEOUT_SECONDS="20")
-    cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", DISCOVER, "--gloo", "--network-interface", "lo",
-           "--blacklist-cooldown-range", "1", "2", "--elastic-timeout", "60",
-           sys.executable, WORKER, "--out", str(tmp_path), "--reduction", reduction, "--epochs", str(EPOCHS),
-           "--kill-step", str(KILL_STEP), "--commit-every", str(COMMIT_EVERY), "--rejoin-step", str(REJOIN_STEP)]
-    t0 = time.monotonic()
-    returncode, out = run_bounded(cmd, timeout, env=env)
-    assert returncode == 0, f"the elastic job exited with {returncode}:\n{out[-5000:]}"
-    return out, time.monotonic() - t0
-
-
-def events(out):
-    return [json.loads(m) for m in re.findall(r"ELASTIC (\{.*\})$", out, flags=re.M)]
 
 
 def summary(lines):
@@ -78,23 +56,8 @@ def summary(lines):
 
 def check_compressor_state(lines):
     """The compressor's state on every rank at every point between steps, across the failure and the
-    rejoin. A process's first step: 0, or for the worker that joined, the step it joined at."""
-    by_pid = {}
-    for d in lines:
-        by_pid.setdefault(d["pid"], []).append(d)
-    first = {pid: min(d["step"] for d in ds if d["event"] == "start") for pid, ds in by_pid.items()}
-
-    # The initial world: ranks 0 and 1 on localhost, rank 2 on 127.0.0.1, which is killed at KILL_STEP.
-    starts = [d for d in lines if d["event"] == "start" and d["step"] == 0]
-    assert sorted((d["rank"], d["host"], d["size"]) for d in starts) == [
-        (0, "localhost", 3), (1, "localhost", 3), (2, "127.0.0.1", 3)]
-    victim = next(d["pid"] for d in starts if d["rank"] == 2)
-    survivors = {d["pid"] for d in starts} - {victim}
-    kills = [d for d in lines if d["event"] == "kill"]
-    assert [(d["pid"], d["step"]) for d in kills] == [(victim, KILL_STEP)]
-    failed = [d for d in lines if d["event"] == "failed"]
-    assert {d["pid"] for d in failed} == survivors and {d["step"] for d in failed} == {KILL_STEP}
-    last_commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
+    rejoin (the framework-neutral checks: tests/elastic_checks.py)."""
+    first, victim, survivors = check_failure(lines)
 
     for d in lines:
         if d["event"] not in CLEAN:
@@ -115,28 +78,11 @@ def check_compressor_state(lines):
             assert {k: v[0] for k, v in d["residuals"].items()} == {k: [n] for k, n in QUANTIZED.items()}, where
             assert all(v[1] > 0 for v in d["residuals"].values()), where
 
-    # The failure: the survivors reset to the commit before it and restart there as ranks 0 and 1 of 2.
-    for event in ("reset", "start"):
-        after = [d for d in lines if d["event"] == event and d["size"] == 2]
-        assert sorted((d["pid"], d["step"]) for d in after) == sorted((p, last_commit) for p in survivors), event
-        assert sorted(d["rank"] for d in after) == [0, 1] and len({d["digest"] for d in after}) == 1, event
-
-    # The rejoin: a new process on 127.0.0.1 and the survivors restart together, at the same step.
-    rejoin = [d for d in lines if d["event"] == "start" and d["size"] == 3 and d["step"] > 0]
-    assert {d["pid"] for d in rejoin} >= survivors and len(rejoin) == 3, rejoin
-    newcomer = next(d for d in rejoin if d["pid"] not in survivors)
-    assert newcomer["host"] == "127.0.0.1" and newcomer["rank"] == 2 and newcomer["pid"] != victim
-    assert len({d["step"] for d in rejoin}) == 1 and last_commit < newcomer["step"] <= REJOIN_STEP
-    assert len({d["digest"] for d in rejoin}) == 1, rejoin  # the newcomer names its exchanges alike
-
-    # Every commit and the end: the same counters and residual names and shapes on every rank.
-    groups = {}
-    for d in lines:
-        if d["event"] in ("commit", "final"):
-            groups.setdefault((d["event"], d["step"], d["size"]), []).append(d)
-    for key, ds in groups.items():
-        assert len({d["digest"] for d in ds}) == 1 and len(ds) == key[2], (key, ds)
-    return survivors, newcomer
+    # The failure: the survivors reset to the commit before it and restart there as ranks 0 and 1 of 2,
+    # with the same counters and residual layout.
+    for event, after in check_restart_after_failure(lines, survivors).items():
+        assert len({d["digest"] for d in after}) == 1, event
+    return survivors, check_rejoin(lines, victim, survivors)
 
 
 @pytest.fixture(scope="module")
@@ -165,18 +111,12 @@ def uncompressed(tmp_path_factory):
 
 @pytest.mark.parametrize("reduction", ["allgather", "scatter_allgather"])
 def test_worker_killed_mid_step_then_rejoined(tmp_path, reduction, uncompressed):
-    out, seconds = run_elastic(tmp_path, reduction)
+    returncode, out, seconds = run_elastic(WORKER, tmp_path, ["--reduction", reduction], 240)
+    assert returncode == 0, f"the elastic job exited with {returncode}:\n{out[-5000:]}"
     lines = events(out)
     print(f"{reduction}: the elastic job took {seconds:.1f} s\n{summary(lines)}")
     try:
         survivors, newcomer = check_compressor_state(lines)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{summary(lines)}") from e
-
-    final = [d for d in lines if d["event"] == "final"]
-    assert {d["pid"] for d in final} == survivors | {newcomer["pid"]}
-    assert all(d["step"] == STEPS and d["size"] == 3 for d in final)
-    assert len({d["checksum"] for d in final}) == 1, final  # bit-identical parameters
-    reference = uncompressed()
-    print(f"test accuracy {final[0]['test_accuracy']:.4f}, uncompressed {reference['test_accuracy']:.4f}")
-    check_parity(reference, [{"bits": 4, "test_accuracy": final[0]["test_accuracy"]}])
+    check_final(lines, survivors, newcomer, uncompressed())

@@ -18,25 +18,17 @@ computed alongside the elastic job).
 """
 import json
 import os
-import re
 import subprocess
 import sys
-import time
 
-from tests.helpers import BIN, ROOT, mp_env, run_bounded
-from tests.digits_checks import RAW, check_parity
+from tests.elastic_checks import (CLEAN, EPOCHS, LAST_COMMIT, STEPS, check_failure, check_final, check_rejoin,
+                                  check_restart_after_failure, events, run_elastic)
+from tests.helpers import ROOT, mp_env
+from tests.digits_checks import RAW
 
 WORKER = os.path.join(ROOT, "tests", "mp", "tf_elastic_worker.py")
-DISCOVER = os.path.join(ROOT, "tests", "mp", "discover_hosts.sh")
-KILL_STEP, COMMIT_EVERY, REJOIN_STEP, EPOCHS = 23, 5, 40, 6
-STEPS = 14 * EPOCHS  # 1,347 training samples: 14 global batches of 96 an epoch
-CLEAN = ("start", "reset", "commit", "waiting", "final")          # events between steps
 # the quantized exchanges by state key (<traced function>:<position>): fc1's and fc2's kernels
 QUANTIZED = {"train_step:0": 64 * 512, "train_step:1": 512 * 512}
-
-
-def events(out):
-    return [json.loads(m) for m in re.findall(r"ELASTIC (\{.*\})$", out, flags=re.M)]
 
 
 def summary(lines):
@@ -52,21 +44,9 @@ def summary(lines):
 
 def check_compressor_state(lines):
     """The compressor's state on every rank at every point between steps, across the failure and the
-    rejoin; returns (the survivors' pids, the new worker's start event)."""
-    by_pid = {}
-    for d in lines:
-        by_pid.setdefault(d["pid"], []).append(d)
-    first = {pid: min(d["step"] for d in ds if d["event"] == "start") for pid, ds in by_pid.items()}
-
-    starts = [d for d in lines if d["event"] == "start" and d["step"] == 0]
-    assert sorted((d["rank"], d["host"], d["size"]) for d in starts) == [
-        (0, "localhost", 3), (1, "localhost", 3), (2, "127.0.0.1", 3)]
-    victim = next(d["pid"] for d in starts if d["rank"] == 2)
-    survivors = {d["pid"] for d in starts} - {victim}
-    assert [(d["pid"], d["step"]) for d in lines if d["event"] == "kill"] == [(victim, KILL_STEP)]
-    failed = [d for d in lines if d["event"] == "failed"]
-    assert {d["pid"] for d in failed} == survivors and {d["step"] for d in failed} == {KILL_STEP}
-    last_commit = KILL_STEP // COMMIT_EVERY * COMMIT_EVERY
+    rejoin (the framework-neutral checks: tests/elastic_checks.py); returns (the survivors' pids, the
+    new worker's start event)."""
+    first, victim, survivors = check_failure(lines)
     assert len({d["creation_index"] for d in lines}) == 1
 
     for d in lines:
@@ -91,47 +71,18 @@ def check_compressor_state(lines):
 
     # The failure: the survivors go back to the commit before it (counters and names: the commit's
     # digest) and restart there as ranks 0 and 1 of 2.
-    committed = {d["pid"]: d["digest"] for d in lines if d["event"] == "commit" and d["step"] == last_commit}
-    for event in ("reset", "start"):
-        after = [d for d in lines if d["event"] == event and d["size"] == 2]
-        assert sorted((d["pid"], d["step"]) for d in after) == sorted((p, last_commit) for p in survivors), event
-        assert sorted(d["rank"] for d in after) == [0, 1], event
+    committed = {d["pid"]: d["digest"] for d in lines if d["event"] == "commit" and d["step"] == LAST_COMMIT}
+    for event, after in check_restart_after_failure(lines, survivors).items():
         assert all(d["digest"] == committed[d["pid"]] for d in after), (event, after, committed)
-
-    # The rejoin: a new process on 127.0.0.1 and the survivors restart together, at the same step,
-    # with the same counters and residual layout.
-    rejoin = [d for d in lines if d["event"] == "start" and d["size"] == 3 and d["step"] > 0]
-    assert {d["pid"] for d in rejoin} >= survivors and len(rejoin) == 3, rejoin
-    newcomer = next(d for d in rejoin if d["pid"] not in survivors)
-    assert newcomer["host"] == "127.0.0.1" and newcomer["rank"] == 2 and newcomer["pid"] != victim
-    assert len({d["step"] for d in rejoin}) == 1 and last_commit < newcomer["step"] <= REJOIN_STEP
-    assert len({d["digest"] for d in rejoin}) == 1, rejoin
-
-    # Every commit and the end: the same counters and residual layout on every rank.
-    groups = {}
-    for d in lines:
-        if d["event"] in ("commit", "final"):
-            groups.setdefault((d["event"], d["step"], d["size"]), []).append(d)
-    for key, ds in groups.items():
-        assert len({d["digest"] for d in ds}) == 1 and len(ds) == key[2], (key, ds)
-    return survivors, newcomer
+    return survivors, check_rejoin(lines, victim, survivors)
 
 
 def test_worker_killed_mid_step_then_rejoined(tmp_path):
-    env = mp_env()
-    env.update(HVD_QSGD_ELASTIC_DIR=str(tmp_path), HOROVOD_GLOO_TIMEOUT_SECONDS="20")
     reference = tmp_path / "reference.json"
     ref = subprocess.Popen([sys.executable, WORKER, "--reference", str(reference), "--epochs", str(EPOCHS)],
                            cwd=ROOT, env=mp_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-               "--host-discovery-script", DISCOVER, "--gloo", "--network-interface", "lo",
-               "--blacklist-cooldown-range", "1", "2", "--elastic-timeout", "60",
-               sys.executable, WORKER, "--out", str(tmp_path), "--epochs", str(EPOCHS), "--kill-step",
-               str(KILL_STEP), "--commit-every", str(COMMIT_EVERY), "--rejoin-step", str(REJOIN_STEP)]
-        t0 = time.monotonic()
-        returncode, out = run_bounded(cmd, 180, env=env)
-        seconds = time.monotonic() - t0
+        returncode, out, seconds = run_elastic(WORKER, tmp_path, [], 180)
         ref_out, _ = ref.communicate(timeout=120)
     finally:
         if ref.poll() is None:
@@ -145,11 +96,4 @@ def test_worker_killed_mid_step_then_rejoined(tmp_path):
         survivors, newcomer = check_compressor_state(lines)
     except AssertionError as e:
         raise AssertionError(f"{e}\n{summary(lines)}") from e
-
-    final = [d for d in lines if d["event"] == "final"]
-    assert {d["pid"] for d in final} == survivors | {newcomer["pid"]}
-    assert all(d["step"] == STEPS and d["size"] == 3 for d in final)
-    assert len({d["checksum"] for d in final}) == 1, final  # bit-identical weights
-    uncompressed = json.loads(reference.read_text())
-    print(f"test accuracy {final[0]['test_accuracy']:.4f}, uncompressed {uncompressed['test_accuracy']:.4f}")
-    check_parity(uncompressed, [{"bits": 4, "test_accuracy": final[0]["test_accuracy"]}])
+    check_final(lines, survivors, newcomer, json.loads(reference.read_text()))

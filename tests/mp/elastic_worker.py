@@ -32,14 +32,10 @@ import time
 
 STARTED = time.time()  # before the imports: how long a joining worker takes to reach hvd.init()
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -50,50 +46,17 @@ import hvd_qsgd
 import hvd_qsgd.torch.elastic
 from hvd_qsgd import codec
 
+from elastic_common import (LR, MOMENTUM, SEED, digest, global_batch, parse_args,  # noqa: E402  (tests/mp/)
+                            rank_slice, reporter, steps, write_reference)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
 import digits_common  # noqa: E402  (examples/: the digits split and the parameter checksum)
 from pytorch_digits import MLP  # noqa: E402
 
-SEED = 42
-GLOBAL_BATCH = 96  # a multiple of 2 and 3: equal slices at either world size
-LR, MOMENTUM = 0.05, 0.9
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reduction", default="allgather", choices=("allgather", "scatter_allgather"))
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--commit-every", type=int, default=5)
-    p.add_argument("--kill-step", type=int, default=23)
-    p.add_argument("--rejoin-step", type=int, default=40)
-    p.add_argument("--max-ranks", type=int, default=3)
-    p.add_argument("--out", help="directory for the victim's marker file")
-    p.add_argument("--reference", metavar="PATH", help="train uncompressed in this process; write JSON here")
-    return p.parse_args(argv)
-
-
 def load_data():
     (x_tr, y_tr), (x_te, y_te), _ = digits_common.load_data(0, 1)
     return (torch.from_numpy(x_tr), torch.from_numpy(y_tr)), (torch.from_numpy(x_te), torch.from_numpy(y_te))
-
-
-def steps(n_train, epochs):
-    """(steps per epoch, total steps): the global batches of an epoch, the remainder dropped."""
-    per_epoch = n_train // GLOBAL_BATCH
-    return per_epoch, per_epoch * epochs
-
-
-def global_batch(step, n_train, per_epoch):
-    epoch, b = divmod(step, per_epoch)
-    order = np.random.default_rng([SEED, epoch]).permutation(n_train)
-    return order[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH]
-
-
-def rank_slice(idx, rank, size):
-    per = len(idx) // size
-    assert per * size == len(idx), (len(idx), size)
-    return idx[rank * per:(rank + 1) * per]
 
 
 def new_model():
@@ -126,10 +89,7 @@ def reference(args):
         opt.zero_grad()
         F.cross_entropy(model(x[idx]), y[idx]).backward()
         opt.step()
-    result = {"compression": "none", "steps": total, "test_accuracy": accuracy(model, test)}
-    with open(args.reference, "w") as f:
-        json.dump(result, f)
-    print(json.dumps(result))
+    write_reference(args, total, accuracy(model, test))
 
 
 def snapshot(adapter):
@@ -144,7 +104,7 @@ def snapshot(adapter):
     return dict(creation_index=adapter._creation_index, seq=counters["seq"], occurrences=counters["occurrences"],
                 pending=pending, in_flight=in_flight, scattering=scattering, residuals=residuals,
                 stats=adapter.stats,
-                digest=hashlib.blake2b(json.dumps(layout).encode(), digest_size=6).hexdigest())
+                digest=digest(layout))
 
 
 def main(args):
@@ -165,14 +125,7 @@ def main(args):
     adapter = hvd_qsgd.torch.elastic.torch_adapter(compression)
     marker = os.path.join(args.out, "killed")
 
-    def report(event, **extra):
-        try:
-            rank, size = hvd.rank(), hvd.size()
-        except ValueError:  # Horovod is shut down
-            rank = size = None
-        line = dict(event=event, time=round(time.time(), 3), pid=os.getpid(), host=host, rank=rank, size=size,
-                    step=state.step, **snapshot(adapter), **extra)
-        print("ELASTIC " + json.dumps(line, sort_keys=True), flush=True)
+    report = reporter(hvd, host, state, lambda: snapshot(adapter))
 
     def kill(grad):
         open(marker, "w").close()
@@ -214,5 +167,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    a = parse_args()
+    a = parse_args(__doc__.split("\n\n")[0])
     reference(a) if a.reference else main(a)

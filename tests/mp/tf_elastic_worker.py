@@ -32,9 +32,6 @@ import time
 
 STARTED = time.time()  # before the imports: how long a joining worker takes to reach hvd.init()
 
-import argparse  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
 import os  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
@@ -50,46 +47,13 @@ import hvd_qsgd.tensorflow.keras as hvd_keras  # noqa: E402
 from hvd_qsgd import codec  # noqa: E402
 from hvd_qsgd.settings import Stats  # noqa: E402
 
+from elastic_common import (LR, MOMENTUM, SEED, digest, global_batch, parse_args,  # noqa: E402  (tests/mp/)
+                            rank_slice, reporter, steps, write_reference)
+
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "examples"))
 import digits_common  # noqa: E402  (examples/: the digits split)
 from keras_digits import make_model, weight_checksum  # noqa: E402
-
-SEED = 42
-GLOBAL_BATCH = 96  # a multiple of 2 and 3: equal slices at either world size
-LR, MOMENTUM = 0.05, 0.9
-
-
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--reduction", default="allgather", choices=("allgather", "scatter_allgather"))
-    p.add_argument("--epochs", type=int, default=6)
-    p.add_argument("--commit-every", type=int, default=5)
-    p.add_argument("--kill-step", type=int, default=23)
-    p.add_argument("--rejoin-step", type=int, default=40)
-    p.add_argument("--max-ranks", type=int, default=3)
-    p.add_argument("--out", help="directory for the victim's marker file")
-    p.add_argument("--reference", metavar="PATH", help="train uncompressed in this process; write JSON here")
-    return p.parse_args(argv)
-
-
-def steps(n_train, epochs):
-    """(steps per epoch, total steps): the global batches of an epoch, the remainder dropped."""
-    per_epoch = n_train // GLOBAL_BATCH
-    return per_epoch, per_epoch * epochs
-
-
-def global_batch(step, n_train, per_epoch):
-    epoch, b = divmod(step, per_epoch)
-    order = np.random.default_rng([SEED, epoch]).permutation(n_train)
-    return order[b * GLOBAL_BATCH:(b + 1) * GLOBAL_BATCH]
-
-
-def rank_slice(idx, rank, size):
-    per = len(idx) // size
-    assert per * size == len(idx), (len(idx), size)
-    return idx[rank * per:(rank + 1) * per]
-
 
 def single_threaded():
     tf.config.threading.set_intra_op_parallelism_threads(1)
@@ -126,10 +90,7 @@ def reference(args):
     for step in range(total):
         idx = global_batch(step, len(x), per_epoch)
         train_step(tf.constant(x[idx]), tf.constant(y[idx]))
-    result = {"compression": "none", "steps": total, "test_accuracy": accuracy(model, test)}
-    with open(args.reference, "w") as f:
-        json.dump(result, f)
-    print(json.dumps(result))
+    write_reference(args, total, accuracy(model, test))
 
 
 def snapshot(adapter):
@@ -143,7 +104,7 @@ def snapshot(adapter):
     return dict(creation_index=adapter._creation_index, seq=counters["seq"], occurrences=counters["occurrences"],
                 slots=sorted(adapter.names.slots), residuals=residuals,
                 stats={k: stats[k] for k in Stats.GRAPH_FIELDS},
-                digest=hashlib.blake2b(json.dumps(layout).encode(), digest_size=6).hexdigest())
+                digest=digest(layout))
 
 
 def main(args):
@@ -164,14 +125,7 @@ def main(args):
     marker = os.path.join(args.out, "killed")
     armed = []
 
-    def report(event, **extra):
-        try:
-            rank, size = hvd.rank(), hvd.size()
-        except ValueError:  # Horovod is shut down
-            rank = size = None
-        line = dict(event=event, time=round(time.time(), 3), pid=os.getpid(), host=host, rank=rank, size=size,
-                    step=state.step, **snapshot(adapter), **extra)
-        print("ELASTIC " + json.dumps(line, sort_keys=True), flush=True)
+    report = reporter(hvd, host, state, lambda: snapshot(adapter))
 
     def kill_if_armed():
         if armed:
@@ -216,5 +170,5 @@ def main(args):
 
 
 if __name__ == "__main__":
-    a = parse_args()
+    a = parse_args(__doc__.split("\n\n")[0])
     reference(a) if a.reference else main(a)
