@@ -50,9 +50,14 @@ Rules:
   without a leak: at most 40 KiB. A retention of about 350 to 500 bytes a step fails. This is the
   rule that sees a leak in native memory even where freed heap from earlier phases hides it from
   RSS (measured: a 4 KiB tensor kept per step left RSS flat in some phases).
-* RSS (psutil, after every step): the medians of the first, middle and last 20% of the measured
-  steps may not rise by more than what one step allocates in both halves. A leak rises in both;
-  the allocator's one-time level shifts (seen: +/- 2 MiB at a time) move one half only.
+* Resident memory outside malloc (after every step): the process's resident anonymous and shared
+  memory (``RssAnon`` + ``RssShmem``: all but mapped files' pages) less the heap glibc's malloc holds (``mallinfo2``: arenas and mmapped chunks, in use
+  or free), so what pymalloc's arenas and any other mapping keep resident. The medians of the
+  first, middle and last 20% of the measured steps may not rise by more than what one step
+  allocates in both halves. A leak rises in both; one-time level shifts move one half only. Malloc's
+  heap itself is the malloc rule's: plain RSS once rose by 11 MiB in both halves of the
+  uncompressed allreduce-none control (no hvd_qsgd in it) while malloc's bytes in use stayed
+  within 140 KiB: the heap fragmenting, not a leak. The RSS is still printed per phase.
 * TensorFlow: no retrace after the warm-up; the compressor's variables, traced exchanges and
   occurrence counters, and the live tf.Variable objects stay; every occurrence counter equals the
   steps taken; eager exchanges advance ``names.seq`` by 3 a step and leave no slot taken. Eager
@@ -108,14 +113,15 @@ def results(out):
     return found
 
 
-def rss_violation(r):
-    early, mid, late = r["rss_windows"]
+def outside_malloc_violation(r):
+    early, mid, late = r["outside_windows"]
     if min(mid - early, late - mid) > r["step_bytes"]:
-        return (f"RSS grew in both halves of {r['steps']} steps: window medians {early / 2**20:.2f}, "
-                f"{mid / 2**20:.2f}, {late / 2**20:.2f} MiB ({(mid - early) / 1024:+.0f} and "
-                f"{(late - mid) / 1024:+.0f} KiB over {r['distance']} steps each; allowed "
-                f"{r['step_bytes'] / 1024:.0f} KiB, what a step allocates); "
-                f"curve (KiB from the first step): {[int((x - r['rss_curve'][0]) / 1024) for x in r['rss_curve']]}")
+        return (f"resident memory outside malloc's heap grew in both halves of {r['steps']} steps: window "
+                f"medians {early / 2**20:.2f}, {mid / 2**20:.2f}, {late / 2**20:.2f} MiB ({(mid - early) / 1024:+.0f} "
+                f"and {(late - mid) / 1024:+.0f} KiB over {r['distance']} steps each; allowed "
+                f"{r['step_bytes'] / 1024:.0f} KiB, what a step allocates); curve (KiB from the first step): "
+                f"{[int((x - r['outside_curve'][0]) / 1024) for x in r['outside_curve']]}; RSS curve: "
+                f"{[int((x - r['rss_curve'][0]) / 1024) for x in r['rss_curve']]}")
     return None
 
 
@@ -151,7 +157,7 @@ def torch_violations(r):
         v.append(f"{r['exchanges_after']} exchange contexts alive after the last step")
     v.append(blocks_violation(r["blocks"], steps))
     v.append(malloc_violation(r))
-    v.append(rss_violation(r))
+    v.append(outside_malloc_violation(r))
     if r["names_end"] != r["names_after_warmup"] or r["names_end"] != NAMES[phase]:
         v.append(f"collective names: {r['names_after_warmup']} after the warm-up, {r['names_end']} at the end "
                  f"(expected {NAMES[phase]}): {r['names']}")
@@ -189,15 +195,17 @@ def tf_violations(r):
     if after["objects"] - before["objects"] > OBJECTS_PER_STEP * steps:
         v.append(f"tracked objects grew by {after['objects'] - before['objects']} in {steps} steps")
     v.append(malloc_violation(r))
-    v.append(rss_violation(r))
+    v.append(outside_malloc_violation(r))
     return [x for x in v if x]
 
 
 def summary(r):
     early, mid, late = r["rss_windows"]
+    o_early, o_mid, o_late = r["outside_windows"]
     return (f"rank {r['rank']} {r['phase']}: {r['steps']} steps in {r['measured_s']} s; RSS window medians "
             f"{early / 2**20:.2f} / {mid / 2**20:.2f} / {late / 2**20:.2f} MiB ({(mid - early) / 1024:+.0f}, "
-            f"{(late - mid) / 1024:+.0f} KiB; allowed {r['step_bytes'] / 1024:.0f} each); "
+            f"{(late - mid) / 1024:+.0f} KiB); outside malloc {(o_mid - o_early) / 1024:+.0f}, "
+            f"{(o_late - o_mid) / 1024:+.0f} KiB (allowed {r['step_bytes'] / 1024:.0f} each); "
             f"pymalloc blocks {r['blocks']}; malloc in use {r['malloc']}")
 
 
@@ -241,6 +249,7 @@ INJECTED = {
     "torch-handles": (["--inject", "handles"], "_handle_map"),
     "torch-objects": (["--inject", "objects"], "pymalloc blocks in use grew"),
     "torch-names": (["--inject", "names"], "collective names"),
+    "torch-mapped": (["--inject", "mapped"], "outside malloc's heap"),
     "tf-rss": (["--inject", "rss"], "malloc in use grew"),
     "tf-retrace": (["--inject", "retrace"], "traces"),
 }

@@ -18,6 +18,28 @@ def malloc_in_use():
     return m.uordblks + m.hblkhd
 
 
+def malloc_heap():
+    """Bytes glibc's malloc holds from the system (all arenas' heaps and its mmapped chunks), in use
+    or free: what it may have made resident."""
+    m = _mallinfo2()
+    return m.arena + m.hblkhd
+
+
+def resident_outside_malloc():
+    """This process's resident anonymous and shared memory (``RssAnon`` + ``RssShmem``: every
+    resident page but mapped files' pages) less malloc's heap: what is resident and not malloc's
+    (pymalloc's arenas, other mappings). Malloc's own growth is the malloc rule's to judge: a heap
+    that grows while its bytes in use do not is the allocator's fragmentation, not a leak (seen: +11
+    MiB in 800 uncompressed allreduces, bytes in use flat). Read without allocating anything that
+    outlives the call."""
+    kib = 0
+    with open("/proc/self/status", "rb") as f:
+        for line in f:
+            if line.startswith((b"RssAnon:", b"RssShmem:")):
+                kib += int(line.split()[1])
+    return kib * 1024 - malloc_heap()
+
+
 def window_medians(series, fraction=0.2):
     """Medians of the first, the middle and the last ``fraction`` of the series, and the steps
     between the centres of neighbouring windows."""

@@ -9,7 +9,8 @@ Phases, ``PHASE[:STEPS[:WARMUP]]`` in the order given:
 * ``eager``: no ``tf.function``; each step ``hvd.allreduce(a, compression=c)`` and
   ``hvd.grouped_allreduce([a, b], compression=c)`` executing eagerly (c = ``hvd_qsgd.QSGD(4)``).
 
-After the warm-up every step records this process's RSS (psutil) into a preallocated array; every
+After the warm-up every step records this process's RSS (psutil) and its resident anonymous memory
+outside malloc's heap into preallocated arrays; every
 ``SAMPLE`` steps the open file descriptors and the threads; at the start, the middle and the end of
 the measured steps (after a full garbage collection) the pymalloc blocks and the bytes glibc's
 malloc has handed out; at the start and the end the objects the garbage collector tracks, the live
@@ -36,7 +37,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_qsgd
-from tests.mp.soak_memory import malloc_in_use, window_medians
+from tests.mp.soak_memory import malloc_in_use, resident_outside_malloc, window_medians
 
 SAMPLE = 100
 SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 100), (100,), (100, 10), (10,)]  # 12800, 20000, 10000
@@ -117,6 +118,7 @@ def run_phase(phase, steps, warmup, inject, compression):
     before = state()
     stats0 = c.stats if adapter is not None else None
     rss = np.zeros(steps, dtype=np.int64)   # preallocated: recording allocates nothing that outlives a step
+    outside = np.zeros(steps, dtype=np.int64)
     fds, threads = [], []
     t1 = time.perf_counter()
     for j, i in enumerate(range(warmup, warmup + steps)):
@@ -124,6 +126,7 @@ def run_phase(phase, steps, warmup, inject, compression):
         if inject == "rss":
             kept.append(tf.ones([1024]))
         rss[j] = proc.memory_info().rss
+        outside[j] = resident_outside_malloc()
         if j % SAMPLE == 0 or j == steps - 1:
             fds.append(proc.num_fds())
             threads.append(proc.num_threads())
@@ -134,7 +137,7 @@ def run_phase(phase, steps, warmup, inject, compression):
     gc.collect()
     after = state()
     kept.clear()
-    rss = rss.tolist()
+    rss, outside = rss.tolist(), outside.tolist()
     payload_bytes = 0.0
     if adapter is not None:
         st = c.stats
@@ -142,15 +145,17 @@ def run_phase(phase, steps, warmup, inject, compression):
                          - stats0["bytes_sent"] - stats0["bytes_received"]) / steps
     occurrence_values = [] if adapter is None else sorted({int(v.numpy()) for v in adapter._occurrences.values()})
     rss_windows, distance = window_medians(rss)
+    outside_windows, _ = window_medians(outside)
     result = {
         "phase": phase, "rank": rank, "size": hvd.size(), "warmup": warmup, "steps": steps,
         "warmup_s": round(t1 - t0, 2), "measured_s": round(t2 - t1, 2),
         "step_bytes": int(grad_bytes + payload_bytes), "grad_bytes": grad_bytes, "payload_bytes": int(payload_bytes),
-        "distance": distance, "rss_windows": rss_windows, "rss_min": min(rss), "rss_max": max(rss),
+        "distance": distance, "rss_windows": rss_windows, "outside_windows": outside_windows, "rss_min": min(rss), "rss_max": max(rss),
         "blocks": [before["blocks"], blocks_mid, after["blocks"]],
         "malloc": [before["malloc"], malloc_mid, after["malloc"]],
         "fds": fds, "threads": threads, "before": before, "after": after, "occurrence_values": occurrence_values,
         "rss_curve": rss[::max(1, steps // 20)],
+        "outside_curve": outside[::max(1, steps // 20)],
     }
     print(f"SOAK {phase} {json.dumps(result)}", flush=True)
 

@@ -17,7 +17,8 @@ tensors below):
 * ``allreduce-none``: the same calls with ``hvd.Compression.none`` (its control).
 
 After the warm-up steps (``--warmup``, or a phase's own), every step records into preallocated arrays (recording keeps nothing
-per step) this process's RSS (psutil), the size of ``horovod.torch.mpi_ops._handle_map`` and the
+per step) this process's RSS (psutil) and its resident anonymous memory outside malloc's heap
+(``soak_memory.resident_outside_malloc``), the size of ``horovod.torch.mpi_ops._handle_map`` and the
 adapter's per-name and per-exchange state; every ``SAMPLE`` steps the open file descriptors and the
 threads; at the start, the middle and the end of the measured steps (after a full garbage
 collection) the pymalloc blocks in use (``sys.getallocatedblocks``) and the bytes glibc's malloc
@@ -29,11 +30,12 @@ and the live exchange contexts. Every collective name the compressor hands to Ho
 ``--inject`` adds a deliberate leak to the compressed phases, to show that the rules catch it:
 ``rss`` keeps a 4 KiB tensor per step; ``handles`` starts one uncompressed allreduce per step and
 never waits for it (its entry stays in ``_handle_map``); ``objects`` keeps one small Python object
-per step; ``names`` never frees a numbered exchange's slot (each step's exchanges get new names).
+per step; ``mapped`` maps and touches one 4 KiB page per step outside malloc and keeps it; ``names`` never frees a numbered exchange's slot (each step's exchanges get new names).
 """
 import argparse
 import gc
 import json
+import mmap
 import sys
 import time
 
@@ -46,7 +48,7 @@ from horovod.torch import mpi_ops
 
 import hvd_qsgd
 from hvd_qsgd.adapters.torch import _Exchange
-from tests.mp.soak_memory import malloc_in_use, window_medians
+from tests.mp.soak_memory import malloc_in_use, resident_outside_malloc, window_medians
 
 SAMPLE = 100          # steps between descriptor and thread counts
 ALLREDUCE_NUMEL = (20000, 12000)   # the allreduce phase's tensors
@@ -143,6 +145,10 @@ def run_phase(phase, steps, warmup, inject):
             kept.append(hvd.allreduce_async(torch.ones(4), name=f"soak.leak.{i}"))
         elif inject == "objects":
             kept.append(object())
+        elif inject == "mapped":   # a page mapped and touched outside malloc, kept
+            page = mmap.mmap(-1, 4096, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            page[0] = 1
+            kept.append(page)
 
     t0 = time.perf_counter()
     step(0)
@@ -158,12 +164,14 @@ def run_phase(phase, steps, warmup, inject):
     state0 = adapter_state(adapter) if adapter else None
     stats0 = c.stats if adapter else None
     rss, handles = np.zeros(steps, dtype=np.int64), np.zeros(steps, dtype=np.int64)
+    outside = np.zeros(steps, dtype=np.int64)
     state = np.zeros((steps, len(STATE)), dtype=np.int64)
     fds, threads = [], []
     t1 = time.perf_counter()
     for j, i in enumerate(range(warmup, warmup + steps)):
         step(i)
         rss[j] = proc.memory_info().rss
+        outside[j] = resident_outside_malloc()
         handles[j] = len(mpi_ops._handle_map)
         if adapter:
             state[j] = adapter_state(adapter)
@@ -191,11 +199,12 @@ def run_phase(phase, steps, warmup, inject):
         payload_bytes = (st["bytes_sent"] + st["bytes_received"]
                          - stats0["bytes_sent"] - stats0["bytes_received"]) / steps
     rss_windows, distance = window_medians(rss.tolist())
+    outside_windows, _ = window_medians(outside.tolist())
     result = {
         "phase": phase, "rank": rank, "size": n, "warmup": warmup, "steps": steps,
         "warmup_s": round(t1 - t0, 2), "measured_s": round(t2 - t1, 2),
         "step_bytes": int(grad_bytes + payload_bytes), "grad_bytes": grad_bytes, "payload_bytes": int(payload_bytes),
-        "distance": distance, "rss_windows": rss_windows,
+        "distance": distance, "rss_windows": rss_windows, "outside_windows": outside_windows,
         "rss_min": int(rss.min()), "rss_max": int(rss.max()),
         "blocks": [blocks0, blocks_mid, blocks1], "malloc": [heap0, heap_mid, heap1],
         "handles_baseline": handles0, "handles_min": int(handles.min()), "handles_max": int(handles.max()),
@@ -205,6 +214,7 @@ def run_phase(phase, steps, warmup, inject):
         "names_after_warmup": names0, "names_end": distinct_names(),
         "names": {k: list(v)[:8] for k, v in NAMES.items()},
         "rss_curve": rss[::max(1, steps // 20)].tolist(),
+        "outside_curve": outside[::max(1, steps // 20)].tolist(),
     }
     if adapter:
         result.update(
@@ -221,7 +231,7 @@ def main():
     p.add_argument("phases", nargs="+", help="PHASE[:STEPS[:WARMUP]], PHASE one of " + ", ".join(PHASES))
     p.add_argument("--steps", type=int, default=1000, help="steps of a phase given without a count")
     p.add_argument("--warmup", type=int, default=150, help="warm-up steps of a phase given without them")
-    p.add_argument("--inject", choices=["rss", "handles", "objects", "names"])
+    p.add_argument("--inject", choices=["rss", "handles", "objects", "names", "mapped"])
     args = p.parse_args()
     hvd.init()
     torch.set_num_threads(1)
