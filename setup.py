@@ -17,7 +17,8 @@ The package's metadata (name, version, dependencies) is in pyproject.toml's [pro
 says how to compile the native libraries.
 
 Environment: ``CXX`` (default g++), ``HVD_QSGD_MARCH`` (``-march=`` of the CPU library's common
-code and the TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``).
+code and the TensorFlow ops; see ``_march_flags``), ``HVD_QSGD_CUDA_ARCHS`` (default ``80;90``),
+``HVD_QSGD_BUILD_JOBS`` (libraries built at once; default: the CPU count).
 
 One portable build, the fastest kernels chosen at run time: the codec's per-element loops
 (``kernels/qsgd_cpu_isa.cc``) are compiled once per instruction-set variant (``ISA_VARIANTS``: on
@@ -116,6 +117,13 @@ class BuildNative(build_ext):
     """Compile the C ABI libraries; each Extension's name picks the recipe. The CPU library's build
     target record (BUILD_TARGET) is one of the outputs, copied into the source tree with the libraries
     for an editable install."""
+
+    def finalize_options(self):
+        # the libraries build side by side (setuptools' -j; HVD_QSGD_BUILD_JOBS=1 builds one at a time):
+        # the TensorFlow ops, the CUDA library and the CPU library are independent compiles
+        if self.parallel is None:
+            self.parallel = int(os.environ.get("HVD_QSGD_BUILD_JOBS") or os.cpu_count() or 1)
+        super().finalize_options()
 
     def get_outputs(self):
         outputs = super().get_outputs()
