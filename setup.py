@@ -125,6 +125,12 @@ class BuildNative(build_ext):
             self.parallel = int(os.environ.get("HVD_QSGD_BUILD_JOBS") or os.cpu_count() or 1)
         super().finalize_options()
 
+    def build_extensions(self):
+        # the C++ compiler every library but the CUDA one needs, checked before any build starts: a
+        # missing one stops the build at once instead of after the CUDA library's compile
+        _find_cxx()
+        super().build_extensions()
+
     def get_outputs(self):
         outputs = super().get_outputs()
         return outputs + [os.path.join(os.path.dirname(o), BUILD_TARGET) for o in outputs
