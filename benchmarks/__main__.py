@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "e2e": ("benchmarks.e2e", "step time and counted wire bytes over tbf-shaped links between network namespaces"),
     "convergence": ("benchmarks.convergence",
                     "test accuracy vs bytes sent of the PyTorch digits example, for every method, at -np N"),
+    "noise": ("benchmarks.noise", "quantization noise against minibatch noise on the language model's gradients"),
     "calibrate": ("benchmarks.calibrate", "fit the cost model's latency alpha and bandwidth beta to timed Horovod collectives"),
 }
 
