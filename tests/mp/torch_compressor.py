@@ -1,7 +1,9 @@
-"""Worker for tests/test_torch_compressor.py: one scenario per run, under horovodrun.
+"""Worker for tests/test_torch_compressor.py: the scenarios named on the command line, one after the
+other, under horovodrun.
 
-Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message>`` (one line)
-when the scenario is expected to fail and the compressor raised; the test reads those lines.
+Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message> (scenario
+<scenario>)`` (one line) when the scenario is expected to fail and the compressor raised; the test
+reads those lines.
 
 The reference for a compressed tensor is computed independently on every rank: each rank's local
 gradient is gathered, re-encoded with the documented payload seed
@@ -438,7 +440,7 @@ def scenario(s):
         try:
             mismatch(s[len("mismatch-"):], n, rank)
         except Exception as e:  # the expected outcome: print it, exit nonzero
-            print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:400]}", flush=True)
+            print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:400]} (scenario {s})", flush=True)
             return  # exit normally: Horovod must shut down cleanly after the error
         print("NOT RAISED", flush=True)
         sys.exit(1)
