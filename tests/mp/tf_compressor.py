@@ -1,7 +1,7 @@
 """Worker for tests/test_tf_compressor.py: TensorFlow scenarios under horovodrun.
 
-Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message>`` for the
-mismatch scenarios. References are computed independently: every rank's local gradient is gathered,
+Every rank prints ``OK <scenario>`` when its checks pass, or ``RAISED <type>: <message> (scenario
+<scenario>)`` for the mismatch scenarios. References are computed independently: every rank's local gradient is gathered,
 re-encoded with ``hvd_qsgd.codec`` from the documented seed
 (``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", occurrence)``) and decoded with
 ``codec.decode_sum(payloads, 1/n)``; the synchronized gradient must equal it exactly. The
@@ -908,7 +908,7 @@ def main():
                     if start in text:
                         text = text[text.find(start):]
                         break
-                print(f"RAISED {type(e).__name__}: {text[:400]}", flush=True)
+                print(f"RAISED {type(e).__name__}: {text[:400]} (scenario {s})", flush=True)
                 continue
             print("NOT RAISED", flush=True)
             sys.exit(1)
