@@ -51,8 +51,9 @@ Rules:
   rule that sees a leak in native memory even where freed heap from earlier phases hides it from
   RSS (measured: a 4 KiB tensor kept per step left RSS flat in some phases).
 * Resident memory outside malloc (after every step): the process's resident anonymous and shared
-  memory (``RssAnon`` + ``RssShmem``: all but mapped files' pages) less the heap glibc's malloc holds (``mallinfo2``: arenas and mmapped chunks, in use
-  or free), so what pymalloc's arenas and any other mapping keep resident. The medians of the
+  memory (``RssAnon`` + ``RssShmem``: all but mapped files' pages) less the heap glibc's malloc
+  holds (``mallinfo2``: arenas and mmapped chunks, in use or free), so what pymalloc's arenas and
+  any other mapping keep resident. The medians of the
   first, middle and last 20% of the measured steps may not rise by more than what one step
   allocates in both halves. A leak rises in both; one-time level shifts move one half only. Malloc's
   heap itself is the malloc rule's: plain RSS once rose by 11 MiB in both halves of the

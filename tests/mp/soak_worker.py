@@ -30,7 +30,8 @@ and the live exchange contexts. Every collective name the compressor hands to Ho
 ``--inject`` adds a deliberate leak to the compressed phases, to show that the rules catch it:
 ``rss`` keeps a 4 KiB tensor per step; ``handles`` starts one uncompressed allreduce per step and
 never waits for it (its entry stays in ``_handle_map``); ``objects`` keeps one small Python object
-per step; ``mapped`` maps and touches one 4 KiB page per step outside malloc and keeps it; ``names`` never frees a numbered exchange's slot (each step's exchanges get new names).
+per step; ``mapped`` maps and touches one 4 KiB page per step outside malloc and keeps it; ``names``
+never frees a numbered exchange's slot (each step's exchanges get new names).
 """
 import argparse
 import gc
