@@ -21,8 +21,9 @@ def ok_lines(out, scenario):
 
 
 JOIN = ["join-allgather", "join-scatter_allgather"]
-# At 2 Gloo ranks one launch runs the exact steps, the statistics report and then the joins (after an
-# hvd.join() later exchanges hang, so the joins come last); the other rank counts launch per test.
+# At 2 Gloo ranks one launch runs the exact steps, the statistics report and then the joins, last:
+# after a join that ended uneven steps an unnamed collective hangs in Horovod itself, with or without
+# compression (docs/compressor.md), and the exact scenarios' are unnamed. Other rank counts launch per test.
 TWO_GLOO = EXACT + ["report"] + JOIN
 
 
