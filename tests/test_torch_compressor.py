@@ -23,7 +23,8 @@ def ok_lines(out, scenario):
 JOIN = ["join-allgather", "join-scatter_allgather"]
 # At 2 Gloo ranks one launch runs the exact steps, the statistics report and then the joins, last:
 # after a join that ended uneven steps an unnamed collective hangs in Horovod itself, with or without
-# compression (docs/compressor.md), and the exact scenarios' are unnamed. Other rank counts launch per test.
+# compression (docs/compressor.md), and the exact scenarios make unnamed ones. Other rank counts launch
+# per test.
 TWO_GLOO = EXACT + ["report"] + JOIN
 
 
