@@ -3,7 +3,9 @@ root, the virtual environment's bin/, the environment of a multi-rank job, and b
 
 Plain functions, not pytest hooks: test modules import them from here (``from tests.helpers import
 launch``), never from conftest.py or from another test module."""
+import functools
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +49,21 @@ def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
     if not expect_failure and returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {returncode}:\n{out[-5000:]}")
     return out
+
+
+@functools.lru_cache(maxsize=None)
+def launch_once(np_, controller, argv, timeout=180):
+    """``launch`` once per distinct arguments in a test session (``argv`` a tuple): the tests that
+    check the cases of one shared job read its output. A failed launch is not kept: each of its
+    tests fails on its own."""
+    return launch(np_, controller, list(argv), timeout=timeout)
+
+
+def raised_in(out, scenario):
+    """[(rank, "<type>: <message>")] of the ranks whose worker printed
+    ``RAISED <type>: <message> (scenario <scenario>)``."""
+    return [(int(r), msg) for r, msg, s in re.findall(r"^\[(\d+)\]<stdout>:RAISED (.*) \(scenario (\S+)\)$", out,
+                                                    flags=re.M) if s == scenario]
 
 
 def run_bounded(cmd, timeout, env=None, stop_signal=signal.SIGKILL):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import codec
-from tests.helpers import launch
+from tests.helpers import launch_once
 from tests.mp.exchange_payloads import rank_tensor
 
 WORKER = os.path.join("tests", "mp", "exchange_payloads.py")
@@ -32,18 +32,16 @@ def _check(out_dir, np_, bits, coding):
 
 HOROVOD_CONFIGS = [(2, 4, "fixed"), (2, 2, "elias")]
 MPI4PY_CONFIGS = [(3, 8, "fixed"), (3, 3, "elias")]
-_launched = {}
 
 
 def exchanged(controller, np_, configs, tmp_path_factory):
-    """OUT_DIR of one launch that exchanges every configuration of this rank count in turn."""
-    key = (controller, np_)
-    if key not in _launched:
-        out_dir = tmp_path_factory.mktemp(f"exchange-{controller}-{np_}")
-        worker = [WORKER, "mpi4py" if controller == "mpirun" else "horovod", str(out_dir), str(NUMEL)]
-        launch(np_, controller, worker + [f"{b}:{c}" for n, b, c in configs if n == np_])
-        _launched[key] = out_dir
-    return _launched[key]
+    """OUT_DIR of the one launch that exchanges every configuration of this rank count in turn."""
+    out_dir = tmp_path_factory.getbasetemp() / f"exchange-{controller}-{np_}"
+    out_dir.mkdir(exist_ok=True)
+    backend = "mpi4py" if controller == "mpirun" else "horovod"
+    mine = tuple(f"{b}:{c}" for n, b, c in configs if n == np_)
+    launch_once(np_, controller, (WORKER, backend, str(out_dir), str(NUMEL)) + mine)
+    return out_dir
 
 
 @pytest.mark.parametrize("controller", ["gloo", "mpi"])

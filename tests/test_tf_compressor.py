@@ -8,7 +8,6 @@ seeds, and is bit-identical across ranks. With reduction="scatter_allgather" (an
 ``hvd_qsgd.reduction.simulate`` of every rank's input, regenerated in each worker. Mismatches fail
 the step on every rank.
 """
-import functools
 import json
 import os
 import re
@@ -18,7 +17,7 @@ import sys
 import pytest
 
 from hvd_qsgd import codec
-from tests.helpers import ROOT, launch, mp_env
+from tests.helpers import ROOT, launch, launch_once, mp_env, raised_in
 
 WORKER = "tests/mp/tf_compressor.py"
 
@@ -73,13 +72,12 @@ def test_keras3_tape_and_fit_equal_single_process_decode_on_every_rank(np_, cont
                        r"type float(64|32)|Horovod has been shut down)"),
 ])
 def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
-    own = (f"mismatch-{kind}",)
-    out = step_failures_launch(SHARED_LAUNCH if own[0] in SHARED_LAUNCH else own)
-    raised = [(r, msg) for r, msg, k in re.findall(r"^\[(\d+)\]<stdout>:(RAISED .*) \(scenario mismatch-(\S+)\)$",
-                                                    out, flags=re.M) if k == kind]
-    assert sorted(int(r) for r, _ in raised) == [0, 1], out[-3000:]
+    scenario = f"mismatch-{kind}"
+    out = step_failures_launch(SHARED_LAUNCH if scenario in SHARED_LAUNCH else (scenario,))
+    raised = raised_in(out, scenario)
+    assert sorted(r for r, _ in raised) == [0, 1], out[-3000:]
     for _, msg in raised:
-        assert re.search(pattern, msg), msg
+        assert re.search(pattern, "RAISED " + msg), msg
 
 
 # One launch runs the two mismatches, then the join scenario: each error fails a step after its
@@ -88,9 +86,8 @@ def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
 SHARED_LAUNCH = ("mismatch-bits", "mismatch-order", "join")
 
 
-@functools.lru_cache(maxsize=None)
 def step_failures_launch(scenarios):
-    return launch(2, "gloo", [WORKER] + list(scenarios), timeout=60 + 30 * len(scenarios))
+    return launch_once(2, "gloo", (WORKER, *scenarios), timeout=60 + 30 * len(scenarios))
 
 
 def test_join_fails_the_step_with_an_error_naming_hvd_join():

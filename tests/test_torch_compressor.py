@@ -4,12 +4,11 @@ Exactness: after one step every rank's gradient equals the single-process decode
 payload (re-encoded independently from the documented seeds), scaled by 1/n (Average) or 1 (Sum),
 and is bit-identical across ranks. Mismatches: every rank raises a clear error, nothing hangs.
 """
-import functools
 import re
 
 import pytest
 
-from tests.helpers import launch
+from tests.helpers import launch, launch_once, raised_in
 
 WORKER = "tests/mp/torch_compressor.py"
 EXACT = ["optimizer-named", "optimizer-plain", "allreduce", "predivide", "sum", "groups", "passes", "dtypes"]
@@ -28,9 +27,8 @@ JOIN = ["join-allgather", "join-scatter_allgather"]
 TWO_GLOO = EXACT + ["report"] + JOIN
 
 
-@functools.lru_cache(maxsize=None)
 def two_gloo_launch():
-    return launch(2, "gloo", [WORKER] + TWO_GLOO, timeout=300)
+    return launch_once(2, "gloo", (WORKER, *TWO_GLOO), timeout=300)
 
 
 @pytest.mark.parametrize("np_,controller", [(2, "gloo"), (4, "gloo"), (2, "mpi"), (4, "mpi")])
@@ -116,18 +114,13 @@ SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order
 assert set(SHARED_MISMATCHES) | {"no-compression"} == set(MISMATCHES)
 
 
-@functools.lru_cache(maxsize=None)
-def mismatch_launch(kinds):
-    return launch(2, "gloo", [WORKER] + [f"mismatch-{k}" for k in kinds], timeout=60 + 15 * len(kinds))
-
-
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))
 def test_mismatch_raises_on_every_rank(kind):
     np_, pattern = MISMATCHES[kind]
-    out = mismatch_launch(SHARED_MISMATCHES if kind in SHARED_MISMATCHES else (kind,))
-    raised = [(r, msg) for r, msg, k in re.findall(r"^\[(\d+)\]<stdout>:RAISED (.*) \(scenario mismatch-(\S+)\)$",
-                                                    out, flags=re.M) if k == kind]
-    assert sorted(int(r) for r, _ in raised) == list(range(np_)), out[-3000:]
+    kinds = SHARED_MISMATCHES if kind in SHARED_MISMATCHES else (kind,)
+    out = launch_once(2, "gloo", (WORKER, *(f"mismatch-{k}" for k in kinds)), timeout=60 + 15 * len(kinds))
+    raised = raised_in(out, f"mismatch-{kind}")
+    assert sorted(r for r, _ in raised) == list(range(np_)), out[-3000:]
     for _, msg in raised:
         assert re.search(pattern, "RAISED " + msg) or re.search(pattern, msg), msg
 
