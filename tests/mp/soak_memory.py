@@ -47,3 +47,13 @@ def window_medians(series, fraction=0.2):
     mid = (n - k) // 2
     return ([float(statistics.median(w)) for w in (series[:k], series[mid:mid + k], series[n - k:])],
             (n - k) // 2)
+
+
+def memory_fields(rss, outside):
+    """The per-step RSS and resident-outside-malloc series (lists of ints) as a result's fields: the
+    window medians (``window_medians``) and the steps between them, the RSS's extremes, and 20-point
+    curves of both."""
+    rss_windows, distance = window_medians(rss)
+    every = max(1, len(rss) // 20)
+    return dict(distance=distance, rss_windows=rss_windows, outside_windows=window_medians(outside)[0],
+                rss_min=min(rss), rss_max=max(rss), rss_curve=rss[::every], outside_curve=outside[::every])

@@ -37,7 +37,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 import hvd_qsgd
-from tests.mp.soak_memory import malloc_in_use, resident_outside_malloc, window_medians
+from tests.mp.soak_memory import malloc_in_use, memory_fields, resident_outside_malloc
 
 SAMPLE = 100
 SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 100), (100,), (100, 10), (10,)]  # 12800, 20000, 10000
@@ -137,26 +137,20 @@ def run_phase(phase, steps, warmup, inject, compression):
     gc.collect()
     after = state()
     kept.clear()
-    rss, outside = rss.tolist(), outside.tolist()
     payload_bytes = 0.0
     if adapter is not None:
         st = c.stats
         payload_bytes = (st["bytes_sent"] + st["bytes_received"]
                          - stats0["bytes_sent"] - stats0["bytes_received"]) / steps
     occurrence_values = [] if adapter is None else sorted({int(v.numpy()) for v in adapter._occurrences.values()})
-    rss_windows, distance = window_medians(rss)
-    outside_windows, _ = window_medians(outside)
     result = {
         "phase": phase, "rank": rank, "size": hvd.size(), "warmup": warmup, "steps": steps,
         "warmup_s": round(t1 - t0, 2), "measured_s": round(t2 - t1, 2),
         "step_bytes": int(grad_bytes + payload_bytes), "grad_bytes": grad_bytes, "payload_bytes": int(payload_bytes),
-        "distance": distance, "rss_windows": rss_windows, "outside_windows": outside_windows,
-        "rss_min": min(rss), "rss_max": max(rss),
+        **memory_fields(rss.tolist(), outside.tolist()),
         "blocks": [before["blocks"], blocks_mid, after["blocks"]],
         "malloc": [before["malloc"], malloc_mid, after["malloc"]],
         "fds": fds, "threads": threads, "before": before, "after": after, "occurrence_values": occurrence_values,
-        "rss_curve": rss[::max(1, steps // 20)],
-        "outside_curve": outside[::max(1, steps // 20)],
     }
     print(f"SOAK {phase} {json.dumps(result)}", flush=True)
 

@@ -49,7 +49,7 @@ from horovod.torch import mpi_ops
 
 import hvd_qsgd
 from hvd_qsgd.adapters.torch import _Exchange
-from tests.mp.soak_memory import malloc_in_use, resident_outside_malloc, window_medians
+from tests.mp.soak_memory import malloc_in_use, memory_fields, resident_outside_malloc
 
 SAMPLE = 100          # steps between descriptor and thread counts
 ALLREDUCE_NUMEL = (20000, 12000)   # the allreduce phase's tensors
@@ -199,14 +199,11 @@ def run_phase(phase, steps, warmup, inject):
         st = c.stats
         payload_bytes = (st["bytes_sent"] + st["bytes_received"]
                          - stats0["bytes_sent"] - stats0["bytes_received"]) / steps
-    rss_windows, distance = window_medians(rss.tolist())
-    outside_windows, _ = window_medians(outside.tolist())
     result = {
         "phase": phase, "rank": rank, "size": n, "warmup": warmup, "steps": steps,
         "warmup_s": round(t1 - t0, 2), "measured_s": round(t2 - t1, 2),
         "step_bytes": int(grad_bytes + payload_bytes), "grad_bytes": grad_bytes, "payload_bytes": int(payload_bytes),
-        "distance": distance, "rss_windows": rss_windows, "outside_windows": outside_windows,
-        "rss_min": int(rss.min()), "rss_max": int(rss.max()),
+        **memory_fields(rss.tolist(), outside.tolist()),
         "blocks": [blocks0, blocks_mid, blocks1], "malloc": [heap0, heap_mid, heap1],
         "handles_baseline": handles0, "handles_min": int(handles.min()), "handles_max": int(handles.max()),
         "fds": fds, "threads": threads,
@@ -214,8 +211,6 @@ def run_phase(phase, steps, warmup, inject):
         "exchanges_before": exchanges0, "exchanges_after": exchanges1,
         "names_after_warmup": names0, "names_end": distinct_names(),
         "names": {k: list(v)[:8] for k, v in NAMES.items()},
-        "rss_curve": rss[::max(1, steps // 20)].tolist(),
-        "outside_curve": outside[::max(1, steps // 20)].tolist(),
     }
     if adapter:
         result.update(
