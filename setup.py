@@ -80,7 +80,13 @@ def _run(cmd):
 
 
 def _find_cxx():
-    cxx = os.environ.get("CXX", "g++")
+    """The C++ compiler's command ($CXX, default g++), checked to build OpenMP programs (once per
+    build: the check compiles a program)."""
+    return list(_checked_cxx(os.environ.get("CXX", "g++")))
+
+
+@functools.lru_cache(maxsize=None)
+def _checked_cxx(cxx):
     path = shutil.which(cxx.split()[0])
     if not path:
         raise BuildError(
@@ -94,7 +100,7 @@ def _find_cxx():
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         if proc.returncode != 0:
             raise BuildError(f"'{cxx}' cannot build OpenMP programs (-fopenmp):\n{proc.stdout[-2000:]}")
-    return cxx.split()
+    return tuple(cxx.split())
 
 
 def _find_nvcc():
