@@ -45,6 +45,8 @@ CONFIGS = {
     "QSGD(2), bucket 64": (2, 64, "max"),
     "QSGD(4), bucket 8192, L2 norm": (4, 8192, "l2"),
 }
+# the model of examples/pytorch_lm.py with its default flags
+MODEL = dict(d_model=128, layers=2, heads=4, context=64, ngram_rows=16384, ngram_orders=(2, 3))
 
 
 def add_arguments(p):
@@ -75,19 +77,24 @@ def quantization_error(grads, bits, bucket, norm, seed, min_numel):
     return err
 
 
-def measure(args, model, corpus, step0, configs):
-    """The noises at the model's current parameters, from the batches of steps step0+1 .. step0+S."""
+def batch_loss(args, model, context, corpus, rank, step):
+    """The example's training loss of rank's batch at step (``lm_common.train_batch``)."""
     import torch
     import torch.nn.functional as F
     import lm_common as lm
+    x, y = lm.train_batch(corpus.train, args.batch_size, context, args.seed, rank, step)
+    return F.cross_entropy(model(torch.from_numpy(x)).reshape(-1, 256), torch.from_numpy(y).reshape(-1))
+
+
+def measure(args, model, context, corpus, step0, configs):
+    """The noises at the model's current parameters, from the batches of steps step0+1 .. step0+S."""
     R, S = args.ranks, args.samples
     per_rank = []   # [s][r] -> list of float32 arrays (one per parameter)
     for s in range(S):
         row = []
         for r in range(R):
-            x, y = lm.train_batch(corpus.train, args.batch_size, model.context, args.seed, r, step0 + 1 + s)
             model.zero_grad()
-            F.cross_entropy(model(torch.from_numpy(x)).reshape(-1, 256), torch.from_numpy(y).reshape(-1)).backward()
+            batch_loss(args, model, context, corpus, r, step0 + 1 + s).backward()
             row.append([p.grad.detach().numpy().copy() for p in model.parameters()])
         per_rank.append(row)
     flat = lambda gs: np.concatenate([g.ravel().astype(np.float64) for g in gs])
@@ -105,25 +112,21 @@ def measure(args, model, corpus, step0, configs):
         errs = [quantization_error(per_rank[s][r], bits, bucket, norm, seed=(step0 * 7919 + s * 131 + r) * 16 + d,
                                    min_numel=args.min_numel)
                 for s in range(S) for r in range(R) for d in range(args.draws)]
-        quant = float(np.mean(errs)) / R   # (1/R^2) sum over R ranks of E||Q(g_r) - g_r||^2
-        q = float(np.mean(errs)) / per_rank_sq
+        mean_err = float(np.mean(errs))   # E||Q(g_r) - g_r||^2
+        quant = mean_err / R   # (1/R^2) sum over R ranks of E||Q(g_r) - g_r||^2
+        q = mean_err / per_rank_sq
         out["configs"][label] = dict(bits=bits, bucket_size=bucket, norm=norm, quantization_noise=quant,
                                      relative_variance_q=q, rho=quant / minibatch,
                                      batch_for_rho_1=(1 / q - 1) * out["noise_scale_windows"] if q < 1 else 0.0)
     return out
 
 
-def train(args, model, opt, corpus, start, stop):
+def train(args, model, context, opt, corpus, start, stop):
     """The fp32 data-parallel run from step start+1 to stop: every step the R ranks' batches' mean gradient."""
-    import torch
-    import torch.nn.functional as F
-    import lm_common as lm
     for step in range(start + 1, stop + 1):
         opt.zero_grad()
         for r in range(args.ranks):
-            x, y = lm.train_batch(corpus.train, args.batch_size, model.context, args.seed, r, step)
-            loss = F.cross_entropy(model(torch.from_numpy(x)).reshape(-1, 256), torch.from_numpy(y).reshape(-1))
-            (loss / args.ranks).backward()
+            (batch_loss(args, model, context, corpus, r, step) / args.ranks).backward()
         opt.step()
 
 
@@ -155,15 +158,14 @@ def run(args):
     t0 = time.perf_counter()
     corpus = lm.Corpus(8.0, 1.0)
     torch.manual_seed(args.seed)
-    model = lm.make_model(128, 2, 4, 64, 16384, (2, 3))
-    model.context = 64
+    model = lm.make_model(**MODEL)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum)
     checkpoints = sorted(int(c) for c in args.checkpoints.split(","))
     results, at = [], 0
     for c in checkpoints:
-        train(args, model, opt, corpus, at, c)
+        train(args, model, MODEL["context"], opt, corpus, at, c)
         at = c
-        results.append(measure(args, model, corpus, c, CONFIGS))
+        results.append(measure(args, model, MODEL["context"], corpus, c, CONFIGS))
         print(f"[noise] step {c}: minibatch noise {results[-1]['minibatch_noise']:.4g}, B_noise "
               f"{results[-1]['noise_scale_windows']:.0f} windows ({time.perf_counter() - t0:.0f} s)", flush=True)
     text = table(results, args)

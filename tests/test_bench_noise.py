@@ -47,8 +47,7 @@ def test_noise_estimates_on_a_tiny_model():
     corpus = lm.Corpus(0.2, 0.05)
     torch.manual_seed(1)
     model = lm.make_model(32, 1, 2, 16, 512, (2, 3))
-    model.context = 16
-    r = noise.measure(args, model, corpus, 0, noise.CONFIGS)
+    r = noise.measure(args, model, 16, corpus, 0, noise.CONFIGS)
     assert r["minibatch_noise"] > 0 and r["grad_norm_sq"] > 0
     assert r["noise_scale_windows"] == pytest.approx(r["tr_sigma1"] / r["grad_norm_sq"])
     c = r["configs"]
