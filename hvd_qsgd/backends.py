@@ -92,8 +92,9 @@ class CpuBackend:
 
 class CudaBackend:
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
-    decode-sum, and the chunk steps of scatter_allgather. The Elias coding (its kernels are not yet
-    verified on a GPU) and server error feedback have no CUDA path yet; ``missing`` names what an
+    decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing
+    rank's residual a CUDA tensor the reduce kernel updates in place). The Elias coding (its kernels
+    are not yet verified on a GPU through this path) has no CUDA path yet; ``missing`` names what an
     exchange would need that is not here."""
 
     name = "cuda"
@@ -111,8 +112,6 @@ class CudaBackend:
             return "the Elias coding's CUDA kernels are not yet verified on a GPU"
         if settings.coding != "fixed" and exchange_reduction == "scatter_allgather":
             return f"the {settings.coding} coding's chunk steps have no CUDA kernel"
-        if exchange_reduction == "scatter_allgather" and getattr(settings, "server_error_feedback", False):
-            return "server error feedback of scatter_allgather has no CUDA path"
         return None
 
     def encode(self, x32, settings, seed: int, fingerprint: int, source_dtype: str, where: str,
@@ -164,17 +163,17 @@ class CudaBackend:
     def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
                         server_residual=None):
         """``reduction.reduce_received`` on the device: (the phase-2 frame as a uint8 CUDA tensor, the
-        error that emptied it or None). Never raises."""
+        error that emptied it or None). Never raises. ``server_residual()``, where given, returns the
+        chunk's server residual as a float32 CUDA tensor, updated in place (unchanged on failure)."""
         import torch
-        if server_residual is not None:
-            raise NotImplementedError("hvd_qsgd: server error feedback has no CUDA path (missing() says so)")
         try:
             payloads = self.split_by(received, splits)
             begin, end = reduction.chunk_ranges(expect.numel, expect.bucket_size, len(payloads))[j]
             protocol.check_gathered(self.read_headers(payloads, f"{where}: chunk {j}"),
                                     SimpleNamespace(**{**vars(expect), "numel": end - begin}), f"{where}: chunk {j}")
+            residual = server_residual() if server_residual is not None else None
             q = self.reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
-                                  f"{where}: chunk {j}")
+                                  f"{where}: chunk {j}", residual=residual)
             error = None
         except Exception as e:  # raised on this rank by its decompress; the others see the empty frame
             q, error = received.new_zeros(0), e

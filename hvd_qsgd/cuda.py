@@ -40,6 +40,14 @@ def _stream_handle(torch, device):
     return ctypes.c_void_p(torch.cuda.current_stream(device).cuda_stream)
 
 
+def _is_device(t):
+    """Whether the tensor is where the kernels read it (a CUDA tensor). ``_lib``, ``_stream_handle``
+    and this function are the three points where the wrappers meet the device; the tests' emulation
+    (tests/test_cuda.py, ``device`` fixture) replaces them to run every wrapper, with host tensors,
+    on the CUDA source compiled for the host."""
+    return t.is_cuda
+
+
 _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # qsgd_dtype
 
 
@@ -61,7 +69,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
                              residual_valid)
     if coding != "fixed":
         raise ValueError(f"{name}: coding must be 'fixed' or 'elias', got {coding!r}")
-    if not x.is_cuda:
+    if not _is_device(x):
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
     if dtype_name is None:
@@ -70,7 +78,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
                             source_dtype or dtype_name)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
-    if residual is not None and (not residual.is_cuda or residual.dtype != torch.float32 or residual.numel() != n
+    if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
                                  or not residual.is_contiguous() or residual.device != flat.device):
         raise ValueError(f"{name}: residual must be a contiguous float32 tensor of {n} elements on {flat.device}")
     cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
@@ -87,7 +95,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
 def _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype, residual,
                   residual_valid):
     import torch
-    if not x.is_cuda:
+    if not _is_device(x):
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
     if dtype_name is None:
@@ -144,7 +152,7 @@ def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype):
 
 def _flat32(x, name):
     import torch
-    if not x.is_cuda:
+    if not _is_device(x):
         raise ValueError(f"{name}: needs a CUDA tensor, got device {x.device}")
     if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
@@ -195,7 +203,7 @@ def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, 
     payloads = aligned(payloads)
     cheads = device_headers(payloads, where)
     n, device = cheads[0].numel, payloads[0].device
-    if residual is not None and (not residual.is_cuda or residual.dtype != torch.float32 or residual.numel() != n
+    if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
                                  or not residual.is_contiguous() or residual.device != device):
         raise ValueError(f"{where}: residual must be a contiguous float32 tensor of {n} elements on {device}")
     cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype)
@@ -266,7 +274,7 @@ def device_headers(payloads, where="payloads"):
     tensor's length (what qsgd_decode_sum_cuda takes); one device-to-host copy for all of them."""
     import torch
     for i, p in enumerate(payloads):
-        if p.dtype != torch.uint8 or p.dim() != 1 or not p.is_cuda:
+        if p.dtype != torch.uint8 or p.dim() != 1 or not _is_device(p):
             raise TypeError(f"{where}: payload {i} must be a 1-D uint8 CUDA tensor")
     device = payloads[0].device
     heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else

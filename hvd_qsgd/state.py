@@ -157,15 +157,19 @@ class ResidualStore:
         if error_feedback.usable_rate(lr_made):
             self.rates[key] = float(lr_made)
 
-    def server_residual(self, key: Hashable, size: int, make: Callable[[int], Any], where: str) -> Any:
-        """The reducing rank's residual of ``key`` (``make(size)`` on first use), checked for size."""
+    def server_residual(self, key: Hashable, size: int, make: Callable[[int], Any], where: str,
+                        place: Optional[Callable[[Any], Any]] = None) -> Any:
+        """The reducing rank's residual of ``key``: ``make(size)`` on first use, else the one kept,
+        moved by ``place`` to where the reduce step reads it (and kept there: a residual loaded from
+        a checkpoint moves once); checked for size before it is kept."""
         residual = self.server.get(key)
-        if residual is None:
-            residual = self.server[key] = make(size)
-        if residual.size != size:
+        residual = make(size) if residual is None else place(residual) if place is not None else residual
+        count = residual.numel() if callable(getattr(residual, "numel", None)) else residual.size
+        if count != size:
             raise protocol.MismatchError(
-                f"{where}: its server error-feedback residual has {residual.size} elements, this "
+                f"{where}: its server error-feedback residual has {count} elements, this "
                 f"rank's chunk {size}: the tensor or the number of ranks changed")
+        self.server[key] = residual
         return residual
 
     def rescale(self, factor: float, multiply: Callable[[Any, float], Any]) -> None:

@@ -30,7 +30,6 @@ def test_cpu_tensors_use_the_cpu_backend_with_no_fallback():
 @pytest.mark.parametrize("coding, red, server_ef, reason", [
     ("elias", "allgather", False, "the Elias coding's CUDA kernels are not yet verified on a GPU"),
     ("elias", "scatter_allgather", False, "the Elias coding's CUDA kernels are not yet verified on a GPU"),
-    ("fixed", "scatter_allgather", True, "server error feedback of scatter_allgather has no CUDA path"),
 ])
 def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_the_reason(coding, red, server_ef,
                                                                                           reason, monkeypatch):
@@ -40,10 +39,12 @@ def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_th
     assert backend is backends.CPU and why == reason
 
 
-@pytest.mark.parametrize("coding, red", [("fixed", "allgather"), ("fixed", "scatter_allgather")])
-def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(coding, red, monkeypatch):
+@pytest.mark.parametrize("coding, red, server_ef", [("fixed", "allgather", False),
+                                                    ("fixed", "scatter_allgather", False),
+                                                    ("fixed", "scatter_allgather", True)])
+def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(coding, red, server_ef, monkeypatch):
     monkeypatch.setattr(cuda, "available", lambda: True)
-    s = Settings.make(bits=4, coding=coding, reduction=red)
+    s = Settings.make(bits=4, coding=coding, reduction=red, server_error_feedback=server_ef)
     assert backends.choose("cuda", s, red) == (backends.CUDA, None)
 
 

@@ -9,7 +9,6 @@ Two backends run the same checks:
 import ctypes
 import os
 import shutil
-import subprocess
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ import pytest
 from types import SimpleNamespace
 
 from hvd_qsgd import _native, codec, reduction
-from tests.helpers import ROOT
+from tests import emulated_cuda
 from tests.references import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
 
 torch = pytest.importorskip("torch")
@@ -186,23 +185,16 @@ class EmulatedBackend:
 
 
 @pytest.fixture(scope="module")
-def emulated_lib(tmp_path_factory):
-    cxx = shutil.which(os.environ.get("CXX", "g++"))
-    if cxx is None:
-        pytest.skip("no C++ compiler to build the emulated CUDA library")
-    so = tmp_path_factory.mktemp("cuda_emu") / "libqsgd_cuda_emu.so"
-    cmd = [cxx, "-O2", "-std=c++20", "-x", "c++", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
-           "-fno-trapping-math", "-Itests/cuda_emu", "-Ikernels", "kernels/qsgd_cuda.cu", "-o", str(so)]
-    subprocess.run(cmd, cwd=ROOT, check=True)
-    lib = ctypes.CDLL(str(so))
-    P, U64, I32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32
-    lib.qsgd_encode_cuda.restype = I32
-    lib.qsgd_encode_cuda.argtypes = [P, U64, ctypes.POINTER(_native.Config), P, U64, P]
-    lib.qsgd_decode_sum_cuda.restype = I32
-    lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(P), ctypes.POINTER(_native.CHeader), I32, ctypes.c_float,
-                                         P, U64, I32, P, P]
-    _native.declare_cuda_chunks(lib)
-    return lib
+def emulated_lib_path(tmp_path_factory):
+    try:
+        return emulated_cuda.build(tmp_path_factory.mktemp("cuda_emu"))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def emulated_lib(emulated_lib_path):
+    return emulated_cuda.load(emulated_lib_path)
 
 
 @pytest.fixture(params=["gpu", "emulated"])
@@ -323,22 +315,24 @@ def test_decode_sum_checks_scales_and_padding_behind_the_checksum(backend):
 # (bits, bucket, n ranks, numel): whole and short last buckets, bucket sizes that are and are not
 # multiples of 8, chunk payloads of odd length (then the next chunk is encoded at an unaligned offset),
 # and more ranks than buckets (empty chunks).
-CHUNK_CASES = [(4, 512, 4, 3001), (2, 128, 3, 2000), (8, 100, 5, 1234), (3, 7, 3, 700), (1, 64, 4, 1000),
-               (5, 512, 6, 1100)]
+CHUNK_CASES = [(4, 512, 4, 3001, "max"), (2, 128, 3, 2000, "max"), (8, 100, 5, 1234, "max"),
+               (3, 7, 3, 700, "max"), (1, 64, 4, 1000, "max"), (5, 512, 6, 1100, "max"),
+               (1, 64, 3, 1000, "sign"), (4, 128, 3, 2000, "l2")]  # the sign norm: BlockSign's two-way steps
 
 
-def _settings(bits, bucket):
-    return SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", checksum=True)
+def _settings(bits, bucket, norm="max"):
+    return SimpleNamespace(bits=bits, bucket_size=bucket, norm=norm, coding="fixed", checksum=True)
 
 
-@pytest.mark.parametrize("bits,bucket,n,numel", CHUNK_CASES)
-def test_chunk_steps_are_identical_to_cpu(backend, bits, bucket, n, numel):
+@pytest.mark.parametrize("bits,bucket,n,numel,norm", CHUNK_CASES)
+def test_chunk_steps_are_identical_to_cpu(backend, bits, bucket, n, numel, norm):
     """scatter_allgather on n simulated ranks: every rank's chunk payloads, every reduced chunk (plain
     and with server error feedback, residual included) and the decoded result equal the CPU library's."""
     rng = np.random.default_rng(bits * 1000 + n)
     xs = [rng.standard_normal(numel).astype(np.float32) for _ in range(n)]
     xs[1][5] = np.nan  # one bucket's reduced value is NaN: error feedback keeps its residual there
-    s, seeds, kw = _settings(bits, bucket), [1000 + r for r in range(n)], dict(bits=bits, bucket_size=bucket)
+    s, seeds = _settings(bits, bucket, norm), [1000 + r for r in range(n)]
+    kw = dict(bits=bits, bucket_size=bucket, norm=norm)
     bufs = []
     for r in range(n):
         want, want_lens = reduction.encode_chunks(xs[r], s, seeds[r], n, fingerprint=7)
@@ -378,14 +372,20 @@ def test_reduce_chunk_fails_on_a_corrupt_payload_and_keeps_the_residual(backend)
     assert np.all(residual == 0.5)
 
 
-@pytest.fixture(params=["gpu"])
+@pytest.fixture(params=["gpu", "emulated"])
 def device(request):
-    """A CUDA device for the tests of the PyTorch-side backends (no emulation of CUDA tensors)."""
+    """Where the tests of the PyTorch-side backends (``hvd_qsgd.cuda``'s wrappers and
+    ``backends.CudaBackend``) run: a CUDA device, or ("emulated") host tensors standing for device
+    tensors, with the wrappers pointed at the emulated library (``emulated_cuda.on_host``)."""
+    if request.param == "emulated":
+        with emulated_cuda.on_host(request.getfixturevalue("emulated_lib")):
+            yield torch.device("cpu")
+        return
     if _native.load_cuda() is None or not torch.cuda.is_available():
         if os.environ.get("HVD_QSGD_REQUIRE_GPU") == "1":
             pytest.fail("HVD_QSGD_REQUIRE_GPU=1 but the CUDA library or device is not usable")
         pytest.skip("no CUDA device on this machine: the CUDA backend's reduction not checked here")
-    return torch.device("cuda")
+    yield torch.device("cuda")
 
 
 @pytest.mark.parametrize("bits,bucket,n,numel", [(4, 512, 4, 100_000), (3, 7, 3, 5001), (2, 128, 16, 40_000)])
@@ -428,13 +428,39 @@ def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(de
     want = cpu.decode_chunks(chunks, 1.0 / n, numel, bucket, "t")
     got = gpu.decode_chunks([torch.from_numpy(c).to(device) for c in chunks], 1.0 / n, numel, bucket, "t")
     np.testing.assert_array_equal(got.cpu().numpy(), want)
-    # a corrupt payload: an empty frame and the error, on the device as on the host
+    # server error feedback: the reducing rank's residual (an array on the host, a float32 tensor on
+    # the device) over two steps; the frames and the residuals equal bit for bit
+    s_ef = SimpleNamespace(**{**vars(s), "server_error_feedback": True})
+    assert gpu.missing(s_ef, "scatter_allgather") is None
+    ranges, changed = reduction.chunk_ranges(numel, bucket, n), 0
+    for j in range(n):
+        splits = [int(host[r][j].size) for r in range(n)]
+        received_h = np.concatenate([host[r][j] for r in range(n)])
+        received_d = torch.cat([dev[r][j] for r in range(n)])
+        r_h = np.zeros(ranges[j][1] - ranges[j][0], np.float32)
+        r_d = torch.zeros(r_h.size, dtype=torch.float32, device=device)
+        for step in range(2):
+            fh, eh = cpu.reduce_received(received_h, splits, j, s_ef, 700 + step, expect, "t",
+                                         server_residual=lambda: r_h)
+            fd, ed = gpu.reduce_received(received_d, splits, j, s_ef, 700 + step, expect, "t",
+                                         server_residual=lambda: r_d)
+            assert eh is None and ed is None, (eh, ed)
+            np.testing.assert_array_equal(fd.cpu().numpy(), fh, err_msg=f"chunk {j}, step {step}")
+            np.testing.assert_array_equal(r_d.cpu().numpy().view(np.uint32), r_h.view(np.uint32))
+        changed += int(np.count_nonzero(r_h))
+    assert changed > 0, "server error feedback never changed a residual: the comparison proves nothing"
+    # a corrupt payload: an empty frame and the error, on the device as on the host; the server
+    # residual is left as it was
     splits = [int(host[r][0].size) for r in range(n)]
     bad = np.concatenate([host[r][0] for r in range(n)])
     bad[splits[0] + 70] ^= 1
     fh, eh = cpu.reduce_received(bad, splits, 0, s, 500, expect, "t")
     fd, ed = gpu.reduce_received(torch.from_numpy(bad).to(device), splits, 0, s, 500, expect, "t")
     assert fh.size == 8 and fd.numel() == 8 and type(ed) is type(eh), (eh, ed)
+    r_d = torch.full((ranges[0][1] - ranges[0][0],), 0.5, dtype=torch.float32, device=device)
+    fd, ed = gpu.reduce_received(torch.from_numpy(bad).to(device), splits, 0, s_ef, 500, expect, "t",
+                                 server_residual=lambda: r_d)
+    assert fd.numel() == 8 and type(ed) is type(eh) and bool(torch.all(r_d == 0.5)), ed
 
 
 # ---- half-precision input and error feedback fused into the encoder ------------------------------------
@@ -514,7 +540,7 @@ def test_cuda_backend_encodes_half_precision_and_fuses_error_feedback_as_the_cpu
     from hvd_qsgd import backends
     from hvd_qsgd.settings import Settings
     rng = np.random.default_rng(5)
-    x = _half_inputs(dtype, 300_001, rng)
+    x = _half_inputs(dtype, 300_001 if device.type == "cuda" else 40_001, rng)  # the emulation's lanes are threads
     x32 = _as_fp32(x, dtype)
     t = (torch.from_numpy(x.view(np.int16)).to(device).view(torch.bfloat16) if dtype == "bfloat16"
          else torch.from_numpy(x).to(device))
@@ -523,7 +549,7 @@ def test_cuda_backend_encodes_half_precision_and_fuses_error_feedback_as_the_cpu
         np.testing.assert_array_equal(backends.CUDA.encode(t, s, 9, 3, dtype, "t").cpu().numpy(),
                                       backends.CPU.encode(x32, s, 9, 3, dtype, "t"))
         r_cpu = (rng.standard_normal(x.size) * 1e-3).astype(np.float32)
-        r_dev = torch.from_numpy(r_cpu).to(device)
+        r_dev = torch.from_numpy(r_cpu.copy()).to(device)  # its own memory (emulated: a host tensor)
         for step in range(3):  # a new residual, then two steps that read and rewrite it
             q_cpu = backends.CPU.encode(x32, s, step, 3, dtype, "t", residual=r_cpu, residual_valid=step > 0)
             q_dev = backends.CUDA.encode(t, s, step, 3, dtype, "t", residual=r_dev, residual_valid=step > 0)
@@ -619,3 +645,21 @@ def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device
         assert [p.numel() for p in parts] == [q.size for q in host]
         np.testing.assert_array_equal(backends.CUDA.decode_sum(parts, 1 / 3, "t").cpu().numpy(),
                                       backends.CPU.decode_sum(host, 1 / 3, "t"))
+
+
+# ---- the PyTorch adapter's device path, multi-rank, on the emulated library --------------------------
+def test_adapter_device_path_equals_its_host_path_under_horovodrun(emulated_lib_path):
+    """hvd_qsgd.torch.QSGD under horovodrun (3 Gloo ranks: uneven chunks), three steps of two tensors
+    per configuration, once on the host path and once on the device path with the CUDA library
+    emulated (host tensors standing for CUDA tensors): allgather and scatter_allgather, worker error
+    feedback fused into the encoder, server error feedback with its residual kept as a device tensor,
+    BlockSign's two-way steps, float16 and bfloat16 read natively. Results and residuals equal bit for
+    bit on every rank, with no host fallback (tests/mp/torch_cuda_emulated.py). An emulated result:
+    it checks the adapter's device-path logic, not a GPU (docs/gpu.md)."""
+    pytest.importorskip("horovod.torch")
+    from tests.helpers import launch
+    from tests.mp.torch_cuda_emulated import CONFIGS
+    out = launch(3, "gloo", ["tests/mp/torch_cuda_emulated.py", *CONFIGS], timeout=400,
+                 env={emulated_cuda.ENV: emulated_lib_path})
+    for name in CONFIGS:
+        assert out.count(f"<stdout>:OK {name}\n") == 3, f"{name}:\n{out[-4000:]}"

@@ -526,12 +526,24 @@ class QSGD(Compressor):
         return x32 + (residual if factor == 1.0 else residual * factor)
 
     def _server_residual(self, ctx):
-        """This rank's residual of the tensor's chunk (a float32 array the reduce step updates in place)."""
+        """This rank's residual of the tensor's chunk, where its backend reduces the chunk: a float32
+        NumPy array (CPU backend) or a float32 tensor on the exchange's CUDA device (CUDA backend).
+        The reduce step updates it in place."""
         begin, end = reduction.chunk_ranges(ctx.expect.numel, ctx.settings.bucket_size,
                                             len(ctx.set_ranks))[ctx.set_rank]
+        on_host = ctx.backend is backends.CPU
+
+        def make(size):
+            return (np.zeros(size, dtype=np.float32) if on_host
+                    else torch.zeros(size, dtype=torch.float32, device=ctx.device))
+
+        def place(r):  # a residual loaded from a checkpoint (a NumPy array) moves to the device once
+            if on_host:
+                return r if isinstance(r, np.ndarray) else r.detach().float().cpu().numpy()
+            return torch.as_tensor(r).to(device=ctx.device, dtype=torch.float32).contiguous()
+
         with self._lock:
-            return self.residuals.server_residual(ctx.route.residual_key, end - begin,
-                                                  lambda size: np.zeros(size, dtype=np.float32), ctx.where)
+            return self.residuals.server_residual(ctx.route.residual_key, end - begin, make, ctx.where, place)
 
     def follow_learning_rate(self, optimizer):
         """See ``hvd_qsgd.QSGD.follow_learning_rate``."""
@@ -567,7 +579,8 @@ class QSGD(Compressor):
         the bits policy's state (DQSGD: ``schedules``)."""
         with self._lock:
             state = self.residuals.state_dict(residual=lambda v: v.clone(),
-                                              server=lambda v: torch.from_numpy(v.copy()))
+                                              server=lambda v: torch.from_numpy(v.copy()) if isinstance(v, np.ndarray)
+                                              else v.detach().clone())
         state.update(stats=self._stats.as_dict(), settings=self.settings.as_dict(), **self.policy.state_dict())
         return state
 

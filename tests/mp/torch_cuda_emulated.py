@@ -1,0 +1,102 @@
+"""Worker for tests/test_cuda.py: the PyTorch adapter's device path against its host path, under
+horovodrun, with the CUDA library emulated on the host (tests/emulated_cuda.py; its path in
+``HVD_QSGD_EMULATED_CUDA_LIB``).
+
+For each configuration named on the command line, every rank runs the same three steps twice through
+``hvd.DistributedOptimizer(..., compression=...)``: on the host path (``backends.CpuBackend``) and on the device
+path (``backends.CudaBackend``, host tensors standing for CUDA tensors: fused error feedback, the
+chunk steps, server error feedback, half precision read in its own dtype). Both compressors have the
+same creation index, so the same exchange names and seeds. Every step's result, every worker
+residual and every server residual must be equal bit for bit; the device run must have called the
+emulated kernels and counted no host fallback. Each rank prints ``OK <configuration>``.
+"""
+import sys
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+import hvd_qsgd
+import hvd_qsgd.torch
+from hvd_qsgd.settings import Settings
+from tests import emulated_cuda
+
+STEPS = 3
+SIZES = (20_011, 12_000)  # an odd size (a partial bucket, uneven chunks) and an even one
+CONFIGS = {  # name: (settings, dtype)
+    "allgather": (Settings.make(bits=4, reduction="allgather"), torch.float32),
+    "allgather-ef-fp16": (Settings.make(bits=4, reduction="allgather", error_feedback=True), torch.float16),
+    "allgather-ef-bf16-l2": (Settings.make(bits=8, norm="l2", reduction="allgather", error_feedback=True),
+                             torch.bfloat16),
+    "scatter": (Settings.make(bits=4, bucket_size=128, reduction="scatter_allgather"), torch.float32),
+    "scatter-ef": (Settings.make(bits=2, bucket_size=128, reduction="scatter_allgather", error_feedback=True),
+                   torch.float32),
+    "scatter-server-ef-fp16": (Settings.make(bits=4, reduction="scatter_allgather", error_feedback=True,
+                                             server_error_feedback=True), torch.float16),
+    "blocksign": (hvd_qsgd.BlockSign(block_size=256).settings, torch.float32),
+}
+
+
+def gradient(rank, step, i, numel):
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + i)
+    return torch.randn(numel, generator=g) * (1 + rank)
+
+
+def run(settings, dtype, index):
+    """(every step's averaged gradients, the compressor) of STEPS steps of hvd.DistributedOptimizer
+    with a fresh compressor; each parameter's gradient is this rank's ``gradient`` (in its dtype)."""
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, dtype=dtype))) for i, numel in enumerate(SIZES)]
+    c = hvd_qsgd.torch.QSGD(settings=settings, creation_index=index, named_parameters=named)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
+                                   compression=c)
+    results = []
+    for step in range(STEPS):
+        opt.zero_grad()
+        loss = sum((p.float() * gradient(hvd.rank(), step, i, p.numel())).sum() for i, (_, p) in enumerate(named))
+        loss.backward()
+        opt.synchronize()
+        results += [p.grad.detach().clone() for _, p in named]
+        with opt.skip_synchronize():
+            opt.step()
+    return results, c
+
+
+def as_bytes(v):
+    """The bytes of a residual: a torch tensor or a NumPy array."""
+    a = v.detach().cpu().contiguous().view(torch.uint8).numpy() if torch.is_tensor(v) else np.asarray(v)
+    return a.view(np.uint8).tobytes()
+
+
+def check(name, lib, index):
+    settings, dtype = CONFIGS[name]
+    host, c_host = run(settings, dtype, index)
+    with emulated_cuda.on_host(lib, adapter=True) as emu:
+        device, c_dev = run(settings, dtype, index)
+    assert emu.calls > 0, f"{name}: the device run never called the emulated kernels"
+    assert c_dev.stats["host_fallbacks"] == 0, f"{name}: {c_dev.stats['host_fallbacks']} host fallbacks"
+    for k, (a, b) in enumerate(zip(host, device)):
+        assert a.dtype == b.dtype == dtype and a.shape == b.shape, (name, k, a.dtype, b.dtype)
+        assert as_bytes(a) == as_bytes(b), f"{name}: step result {k} differs between the host and device paths"
+    for what, mine, theirs in (("worker", c_host.residuals.residuals, c_dev.residuals.residuals),
+                               ("server", c_host.residuals.server, c_dev.residuals.server)):
+        assert mine.keys() == theirs.keys(), (name, what, mine.keys(), theirs.keys())
+        for key in mine:
+            assert as_bytes(mine[key]) == as_bytes(theirs[key]), f"{name}: {what} residual {key!r} differs"
+    if settings.server_error_feedback and settings.reduction == "scatter_allgather":
+        assert c_dev.residuals.server and all(torch.is_tensor(v) for v in c_dev.residuals.server.values()), \
+            f"{name}: the device path kept no server residual on the device"
+    if settings.error_feedback:
+        assert c_dev.residuals.residuals, f"{name}: no worker residual"
+
+
+def main():
+    hvd.init()
+    torch.set_num_threads(1)
+    lib = emulated_cuda.load(emulated_cuda.environ_path())
+    for k, name in enumerate(sys.argv[1:]):
+        check(name, lib, 900 + k)
+        print(f"OK {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
