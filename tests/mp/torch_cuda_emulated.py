@@ -85,6 +85,9 @@ def check(name, lib, index):
     if settings.server_error_feedback and settings.reduction == "scatter_allgather":
         assert c_dev.residuals.server and all(torch.is_tensor(v) for v in c_dev.residuals.server.values()), \
             f"{name}: the device path kept no server residual on the device"
+        saved = c_dev.state_dict()["server_residuals"]  # a checkpoint holds the same values from either path
+        assert {k: as_bytes(v) for k, v in saved.items()} == \
+            {k: as_bytes(v) for k, v in c_host.state_dict()["server_residuals"].items()}, name
     if settings.error_feedback:
         assert c_dev.residuals.residuals, f"{name}: no worker residual"
 
