@@ -648,18 +648,18 @@ def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device
 
 
 # ---- the PyTorch adapter's device path, multi-rank, on the emulated library --------------------------
-def test_adapter_device_path_equals_its_host_path_under_horovodrun(emulated_lib_path):
+def test_adapter_device_path_emulated_equals_its_host_path_under_horovodrun(emulated_lib_path):
     """hvd_qsgd.torch.QSGD under horovodrun (3 Gloo ranks: uneven chunks), three steps of two tensors
     per configuration, once on the host path and once on the device path with the CUDA library
     emulated (host tensors standing for CUDA tensors): allgather and scatter_allgather, worker error
     feedback fused into the encoder, server error feedback with its residual kept as a device tensor,
     BlockSign's two-way steps, float16 and bfloat16 read natively. Results and residuals equal bit for
-    bit on every rank, with no host fallback (tests/mp/torch_cuda_emulated.py). An emulated result:
+    bit on every rank, with no host fallback (tests/mp/torch_device_path.py). An emulated result:
     it checks the adapter's device-path logic, not a GPU (docs/gpu.md)."""
     pytest.importorskip("horovod.torch")
     from tests.helpers import launch
-    from tests.mp.torch_cuda_emulated import CONFIGS
-    out = launch(3, "gloo", ["tests/mp/torch_cuda_emulated.py", *CONFIGS], timeout=400,
+    from tests.mp.torch_device_path import CONFIGS
+    out = launch(3, "gloo", ["tests/mp/torch_device_path.py", "emulated", *CONFIGS], timeout=400,
                  env={emulated_cuda.ENV: emulated_lib_path})
     for name in CONFIGS:
         assert out.count(f"<stdout>:OK {name}\n") == 3, f"{name}:\n{out[-4000:]}"

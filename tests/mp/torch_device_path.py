@@ -1,14 +1,18 @@
-"""Worker for tests/test_cuda.py: the PyTorch adapter's device path against its host path, under
-horovodrun, with the CUDA library emulated on the host (tests/emulated_cuda.py; its path in
-``HVD_QSGD_EMULATED_CUDA_LIB``).
+"""Worker: the PyTorch adapter's device path against its host path, under horovodrun.
 
-For each configuration named on the command line, every rank runs the same three steps twice through
-``hvd.DistributedOptimizer(..., compression=...)``: on the host path (``backends.CpuBackend``) and on the device
-path (``backends.CudaBackend``, host tensors standing for CUDA tensors: fused error feedback, the
-chunk steps, server error feedback, half precision read in its own dtype). Both compressors have the
-same creation index, so the same exchange names and seeds. Every step's result, every worker
-residual and every server residual must be equal bit for bit; the device run must have called the
-emulated kernels and counted no host fallback. Each rank prints ``OK <configuration>``.
+``torch_device_path.py DEVICE CONFIGURATION...``, DEVICE one of
+- ``emulated`` (tests/test_cuda.py): the CUDA library emulated on the host (tests/emulated_cuda.py, its
+  path in ``HVD_QSGD_EMULATED_CUDA_LIB``), host tensors standing for CUDA tensors;
+- ``cuda`` (``make gpu-check-horovod``): real CUDA tensors on the visible GPU (the ranks share it).
+
+For each configuration, every rank runs the same three steps twice through
+``hvd.DistributedOptimizer(..., compression=...)``: on the host path (``backends.CpuBackend``, CPU
+tensors) and on the device path (``backends.CudaBackend``: fused error feedback, the chunk steps,
+server error feedback, half precision read in its own dtype). Both compressors have the same creation
+index, so the same exchange names and seeds. Every step's result, every worker residual and every
+server residual must be equal bit for bit; the device run must have taken the CUDA backend (no host
+fallback counted; emulated: the wrappers called the emulated kernels). Each rank prints
+``OK <configuration>``.
 """
 import sys
 
@@ -17,6 +21,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
+import hvd_qsgd.cuda
 import hvd_qsgd.torch
 from hvd_qsgd.settings import Settings
 from tests import emulated_cuda
@@ -42,20 +47,23 @@ def gradient(rank, step, i, numel):
     return torch.randn(numel, generator=g) * (1 + rank)
 
 
-def run(settings, dtype, index):
-    """(every step's averaged gradients, the compressor) of STEPS steps of hvd.DistributedOptimizer
-    with a fresh compressor; each parameter's gradient is this rank's ``gradient`` (in its dtype)."""
-    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, dtype=dtype))) for i, numel in enumerate(SIZES)]
+def run(settings, dtype, index, device="cpu"):
+    """(every step's averaged gradients on the host, the compressor) of STEPS steps of
+    hvd.DistributedOptimizer with a fresh compressor, the parameters on ``device``; each parameter's
+    gradient is this rank's ``gradient`` (in its dtype)."""
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)))
+             for i, numel in enumerate(SIZES)]
     c = hvd_qsgd.torch.QSGD(settings=settings, creation_index=index, named_parameters=named)
     opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
                                    compression=c)
     results = []
     for step in range(STEPS):
         opt.zero_grad()
-        loss = sum((p.float() * gradient(hvd.rank(), step, i, p.numel())).sum() for i, (_, p) in enumerate(named))
+        loss = sum((p.float() * gradient(hvd.rank(), step, i, p.numel()).to(device)).sum()
+                   for i, (_, p) in enumerate(named))
         loss.backward()
         opt.synchronize()
-        results += [p.grad.detach().clone() for _, p in named]
+        results += [p.grad.detach().cpu().clone() for _, p in named]
         with opt.skip_synchronize():
             opt.step()
     return results, c
@@ -67,14 +75,17 @@ def as_bytes(v):
     return a.view(np.uint8).tobytes()
 
 
-def check(name, lib, index):
+def check(name, device, lib, index):
     settings, dtype = CONFIGS[name]
     host, c_host = run(settings, dtype, index)
-    with emulated_cuda.on_host(lib, adapter=True) as emu:
-        device, c_dev = run(settings, dtype, index)
-    assert emu.calls > 0, f"{name}: the device run never called the emulated kernels"
+    if device == "emulated":
+        with emulated_cuda.on_host(lib, adapter=True) as emu:
+            on_device, c_dev = run(settings, dtype, index)
+        assert emu.calls > 0, f"{name}: the device run never called the emulated kernels"
+    else:
+        on_device, c_dev = run(settings, dtype, index, device="cuda")
     assert c_dev.stats["host_fallbacks"] == 0, f"{name}: {c_dev.stats['host_fallbacks']} host fallbacks"
-    for k, (a, b) in enumerate(zip(host, device)):
+    for k, (a, b) in enumerate(zip(host, on_device)):
         assert a.dtype == b.dtype == dtype and a.shape == b.shape, (name, k, a.dtype, b.dtype)
         assert as_bytes(a) == as_bytes(b), f"{name}: step result {k} differs between the host and device paths"
     for what, mine, theirs in (("worker", c_host.residuals.residuals, c_dev.residuals.residuals),
@@ -93,11 +104,16 @@ def check(name, lib, index):
 
 
 def main():
+    device, names = sys.argv[1], sys.argv[2:]
+    if device not in ("emulated", "cuda"):
+        raise SystemExit(f"usage: torch_device_path.py emulated|cuda CONFIGURATION... (got {device!r})")
     hvd.init()
     torch.set_num_threads(1)
-    lib = emulated_cuda.load(emulated_cuda.environ_path())
-    for k, name in enumerate(sys.argv[1:]):
-        check(name, lib, 900 + k)
+    lib = emulated_cuda.load(emulated_cuda.environ_path()) if device == "emulated" else None
+    if device == "cuda" and not hvd_qsgd.cuda.available():
+        raise SystemExit("torch_device_path.py cuda: hvd_qsgd's CUDA library or a CUDA device is not available")
+    for k, name in enumerate(names):
+        check(name, device, lib, 900 + k)
         print(f"OK {name}", flush=True)
 
 
