@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-quick demo bench gpu-check clean
+.PHONY: setup test test-quick demo bench gpu-check gpu-check-horovod gpu-carry clean
 
 setup:
 	bash scripts/setup.sh
@@ -29,6 +29,16 @@ bench: setup
 # CUDA kernels; the summary and logs go to $$OUT (default gpu_check_out/)
 gpu-check:
 	bash scripts/gpu_check.sh
+
+# the second stage, on the same machine: Horovod (PyTorch + Gloo) built there from the carried source
+# distribution, and the adapter's CUDA path against its host path on 2 ranks (docs/gpu.md)
+gpu-check-horovod:
+	bash scripts/gpu_check_horovod.sh
+
+# where there is network: what gpu-check-horovod needs to carry (.gpu_carry/, ignored by git)
+gpu-carry:
+	mkdir -p .gpu_carry
+	python3 -m pip download -q --no-deps --no-binary :all: -d .gpu_carry horovod==$$(. scripts/versions.sh; echo $$HOROVOD_VERSION)
 
 clean:
 	rm -rf build *.egg-info hvd_qsgd/*.so hvd_qsgd/tensorflow/*.so hvd_qsgd/_build_target.json .pytest_cache

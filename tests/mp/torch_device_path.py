@@ -1,6 +1,6 @@
 """Worker: the PyTorch adapter's device path against its host path, under horovodrun.
 
-``torch_device_path.py DEVICE CONFIGURATION...``, DEVICE one of
+``torch_device_path.py DEVICE all|CONFIGURATION...``, DEVICE one of
 - ``emulated`` (tests/test_cuda.py): the CUDA library emulated on the host (tests/emulated_cuda.py, its
   path in ``HVD_QSGD_EMULATED_CUDA_LIB``), host tensors standing for CUDA tensors;
 - ``cuda`` (``make gpu-check-horovod``): real CUDA tensors on the visible GPU (the ranks share it).
@@ -105,8 +105,9 @@ def check(name, device, lib, index):
 
 def main():
     device, names = sys.argv[1], sys.argv[2:]
-    if device not in ("emulated", "cuda"):
-        raise SystemExit(f"usage: torch_device_path.py emulated|cuda CONFIGURATION... (got {device!r})")
+    names = list(CONFIGS) if names == ["all"] else names
+    if device not in ("emulated", "cuda") or not names or not set(names) <= set(CONFIGS):
+        raise SystemExit(f"usage: torch_device_path.py emulated|cuda all|CONFIGURATION... ({', '.join(CONFIGS)})")
     hvd.init()
     torch.set_num_threads(1)
     lib = emulated_cuda.load(emulated_cuda.environ_path()) if device == "emulated" else None
