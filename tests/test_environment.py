@@ -37,6 +37,22 @@ def test_missing_compiler_gives_a_clear_error(tmp_path):
     assert "Traceback" not in proc.stdout
 
 
+@pytest.mark.parametrize("env, says", [
+    ({"HVD_QSGD_HOROVOD_FRAMEWORKS": "mxnet"}, "HVD_QSGD_HOROVOD_FRAMEWORKS must be 'torch,tensorflow' (default) or "
+                                               "'torch', got 'mxnet'"),
+    ({"HVD_QSGD_HOROVOD_FRAMEWORKS": "torch", "HVD_QSGD_HOROVOD_SDIST": "/no/such/horovod.tar.gz"},
+     "HVD_QSGD_HOROVOD_SDIST=/no/such/horovod.tar.gz is not a file"),
+])
+def test_horovod_build_options_are_checked_before_building(tmp_path, env, says):
+    """scripts/build_horovod.sh's options for make gpu-check-horovod: a wrong framework list or a
+    missing carried source distribution stops the script at once, saying which (nothing is built)."""
+    full = dict(os.environ, HVD_QSGD_CACHE=str(tmp_path), **env)
+    proc = subprocess.run(["bash", "scripts/build_horovod.sh", sys.executable], cwd=ROOT, env=full, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert proc.returncode != 0 and f"[horovod] error: {says}" in proc.stdout, proc.stdout
+    assert "building" not in proc.stdout
+
+
 def test_wheel_carries_the_native_libraries(tmp_path):
     """`pip install .` (a wheel) ships the CPU library, the TensorFlow ops (TensorFlow is installed
     here), and the CUDA library wherever nvcc is."""
