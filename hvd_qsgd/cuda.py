@@ -43,8 +43,8 @@ def _stream_handle(torch, device):
 def _is_device(t):
     """Whether the tensor is where the kernels read it (a CUDA tensor). ``_lib``, ``_stream_handle``
     and this function are the three points where the wrappers meet the device; the tests' emulation
-    (tests/test_cuda.py, ``device`` fixture) replaces them to run every wrapper, with host tensors,
-    on the CUDA source compiled for the host."""
+    (``tests/emulated_cuda.on_host``) replaces them to run every wrapper, with host tensors, on the
+    CUDA source compiled for the host."""
     return t.is_cuda
 
 
