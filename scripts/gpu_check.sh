@@ -16,21 +16,9 @@ export PYTHONUNBUFFERED=1 HVD_QSGD_WITHOUT_TENSORFLOW=1 PYTHONPATH="$PWD${PYTHON
 summary="$OUT/gpu_check.md"
 fail=0
 
-step() {  # step NAME CMD...: run, log to $OUT/NAME.log, record ok/FAILED and the seconds it took
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "== $name: $*"
-  if "$@" >"$OUT/$name.log" 2>&1; then
-    echo "| $name | ok | $((SECONDS - t0)) s |" >>"$summary"
-  else
-    echo "| $name | FAILED (rc $?) | $((SECONDS - t0)) s |" >>"$summary"
-    fail=1
-  fi
-  tail -n 25 "$OUT/$name.log"
-}
+. scripts/gpu_check_steps.sh
 
-arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')") || {
-  echo "gpu-check: torch sees no CUDA device"; exit 2; }
+arch=$(cuda_arch gpu-check) || exit 2
 {
   echo "# gpu-check, $(date -u +%Y-%m-%dT%H:%MZ)"
   echo
@@ -38,11 +26,10 @@ arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'
   echo "- nvcc: $(nvcc --version | tail -1); compute capability $arch"
   echo "- torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)'); kernels/qsgd_cuda.cu sha1 $(sha1sum kernels/qsgd_cuda.cu | cut -c1-12)"
   echo
-  echo "| step | result | time |"
-  echo "|---|---|---|"
+  steps_table_head
 } >"$summary"
 
-step build env HVD_QSGD_WITH_CUDA=1 HVD_QSGD_CUDA_ARCHS="$arch" $PY setup.py -q build_ext --inplace
+step build build_for_gpu "$arch"
 step tests env HVD_QSGD_REQUIRE_GPU=1 $PY -m pytest -q -rs -p no:cacheprovider -k "not emulated" tests/test_cuda.py
 for tool in memcheck racecheck; do
   step "sanitize_$tool" timeout "${GPU_CHECK_SANITIZE_S:-300}" compute-sanitizer --tool "$tool" --error-exitcode 9 --target-processes all \

@@ -19,31 +19,20 @@ OUT=${OUT:-$PWD/gpu_check_out}
 mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-SDIST=${HVD_QSGD_HOROVOD_SDIST:-$PWD/.gpu_carry/horovod-0.28.1.tar.gz}
+. scripts/versions.sh
+SDIST=${HVD_QSGD_HOROVOD_SDIST:-$PWD/.gpu_carry/horovod-$HOROVOD_VERSION.tar.gz}
 SITE=$(mktemp -d)
 export PYTHONUNBUFFERED=1 HVD_QSGD_WITHOUT_TENSORFLOW=1 OMP_NUM_THREADS=1
 export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
 summary="$OUT/gpu_check_horovod.md"
 fail=0
 
-step() {  # step NAME CMD...: run, log to $OUT/NAME.log, record ok/FAILED and the seconds it took
-  local name=$1; shift
-  local t0=$SECONDS
-  echo "== $name: $*"
-  if "$@" >"$OUT/$name.log" 2>&1; then
-    echo "| $name | ok | $((SECONDS - t0)) s |" >>"$summary"
-  else
-    echo "| $name | FAILED (rc $?) | $((SECONDS - t0)) s |" >>"$summary"
-    fail=1
-  fi
-  tail -n 25 "$OUT/$name.log"
-}
+. scripts/gpu_check_steps.sh
 
 case "$DEVICE" in
   cuda)
-    arch=$($PY -c "import torch; a, b = torch.cuda.get_device_capability(); print(f'{a}{b}')") || {
-      echo "gpu-check-horovod: torch sees no CUDA device"; exit 2; }
-    build=(env HVD_QSGD_WITH_CUDA=1 HVD_QSGD_CUDA_ARCHS="$arch" $PY setup.py -q build_ext --inplace) ;;
+    arch=$(cuda_arch gpu-check-horovod) || exit 2
+    build=(build_for_gpu "$arch") ;;
   emulated)
     export HVD_QSGD_EMULATED_CUDA_LIB="$SITE/libqsgd_cuda_emu.so"
     build=($PY -c "from tests import emulated_cuda; emulated_cuda.build('$SITE')") ;;
@@ -56,8 +45,7 @@ esac
   echo "- GPU: $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null | head -1)"
   echo "- torch $($PY -c 'import torch; print(torch.__version__, torch.version.cuda)')"
   echo
-  echo "| step | result | time |"
-  echo "|---|---|---|"
+  steps_table_head
 } >"$summary"
 
 step build "${build[@]}"
