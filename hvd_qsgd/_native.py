@@ -259,21 +259,20 @@ def load_cuda():
         _check_abi(lib, "qsgd_cuda_abi_version", path)
         lib.qsgd_cuda_device_count.restype = _I32
         lib.qsgd_cuda_device_count.argtypes = []
-        lib.qsgd_encode_cuda.restype = _I32
-        lib.qsgd_encode_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64, _P]
-        lib.qsgd_decode_sum_cuda.restype = _I32
-        lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(CHeader), _I32,
-                                             ctypes.c_float, _P, _U64, _I32, _P, _P]
-        declare_cuda_chunks(lib)
+        declare_cuda(lib)
         if lib.qsgd_cuda_device_count() > 0:
             _cuda = lib
         return _cuda
 
 
-def declare_cuda_chunks(lib):
-    """The argument types of the CUDA library's chunk steps and its extended encoder (also used on the
-    emulated library)."""
+def declare_cuda(lib):
+    """The argument types of the CUDA library's codec entry points (also used on the emulated
+    library, tests/emulated_cuda.py)."""
     H = ctypes.POINTER(CHeader)
+    lib.qsgd_encode_cuda.restype = _I32
+    lib.qsgd_encode_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64, _P]
+    lib.qsgd_decode_sum_cuda.restype = _I32
+    lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P]
     lib.qsgd_encode_ex_cuda.restype = _I32
     lib.qsgd_encode_ex_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _I32, _P, _U64, _P]
     lib.qsgd_encode_elias_cuda.restype = _I32

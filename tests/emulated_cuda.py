@@ -40,13 +40,7 @@ def build(directory):
 def load(path):
     """The emulated library at ``path``, with the argument types of the CUDA library's entry points."""
     lib = ctypes.CDLL(path)
-    P, U64, I32 = ctypes.c_void_p, ctypes.c_uint64, ctypes.c_int32
-    lib.qsgd_encode_cuda.restype = I32
-    lib.qsgd_encode_cuda.argtypes = [P, U64, ctypes.POINTER(_native.Config), P, U64, P]
-    lib.qsgd_decode_sum_cuda.restype = I32
-    lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(P), ctypes.POINTER(_native.CHeader), I32, ctypes.c_float,
-                                         P, U64, I32, P, P]
-    _native.declare_cuda_chunks(lib)
+    _native.declare_cuda(lib)
     return lib
 
 
