@@ -413,11 +413,12 @@ def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(de
                                       cpu.decode_chunks(cpu.split_by(hb, hl), 1.0, numel, bucket, "t"))
         host.append(cpu.split_by(hb, hl))
         dev.append(gpu.split_by(db, dl))
-    frames_h, frames_d = [], []
-    for j in range(n):
+    frames_h, frames_d, received = [], [], []
+    for j in range(n):  # what rank j's alltoall receives: every rank's payload of chunk j
         splits = [int(host[r][j].size) for r in range(n)]
         received_h = np.concatenate([host[r][j] for r in range(n)])
         received_d = torch.cat([dev[r][j] for r in range(n)])
+        received.append((splits, received_h, received_d))
         fh, eh = cpu.reduce_received(received_h, splits, j, s, 500 + j, expect, "t")
         fd, ed = gpu.reduce_received(received_d, splits, j, s, 500 + j, expect, "t")
         assert eh is None and ed is None
@@ -433,10 +434,7 @@ def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(de
     s_ef = SimpleNamespace(**{**vars(s), "server_error_feedback": True})
     assert gpu.missing(s_ef, "scatter_allgather") is None
     ranges, changed = reduction.chunk_ranges(numel, bucket, n), 0
-    for j in range(n):
-        splits = [int(host[r][j].size) for r in range(n)]
-        received_h = np.concatenate([host[r][j] for r in range(n)])
-        received_d = torch.cat([dev[r][j] for r in range(n)])
+    for j, (splits, received_h, received_d) in enumerate(received):
         r_h = np.zeros(ranges[j][1] - ranges[j][0], np.float32)
         r_d = torch.zeros(r_h.size, dtype=torch.float32, device=device)
         for step in range(2):
