@@ -10,11 +10,11 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from hvd_qsgd import report
+from hvd_qsgd import report, step_built
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
-    REDUCTIONS, Settings, Stats, default_bucket_size, next_creation_index)
+    REDUCTIONS, Settings, Stats, default_bucket_size, next_creation_index, process_set_key)
 
 
 def _framework(tensor: Any) -> str:
@@ -74,6 +74,10 @@ class QSGD:
                     process_set)
 
     def _setup(self, settings: Settings, named_parameters: Any, process_set: Any) -> None:
+        first = step_built.first_built(self, self._identity(settings, process_set))
+        if first is not None:  # built again by a retrace of a tf.function step: that step's compressor
+            self.__dict__ = first.__dict__
+            return
         self.settings = settings
         self._named_parameters = None if named_parameters is None else list(named_parameters)
         self._process_set = process_set
@@ -84,6 +88,11 @@ class QSGD:
         self._calls = 0
         self._never_called = report.NeverCalledWatch()
         _watch(self)
+
+    def _identity(self, settings: Settings, process_set: Any) -> Tuple[Any, ...]:
+        """What makes two compressors built in one place of a traced step the same one
+        (``hvd_qsgd.step_built``): class, settings and process set."""
+        return (type(self).__qualname__, settings, process_set_key(process_set))
 
     def __repr__(self) -> str:
         s = self.settings
@@ -273,6 +282,10 @@ class DynamicQSGD(QSGD):
         kwargs.update(bits=start_bits,
                       bucket_size=bucket_size if bucket_size is not None else default_bucket_size(start_bits))
         self._setup(Settings.from_arguments("hvd_qsgd.DynamicQSGD", (), kwargs), named_parameters, process_set)
+
+    def _identity(self, settings: Settings, process_set: Any) -> Tuple[Any, ...]:
+        return super()._identity(settings, process_set) + (tuple(sorted(self.schedule_args.items())),
+                                                           self.fixed_bucket_size)
 
     def __repr__(self) -> str:
         a, s = self.schedule_args, self.settings

@@ -40,6 +40,13 @@ def set_ranks(process_set: Any, world_size: int) -> List[int]:
     return sorted(process_set.ranks)
 
 
+def process_set_key(process_set: Any) -> Any:
+    """A process set as a hashable value (None for none given)."""
+    if process_set is None:
+        return None
+    return (process_set.process_set_id, tuple(process_set.ranks or ()))
+
+
 def default_bucket_size(bits: int) -> int:
     """The QSGD paper's bucket size for ``bits``: 128 for 2 bits or fewer, 512 above."""
     return 128 if bits <= 2 else 512

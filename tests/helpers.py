@@ -52,11 +52,11 @@ def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
 
 
 @functools.lru_cache(maxsize=None)
-def launch_once(np_, controller, argv, timeout=180):
-    """``launch`` once per distinct arguments in a test session (``argv`` a tuple): the tests that
-    check the cases of one shared job read its output. A failed launch is not kept: each of its
-    tests fails on its own."""
-    return launch(np_, controller, list(argv), timeout=timeout)
+def launch_once(np_, controller, argv, timeout=180, env=()):
+    """``launch`` once per distinct arguments in a test session (``argv`` a tuple, ``env`` a tuple of
+    (name, value) pairs): the tests that check the cases of one shared job read its output. A failed
+    launch is not kept: each of its tests fails on its own."""
+    return launch(np_, controller, list(argv), timeout=timeout, env=dict(env))
 
 
 def raised_in(out, scenario):

@@ -81,10 +81,12 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, reduction, report
+from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, reduction, report, step_built
 from hvd_qsgd.adapters import tf_schedule
+from hvd_qsgd.horovod_caller import describe as describe_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
-from hvd_qsgd.settings import Settings, Stats, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.settings import (Settings, Stats, next_creation_index, process_set_key,
+                               set_ranks as process_set_ranks)
 from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
 
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
@@ -111,7 +113,7 @@ class _Exchange:
 
     __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
                  "set_rank", "fingerprint", "occurrence", "seed", "slot", "lr", "residual_lr",
-                 "timing", "variants", "index", "schedule", "key")
+                 "timing", "variants", "index", "schedule", "key", "process_set")
 
 
 class QSGD(Compressor):
@@ -120,13 +122,19 @@ class QSGD(Compressor):
     Hashable by identity: Horovod caches traced functions by compressor."""
 
     def __init__(self, *args, process_set=None, settings=None, policy=None, creation_index=None, **kwargs):
-        self.settings = settings = Settings.given("hvd_qsgd.tensorflow.QSGD", settings, args, kwargs)
+        settings = Settings.given("hvd_qsgd.tensorflow.QSGD", settings, args, kwargs)
+        if policy is None and creation_index is None:  # built by the user, maybe in a traced step
+            first = step_built.first_built(self, ("hvd_qsgd.tensorflow.QSGD", settings, process_set_key(process_set)))
+            if first is not None:  # a retrace of the step that built it: that step's compressor
+                self.__dict__ = first.__dict__
+                return
+        self.settings = settings
         self.policy = policy if policy is not None else FixedBits(settings)
         if type(self.policy) not in (FixedBits, ScheduledBits):
             raise TypeError(f"hvd_qsgd.tensorflow.QSGD: a {type(self.policy).__name__} policy is not one the "
                             "TensorFlow adapter knows (FixedBits, ScheduledBits)")
         self._creation_index = next_creation_index() if creation_index is None else creation_index
-        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._given_process_set = process_set   # None: Horovod's call says (hvd_qsgd.horovod_caller)
         self._lock = threading.Lock()
         self._learning_rate = None
         self.names = ExchangeNames(self._creation_index, "_")   # seq: every compress; slots: eager exchanges
@@ -226,8 +234,8 @@ class QSGD(Compressor):
                     # group in TensorFlow) can hold both; cast back in decompress
                     return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
                 return tf.identity(tensor), None
+        ps = self._exchange_process_set(horovod_caller())
         seq, state_key = self._next_exchange()
-        ps = self._process_set
         set_ranks = process_set_ranks(ps, hvd.size())
         world, grank = hvd.size(), hvd.rank()
         if grank not in set_ranks:
@@ -235,6 +243,7 @@ class QSGD(Compressor):
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")
         set_rank = set_ranks.index(grank)
         ctx = _Exchange()
+        ctx.process_set = ps
         eager = tf.executing_eagerly()
         ctx.slot = self.names.take_slot() if eager else None
         label = f"s{seq}" if ctx.slot is None else f"n{ctx.slot}"
@@ -304,6 +313,21 @@ class QSGD(Compressor):
                                 name=f"{ctx.name}_control")
         return control, ctx
 
+    def _exchange_process_set(self, caller):
+        """The process set of an exchange: the one Horovod reduces over where its call says
+        (``hvd_qsgd.horovod_caller``), else the one given, else the global set. A set given that is
+        not Horovod's is an error, raised where every rank of the set traces (or calls) alike."""
+        given = self._given_process_set
+        if caller.process_set is None:
+            return given if given is not None else hvd.global_process_set
+        if given is not None:
+            ours, theirs = process_set_ranks(given, hvd.size()), process_set_ranks(caller.process_set, hvd.size())
+            if ours != theirs:
+                raise ValueError(f"hvd_qsgd: the compressor was given {describe_set(given, ours)}, but {caller.where} "
+                                 f"reduces over {describe_set(caller.process_set, theirs)}: give the compressor the "
+                                 "same set, or none (it takes Horovod's)")
+        return caller.process_set
+
     def _reduction(self, ctx, v):
         """The reduction of the exchange ``ctx`` with settings v (alike on every rank)."""
         return v.exchange_reduction(len(ctx.set_ranks), ctx.numel)
@@ -356,7 +380,7 @@ class QSGD(Compressor):
         with tf.control_dependencies([alpha]):
             payload = tf.identity(ctx.payload)
         gathered, wait_time = self._timed("wait_s", [payload], lambda: hvd.allgather(
-            payload, name=ctx.name, ignore_name_scope=True, process_set=self._process_set))
+            payload, name=ctx.name, ignore_name_scope=True, process_set=ctx.process_set))
         attrs = self._codec_attrs(ctx, v)
         attrs.pop("world")
         out, decode_time = self._timed("decode_s", [gathered], lambda: ops.qsgd_decode_sum(
@@ -372,7 +396,7 @@ class QSGD(Compressor):
 
     def _scatter_allgather(self, ctx, alpha, v):
         """(alpha * the decoded reduced chunks, the statistics and residual updates)."""
-        ops, ps, j = qops.load(), self._process_set, ctx.set_rank
+        ops, ps, j = qops.load(), ctx.process_set, ctx.set_rank
         attrs = self._codec_attrs(ctx, v)
         with tf.control_dependencies([alpha]):
             payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)

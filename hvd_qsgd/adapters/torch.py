@@ -68,6 +68,7 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
+from hvd_qsgd.horovod_caller import describe as describe_set, horovod_caller
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.policy import FixedBits
@@ -94,7 +95,7 @@ class _Exchange:
     __slots__ = ("route", "where", "shape", "dtype", "device", "handle", "expect", "own_len", "fault",
                  "set_ranks", "world", "backend", "reduction", "set_rank", "step_seed", "splits",
                  "gather_handle", "reduce_error", "sent", "received", "started", "settings", "lr", "stage",
-                 "payload", "present", "stage_error")
+                 "payload", "present", "stage_error", "process_set")
 
 
 def _as_torch(a):
@@ -112,7 +113,7 @@ class QSGD(Compressor):
         self.settings = settings = Settings.given("hvd_qsgd.torch.QSGD", settings, args, kwargs)
         self.policy = policy if policy is not None else FixedBits(settings)
         self._creation_index = next_creation_index() if creation_index is None else creation_index
-        self._process_set = process_set if process_set is not None else hvd.global_process_set
+        self._given_process_set = process_set   # None: Horovod's call says (hvd_qsgd.horovod_caller)
         self._lock = threading.Lock()
         self._stats = Stats()
         self.names = ExchangeNames(self._creation_index, ".")
@@ -163,6 +164,8 @@ class QSGD(Compressor):
             return tensor, None
         ctx = self._open(tensor)
         try:
+            if ctx.fault is not None:  # the compressor's set or names disagree with Horovod's call
+                raise ctx.fault
             if tensor.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
                                  "the CPU or a CUDA device (move it there, or pass it uncompressed)")
@@ -193,11 +196,21 @@ class QSGD(Compressor):
 
     def _open(self, tensor):
         """The context of a new exchange of ``tensor``: its route, settings, checks and backend."""
-        set_ranks = process_set_ranks(self._process_set, hvd.size())
-        grank = hvd.rank()
         ctx = _Exchange()
+        caller = horovod_caller()
+        ctx.process_set, set_fault = self._exchange_process_set(caller)
+        set_ranks = process_set_ranks(ctx.process_set, hvd.size())
+        grank = hvd.rank()
         with self._lock:
             param = self._param_name(tensor)
+        name_fault = None
+        if caller.name is not None:
+            if param is not None and param != caller.name:
+                name_fault = protocol.MismatchError(
+                    f"the compressor's named_parameters call this gradient {param!r}, Horovod's "
+                    f"optimizer {caller.name!r}: give both the same names, or none to the compressor (it "
+                    "takes the optimizer's)")
+            param = caller.name
         ctx.route = route = self.names.route(param)
         s = ctx.settings = self.policy.settings_for(route.residual_key)
         ctx.lr, ctx.shape, ctx.dtype, ctx.device = None, tensor.shape, tensor.dtype, tensor.device
@@ -215,7 +228,24 @@ class QSGD(Compressor):
             backends.note_fallback(fallback, self._stats)
         ctx.gather_handle, ctx.reduce_error, ctx.sent, ctx.received = None, None, 0, 0
         ctx.stage, ctx.payload, ctx.present, ctx.stage_error = None, None, None, None
+        ctx.fault = set_fault or name_fault
         return ctx
+
+    def _exchange_process_set(self, caller):
+        """(the process set of an exchange, a fault or None): the set Horovod reduces over where its
+        call says (``hvd_qsgd.horovod_caller``), else the one given, else the global set. A set given
+        that is not Horovod's is a fault (raised on every rank through the control vector)."""
+        given = self._given_process_set
+        if caller.process_set is None:
+            return (given if given is not None else hvd.global_process_set), None
+        if given is not None:
+            ours, theirs = process_set_ranks(given, hvd.size()), process_set_ranks(caller.process_set, hvd.size())
+            if ours != theirs:
+                return caller.process_set, protocol.MismatchError(
+                    f"the compressor was given {describe_set(given, ours)}, but {caller.where} reduces "
+                    f"over {describe_set(caller.process_set, theirs)}: give the compressor the same set, or "
+                    "none (it takes Horovod's)")
+        return caller.process_set, None
 
     def _flat32(self, tensor, ctx):
         """The tensor flattened, in float32, where its backend reads it (+ its residual)."""
@@ -292,7 +322,7 @@ class QSGD(Compressor):
             return
         vector = torch.from_numpy(protocol.presence_vector(len(ctx.set_ranks), ctx.set_rank))
         ctx.handle = hvd.allreduce_async(vector, op=hvd.Sum, name=f"{ctx.route.exchange}.present",
-                                         process_set=self._process_set)
+                                         process_set=ctx.process_set)
         self.driver.add(ctx)
 
     def _next_stage(self, ctx):
@@ -320,7 +350,7 @@ class QSGD(Compressor):
             own = self._own_dequantized(ctx)
             if own.is_cuda and not hvd.nccl_built():
                 own = own.cpu()
-            ctx.handle = hvd.allreduce_async(own, op=hvd.Sum, name=f"{exchange}.joined", process_set=self._process_set)
+            ctx.handle = hvd.allreduce_async(own, op=hvd.Sum, name=f"{exchange}.joined", process_set=ctx.process_set)
             return False
         if ctx.reduction == "scatter_allgather":
             ctx.stage = "scatter"
@@ -329,11 +359,11 @@ class QSGD(Compressor):
                 buf = buf.cpu()
             ctx.sent = ctx.own_len - ctx.splits[ctx.set_rank]
             ctx.handle = hvd.alltoall_async(buf, splits=torch.tensor(ctx.splits, dtype=torch.int32),
-                                            name=f"{exchange}.scatter", process_set=self._process_set)
+                                            name=f"{exchange}.scatter", process_set=ctx.process_set)
             return True
         ctx.stage = "gather"
         payload, ctx.payload = ctx.payload, None
-        ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=self._process_set)
+        ctx.handle = hvd.allgather_async(payload, name=exchange, process_set=ctx.process_set)
         return False
 
     def _own_dequantized(self, ctx):
@@ -365,7 +395,7 @@ class QSGD(Compressor):
         if frame.is_cuda and not hvd.nccl_built():
             frame = frame.cpu()
         ctx.gather_handle = hvd.allgather_async(frame, name=f"{ctx.route.exchange}.gather",
-                                                process_set=self._process_set)
+                                                process_set=ctx.process_set)
 
     def _finish_scatter(self, ctx, alpha):
         """Phase 2's result on this rank (its stages have run: ``decompress``)."""

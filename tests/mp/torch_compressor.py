@@ -458,9 +458,17 @@ def mismatch(kind, n, rank):
     elif kind == "bits-same-settings-tag":  # different coding, also a settings difference
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, coding="elias" if rank == 1 else "fixed"))
     elif kind == "order":
-        # rank 1 skips a layer; without names its gradient arrives in a different position
-        model = Net(skip_layer=(rank == 1))
-        optimizer_step(model, hvd_qsgd.QSGD(4))
+        # code that is not Horovod's optimizer (no parameter names to take from it) hands two tensors
+        # over in different orders on the two ranks. (Through Horovod's optimizer the compressor
+        # matches them by the optimizer's names: tests/mp/dropin_torch.py, "branches")
+        # Its collectives are named by tensor, as Horovod names them.
+        c = hvd_qsgd.QSGD(4)
+        tensors = {"a": torch.randn(20000), "b": torch.randn(30000)}
+        order = ("a", "b") if rank == 0 else ("b", "a")
+        ctxs = {k: c.compress(tensors[k]) for k in order}
+        handles = {k: hvd.allreduce_async(ctxs[k][0], name=f"order.{k}") for k in order}
+        for k in order:
+            c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
     elif kind == "no-compression":
@@ -469,12 +477,16 @@ def mismatch(kind, n, rank):
         a, b = hvd_qsgd.QSGD(4), hvd_qsgd.QSGD(4)
         hvd.allreduce(t, compression=a if rank == 0 else b)
     elif kind == "process-set":
-        # the optimizer's allreduce runs on ranks {0, 1}; the compressor was left on all ranks
+        # code that is not Horovod's (nothing to learn the set from) reduces the compressor's result
+        # over ranks {0, 1}; the compressor was left on all ranks. (Horovod's own allreduce and
+        # optimizer tell it their set: tests/mp/dropin_torch.py)
         ps = hvd.ProcessSet([0, 1])
         hvd.add_process_set(ps)  # needs HOROVOD_DYNAMIC_PROCESS_SETS=1
         try:
             if ps.included():
-                hvd.allreduce(t, compression=hvd_qsgd.QSGD(4), process_set=ps, name="t")
+                c = hvd_qsgd.QSGD(4)
+                control, ctx = c.compress(t)
+                c.decompress(hvd.allreduce(control, process_set=ps, name="t"), ctx)
             else:
                 raise RuntimeError("outside the process set")
         finally:  # ranks 2 and 3 wait until 0 and 1 have seen the error

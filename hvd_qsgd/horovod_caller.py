@@ -1,0 +1,84 @@
+"""What Horovod knows about a tensor it hands to a compressor, read from Horovod's own call.
+
+Horovod calls ``compression.compress(tensor)`` from its collectives (``allreduce``,
+``grouped_allreduce``, in ``horovod.torch`` and ``horovod.tensorflow``) and from its PyTorch
+optimizer (``_allreduce_grad_async``, ``_grouped_allreduce_grad_async``), and then reduces what
+``compress`` returned over a process set the compressor is never told. The compressor's own
+collectives must run over that same set (or a rank outside it waits forever), and its payloads are
+best matched by the name Horovod's optimizer gives the parameter (ranks whose unused branches
+differ hand gradients over in different orders). So ``horovod_caller()`` looks at the calling
+frames, Horovod's and nothing else's:
+
+* frames of this package are passed over (the compressor's own ``compress`` calls), and so are
+  TensorFlow's between them (the wrapper of a function autograph leaves unconverted);
+* then, while the frames are Horovod's modules (``horovod.*``, at most ``DEPTH`` of them), the first
+  ``process_set`` argument of a collective (or ``self.process_set`` of Horovod's optimizer) is the set
+  of the exchange, and ``self._parameter_names[p]`` of Horovod's PyTorch optimizer is the name of
+  the parameter ``p`` whose gradient is compressed;
+* a call from anywhere else (a user calling ``compress`` directly) learns nothing: the compressor
+  uses what it was given (``process_set=``, ``named_parameters=``) or the global set.
+
+A compressor given a process set or names checks them against what Horovod says, and a
+disagreement is an error on every rank that calls (``hvd_qsgd.adapters``).
+"""
+import sys
+from typing import Any, NamedTuple, Optional
+
+DEPTH = 6   # Horovod frames looked at: collective <- comprehension <- optimizer method <- hook, at most
+# the frames between Horovod's call and this module: the compressor's, and TensorFlow's wrapper of an
+# op it leaves unconverted (tf.autograph.experimental.do_not_convert)
+_PASSED_OVER = ("hvd_qsgd.", "tensorflow.")
+
+
+class Caller(NamedTuple):
+    """What Horovod's call says about the tensor being compressed."""
+
+    process_set: Any          # the Horovod ProcessSet the result is reduced over, or None (not learned)
+    name: Optional[str]       # the parameter's name in Horovod's PyTorch optimizer, or None
+    where: str                # the Horovod function that called ("horovod.torch.optimizer._allreduce_grad_async")
+
+
+NOT_LEARNED = Caller(None, None, "")
+
+
+def _module(frame) -> str:
+    return frame.f_globals.get("__name__") or ""
+
+
+def _is_process_set(value: Any) -> bool:
+    return value is not None and hasattr(value, "process_set_id") and hasattr(value, "ranks")
+
+
+def horovod_caller() -> Caller:
+    """The process set and parameter name Horovod's calling frames hold (see the module docstring)."""
+    frame = sys._getframe(1)
+    while frame is not None and _module(frame).startswith(_PASSED_OVER):
+        frame = frame.f_back
+    process_set, name, where = None, None, ""
+    for _ in range(DEPTH):
+        if frame is None or not _module(frame).startswith("horovod."):
+            break
+        local = frame.f_locals
+        owner = local.get("self")
+        if process_set is None:
+            candidate = local.get("process_set")
+            if not _is_process_set(candidate) and owner is not None:
+                candidate = getattr(owner, "process_set", None)
+            if _is_process_set(candidate):
+                process_set, where = candidate, f"{_module(frame)}.{frame.f_code.co_name}"
+        if name is None and owner is not None and "p" in local:
+            names = getattr(owner, "_parameter_names", None)
+            if isinstance(names, dict):
+                name = names.get(local["p"])
+                where = where or f"{_module(frame)}.{frame.f_code.co_name}"
+        frame = frame.f_back
+    if process_set is None and name is None:
+        return NOT_LEARNED
+    return Caller(process_set, name, where)
+
+
+def describe(process_set: Any, ranks) -> str:
+    """A process set as messages name it."""
+    if process_set is None or getattr(process_set, "process_set_id", None) == 0:
+        return f"the global process set {list(ranks)}"
+    return f"process set {process_set.process_set_id} (ranks {list(ranks)})"

@@ -1,0 +1,155 @@
+"""Worker for tests/test_dropin.py: Horovod's TensorFlow 2 tape pipeline as its examples write it,
+with the compression built inside the ``tf.function`` step, and with a process set.
+
+``step-built``: for QSGD(4) with error feedback, DynamicQSGD, BlockSign and the TensorFlow
+adapter class (``hvd_qsgd.tensorflow.QSGD``) with error feedback, the step of Horovod's
+synthetic benchmark (``@tf.function def step(first_batch)``: the compressor built in the step,
+``hvd.DistributedGradientTape``, the broadcast on the first batch) runs STEPS times, so the step is
+traced again when ``first_batch`` turns False; then the same program with the compressor built once
+outside the step, from the same creation index. The parameters must be bit-identical after every
+step, the replicas identical across ranks, the in-step instances one compressor (shared state),
+its statistics counting every step once and its residuals non-zero.
+
+``process-set`` (at -np 3): the tape reduces over the process set of the even ranks (or of the odd
+rank), the compressor given no set (it takes Horovod's): the replicas are identical within each set
+and the compressor reduced every gradient of the even set.
+
+Every rank prints ``OK <scenario>`` when its checks pass.
+"""
+import itertools
+import sys
+
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+import hvd_qsgd
+import hvd_qsgd.tensorflow
+from hvd_qsgd import settings as hvd_qsgd_settings
+
+SHAPES = [(32, 64), (64,), (64, 10), (10,)]
+STEPS = 4
+CREATION_INDEX = 1000
+
+
+def make_vars():
+    rng = np.random.default_rng(5 + hvd.rank())  # different on every rank: the first step broadcasts
+    return [tf.Variable(rng.standard_normal(s).astype(np.float32) * 0.1) for s in SHAPES]
+
+
+def batch(step):
+    rng = np.random.default_rng(100 * step + hvd.rank())
+    return (tf.constant(rng.standard_normal((16, 32)).astype(np.float32)),
+            tf.constant(rng.integers(0, 10, 16)))
+
+
+def loss_fn(vs, x, y):
+    h = tf.nn.relu(x @ vs[0] + vs[1])
+    logits = h @ vs[2] + vs[3]
+    return tf.reduce_mean(tf.nn.sparse_softmax_cross_entropy_with_logits(labels=y, logits=logits))
+
+
+COMPRESSORS = {
+    "qsgd-ef": lambda: hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True),
+    "dqsgd": lambda: hvd_qsgd.DynamicQSGD(3.0, min_numel=1),
+    "blocksign": lambda: hvd_qsgd.BlockSign(block_size=64, min_numel=1, reduction="allgather"),
+    "tf-adapter-ef": lambda: hvd_qsgd.tensorflow.QSGD(4, min_numel=1, error_feedback=True),
+}
+
+
+def train(make, inside):
+    """The parameters after each step, and the compressor instances the steps used."""
+    hvd_qsgd_settings._creation_counter = itertools.count(CREATION_INDEX)  # the same exchange names
+    vs = make_vars()
+    used = []
+    outside = None if inside else make()
+
+    @tf.function
+    def step(x, y, first_batch):
+        compression = make() if inside else outside
+        used.append(compression)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        tape = hvd.DistributedGradientTape(tape, compression=compression)
+        grads = tape.gradient(loss, vs)
+        for v, g in zip(vs, grads):
+            v.assign_sub(0.1 * g)
+        if first_batch:
+            hvd.broadcast_variables(vs, root_rank=0)
+        return loss
+
+    history = []
+    for i in range(STEPS):
+        x, y = batch(i)
+        step(x, y, i == 0)
+        history.append([v.numpy().copy() for v in vs])
+    return history, used
+
+
+def scenario_step_built():
+    for label, make in COMPRESSORS.items():
+        built, used_in = train(make, inside=True)
+        once, _ = train(make, inside=False)
+        assert len(used_in) >= 2, f"{label}: the step was traced {len(used_in)} times, expected a retrace"
+        assert len({id(c) for c in used_in}) == len(used_in), f"{label}: a trace reused the instance"
+        assert len({id(c.__dict__) for c in used_in}) == 1, f"{label}: the in-step instances do not share state"
+        for i, (a, b) in enumerate(zip(built, once)):
+            for j, (va, vb) in enumerate(zip(a, b)):
+                assert np.array_equal(va, vb), f"{label}: step {i} parameter {j} differs from the compressor built outside"
+        for j, v in enumerate(built[-1]):
+            others = hvd.allgather(tf.constant(v[None])).numpy()
+            assert all(np.array_equal(o, v) for o in others), f"{label}: replicas differ in parameter {j}"
+        c = used_in[-1]
+        stats = c.stats
+        assert stats["tensors"] == STEPS * len(SHAPES), f"{label}: stats count {stats['tensors']} exchanges"
+        if c.settings.error_feedback:
+            adapter = c._adapter("tensorflow") if isinstance(c, hvd_qsgd.QSGD) else c
+            residuals = adapter.residuals.residuals
+            assert len(residuals) == len(SHAPES) and all(float(tf.reduce_sum(tf.abs(r))) > 0
+                                                         for r in residuals.values()), f"{label}: residuals"
+    print("OK step-built", flush=True)
+
+
+def scenario_process_set():
+    rank, size = hvd.rank(), hvd.size()
+    even = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
+    odd = hvd.add_process_set([r for r in range(size) if r % 2 == 1])
+    mine = even if rank % 2 == 0 else odd
+    try:
+        vs = make_vars()
+        compression = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+
+        @tf.function
+        def step(x, y):
+            with tf.GradientTape() as tape:
+                loss = loss_fn(vs, x, y)
+            tape = hvd.DistributedGradientTape(tape, compression=compression, process_set=mine)
+            for v, g in zip(vs, tape.gradient(loss, vs)):
+                v.assign_sub(0.1 * g)
+            return loss
+
+        hvd.broadcast_variables(vs, root_rank=0)
+        start = [v.numpy().copy() for v in vs]
+        for i in range(STEPS):
+            step(*batch(i))
+        for j, v in enumerate(vs):
+            assert not np.array_equal(v.numpy(), start[j]), f"parameter {j} was not updated"
+            others = hvd.allgather(tf.constant(v.numpy()[None]), process_set=mine).numpy()
+            assert all(np.array_equal(o, v.numpy()) for o in others), f"replicas differ in parameter {j}"
+        # Horovod reduces nothing over a set of one rank (the odd set at -np 3)
+        expected = STEPS * len(SHAPES) if mine.size() > 1 else 0
+        assert compression.stats["tensors"] == expected, (expected, compression.stats)
+    finally:
+        hvd.remove_process_set(odd)
+        hvd.remove_process_set(even)
+    print("OK process-set", flush=True)
+
+
+def main():
+    hvd.init()
+    for s in sys.argv[1:]:
+        {"step-built": scenario_step_built, "process-set": scenario_process_set}[s]()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,134 @@
+"""Worker for tests/test_dropin.py: Horovod's PyTorch DistributedOptimizer with
+``compression=hvd_qsgd.QSGD(...)`` and nothing else told to the compressor.
+
+``process-set-<reduction>``: the optimizer reduces over the process set of the even ranks (or of the
+odd ranks); the compressor is given no set and takes Horovod's.
+``branches-<reduction>``: rank 0's loss leaves a layer unused, so its gradient reaches the compressor
+last on rank 0 (Horovod's ``synchronize`` submits it) and in backward order elsewhere; the
+compressor is given no names and takes the optimizer's.
+
+Each runs the step with ``hvd.Compression.none`` first (the reference) and then with QSGD, for SGD
+with momentum and for Adam: the same parameters must be updated as in the reference, and the
+replicas must be identical within each set. ``disagree-set`` and ``disagree-names``: a compressor
+given another set, or other names, than the optimizer's raises on every rank (``RAISED ...``).
+
+Every rank prints ``OK <scenario>`` when its checks pass.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+import horovod.torch as hvd
+
+import hvd_qsgd
+
+N, D_IN, H, D_OUT = 16, 100, 10, 10
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+              "adam": lambda ps: torch.optim.Adam(ps, lr=0.01)}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(D_IN, H)
+        self.fc2 = torch.nn.Linear(H, D_OUT)
+        self.fc3 = torch.nn.Linear(D_OUT, D_OUT)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        y1 = self.fc2(x)
+        return y1, self.fc3(F.relu(y1))
+
+
+def data():
+    g = torch.Generator().manual_seed(10 + hvd.rank())
+    return torch.randn(N, D_IN, generator=g), torch.randn(N, D_OUT, generator=g)
+
+
+def run(compression, optimizer, process_set, branches, steps=2, model=None):
+    """{name: (value before, value after)} of a model (a new one by default) trained ``steps`` steps."""
+    if model is None:
+        torch.manual_seed(0)
+        model = Net()
+    opt = hvd.DistributedOptimizer(OPTIMIZERS[optimizer](model.parameters()),
+                                   named_parameters=model.named_parameters(),
+                                   compression=compression, process_set=process_set)
+    before = {k: v.detach().clone() for k, v in model.named_parameters()}
+    x, y = data()
+    for _ in range(steps):
+        y1, y2 = model(x)
+        loss = F.mse_loss(y1 if branches and hvd.rank() == 0 else y2, y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return {k: (before[k], v.detach().clone()) for k, v in model.named_parameters()}
+
+
+def updated(result):
+    return sorted(k for k, (a, b) in result.items() if not torch.equal(a, b))
+
+
+def check_replicas(result, process_set, label):
+    for k, (_, v) in result.items():
+        every = hvd.allgather(v[None], name=f"check.{label}.{k}", process_set=process_set)
+        assert all(torch.equal(o, v) for o in every), f"{label}: replicas differ in {k}"
+
+
+def sets():
+    size = hvd.size()
+    even = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
+    odd = hvd.add_process_set([r for r in range(size) if r % 2 == 1])
+    return even, odd, (even if hvd.rank() % 2 == 0 else odd)
+
+
+def scenario(name, kind, reduction):
+    even, odd, mine = sets() if kind == "process-set" else (None, None, hvd.global_process_set)
+    try:
+        for optimizer in OPTIMIZERS:
+            label = f"{kind}-{reduction}-{optimizer}"
+            ref = run(hvd.Compression.none, optimizer, mine, kind == "branches")
+            c = hvd_qsgd.QSGD(4, min_numel=1, reduction=reduction)
+            got = run(c, optimizer, mine, kind == "branches")
+            assert updated(got) == updated(ref) == sorted(got), (label, updated(got), updated(ref))
+            check_replicas(got, mine, label)
+            assert c.stats["tensors"] == 2 * len(got), (label, c.stats)
+    finally:
+        if even is not None:
+            hvd.remove_process_set(odd)
+            hvd.remove_process_set(even)
+    print(f"OK {name}", flush=True)
+
+
+def disagreement(kind):
+    even, odd, mine = sets()
+    try:
+        torch.manual_seed(0)
+        model = Net()
+        if kind == "set":
+            c = hvd_qsgd.QSGD(4, min_numel=1, process_set=hvd.global_process_set)
+            run(c, "sgd", mine, False, steps=1)
+        else:
+            c = hvd_qsgd.QSGD(4, min_numel=1, named_parameters=[(f"other.{k}", v) for k, v in model.named_parameters()])
+            run(c, "sgd", hvd.global_process_set, False, steps=1, model=model)
+    finally:
+        hvd.remove_process_set(odd)
+        hvd.remove_process_set(even)
+
+
+def main():
+    hvd.init()
+    for s in sys.argv[1:]:
+        if s.startswith("disagree-"):
+            try:
+                disagreement(s[len("disagree-"):])
+            except Exception as e:
+                print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:500]} (scenario {s})", flush=True)
+                continue
+            print(f"NOT RAISED (scenario {s})", flush=True)
+            sys.exit(1)
+        kind, reduction = s.rsplit("-", 1)
+        scenario(s, kind, {"allgather": "allgather", "scatter": "scatter_allgather"}[reduction])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The drop-in: Horovod pipelines with only the compression changed (tests/mp/dropin_torch.py,
+tests/mp/dropin_tf.py), under real horovodrun jobs, one launch per rank count and framework.
+
+* PyTorch: ``hvd.DistributedOptimizer(..., compression=hvd_qsgd.QSGD(4), process_set=...)`` with the
+  compressor told nothing: it takes the process set and the parameter names from Horovod's optimizer
+  (``hvd_qsgd.horovod_caller``). Over the even/odd process sets, and with ranks whose unused
+  branches differ, both reductions, the same parameters are updated as uncompressed and the replicas
+  are identical within each set. A compressor given another set, or other names, than the
+  optimizer's fails the step on every rank, naming both.
+* TensorFlow: the compressor built inside the ``tf.function`` step and retraced is one compressor
+  (``hvd_qsgd.step_built``), step by step identical to the one built outside; the tape over a
+  process set takes Horovod's set.
+"""
+import re
+
+import pytest
+
+from tests.helpers import launch_once, raised_in
+
+ENV = (("HOROVOD_DYNAMIC_PROCESS_SETS", "1"),)
+TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter"]
+DISAGREE = ["disagree-set", "disagree-names"]
+
+
+def torch_launch(np_):
+    return launch_once(np_, "gloo", ("tests/mp/dropin_torch.py", *TORCH, *DISAGREE), timeout=240, env=ENV)
+
+
+def tf_launch():
+    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set"), timeout=300, env=ENV)
+
+
+def ok_count(out, scenario):
+    return len(re.findall(rf"<stdout>:OK {re.escape(scenario)}$", out, flags=re.M))
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_compressor_arguments(np_):
+    out = torch_launch(np_)
+    for s in TORCH:
+        assert ok_count(out, s) == np_, f"{s}:\n{out[-4000:]}"
+
+
+@pytest.mark.parametrize("np_", [2, 4])
+def test_a_compressor_told_another_set_or_other_names_than_the_optimizer_fails_on_every_rank(np_):
+    out = torch_launch(np_)
+    patterns = {
+        "disagree-set": r"MismatchError: hvd_qsgd: tensor '[\w.]+': the compressor was given the global process set \[[0-9, ]+\], but "
+                        r"horovod\.torch\.optimizer\._allreduce_grad_async reduces over process set \d+ \(ranks \[",
+        "disagree-names": r"MismatchError: hvd_qsgd: tensor '[\w.]+': the compressor's named_parameters call this gradient 'other\.fc\d\.\w+', "
+                          r"Horovod's optimizer 'fc\d\.\w+'",
+    }
+    for s, pattern in patterns.items():
+        raised = raised_in(out, s)
+        assert sorted(r for r, _ in raised) == list(range(np_)), f"{s}:\n{out[-4000:]}"
+        for _, msg in raised:
+            assert re.search(pattern, msg), msg
+
+
+def test_tf_compressor_built_in_the_step_is_one_compressor_across_traces():
+    out = tf_launch()
+    assert ok_count(out, "step-built") == 3, out[-4000:]
+
+
+def test_tf_tape_over_a_process_set_needs_no_compressor_arguments():
+    out = tf_launch()
+    assert ok_count(out, "process-set") == 3, out[-4000:]
