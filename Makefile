@@ -7,10 +7,21 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup test test-quick demo bench gpu-check gpu-check-horovod gpu-carry clean
+.PHONY: setup setup-plan check-newest test test-quick demo bench gpu-check gpu-check-horovod gpu-carry clean
 
+# TORCH_VERSION=... / TF_VERSION=... override the pins of scripts/versions.sh; TORCH_INDEX_URL picks
+# torch's index (https://download.pytorch.org/whl/cpu: the CPU build); CUDA_HOME the toolkit
 setup:
 	bash scripts/setup.sh
+
+# what `make setup` would do on this machine (which torch, CUDA toolkit, NCCL, Horovod wheel), nothing done
+setup-plan:
+	bash scripts/setup.sh --plan
+
+# opt-in, not part of `make test`: the newest torch from the registry in an environment of its own
+# (~/.cache/hvd_qsgd/newest), Horovod built against it, the PyTorch tests run there; downloads 0.5-3 GB
+check-newest:
+	nice -n 10 bash scripts/check_newest.sh
 
 test: setup
 	$(PY) -m pytest -q -rs tests

@@ -51,7 +51,9 @@ esac
 step build "${build[@]}"
 install_horovod() {
   local wheel
-  wheel=$(HVD_QSGD_HOROVOD_FRAMEWORKS=torch HVD_QSGD_HOROVOD_SDIST="$SDIST" HVD_QSGD_CACHE="${HVD_QSGD_CACHE:-$SITE/cache}" \
+  # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and this check runs its 2 ranks on
+  # one: build without NCCL unless told otherwise (HVD_QSGD_HOROVOD_NCCL=auto on a machine of 2+ GPUs)
+  wheel=$(HVD_QSGD_HOROVOD_NCCL="${HVD_QSGD_HOROVOD_NCCL:-0}" HVD_QSGD_HOROVOD_FRAMEWORKS=torch HVD_QSGD_HOROVOD_SDIST="$SDIST" HVD_QSGD_CACHE="${HVD_QSGD_CACHE:-$SITE/cache}" \
           bash scripts/build_horovod.sh "$PY") || return 1
   $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$wheel"
 }
