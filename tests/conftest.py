@@ -47,6 +47,10 @@ MARKERS = {
     "test_environment::test_horovod_check_build_shows_frameworks_and_controllers": {"slow"},  # 30 s [37 s]
     "test_cuda::test_encode_is_byte_identical_to_cpu": {"slow"},                             # 54 s [37 s] emulated
     "test_robustness::test_round_trip_of_more_than_2_31_elements": {"slow"},                 # 51 s [15 s], > 8 GB
+    "test_keras_dropin::test_fit_through_the_dropin_with_every_callback": {"slow"},          # 30-70 s a launch
+    "test_dropin::test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_compressor_arguments":
+        {"slow"},                                                                            # 25-60 s a launch
+    "test_dropin::test_tf_compressor_built_in_the_step_is_one_compressor_across_traces": {"slow"},  # 60-120 s
 }
 # (module, parameter, value): the parametrized cases that run on a CUDA device
 GPU_PARAMS = {("test_cuda", "backend", "gpu"), ("test_cuda", "device", "gpu")}

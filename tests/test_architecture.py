@@ -40,7 +40,8 @@ LAYERS = [
                                       "hvd_qsgd.torch.elastic", "hvd_qsgd.tensorflow",
                                       "hvd_qsgd.tensorflow.ops", "hvd_qsgd.tensorflow.tape",
                                       "hvd_qsgd.tensorflow.keras", "hvd_qsgd.tensorflow.keras_base",
-                                      "hvd_qsgd.tensorflow.periodic", "hvd_qsgd.tensorflow.ef_sgdm", "hvd_qsgd.tensorflow.elastic"}),
+                                      "hvd_qsgd.tensorflow.periodic", "hvd_qsgd.tensorflow.ef_sgdm", "hvd_qsgd.tensorflow.elastic",
+                                      "hvd_qsgd.tensorflow.keras_callbacks", "hvd_qsgd.tensorflow.keras_elastic"}),
 ]
 
 

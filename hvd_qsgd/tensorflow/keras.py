@@ -1,156 +1,151 @@
-"""Keras 3 ``model.fit`` with Horovod: a distributed optimizer and the two callbacks a ``fit`` needs
-around it, built on Horovod's TensorFlow collectives; and PQASGD (``PeriodicQuantizedAveraging``,
-``hvd_qsgd.tensorflow.periodic``) and dist-EF-SGDM (``EFSGDM``, ``hvd_qsgd.tensorflow.ef_sgdm``).
+"""``hvd_qsgd.tensorflow.keras``: a drop-in for ``horovod.tensorflow.keras`` on TensorFlow 2.16+, for
+tf_keras (``TF_USE_LEGACY_KERAS=1``) and Keras 3 models alike: ``import hvd_qsgd.tensorflow.keras as
+hvd`` in place of ``import horovod.tensorflow.keras as hvd`` is the whole change to a Horovod Keras
+script, compressed (``compression=hvd_qsgd.QSGD(4)``) or not (``hvd.Compression.none``/``fp16``).
 
-``DistributedOptimizer(optimizer, compression=...)`` returns the Keras 3 optimizer, its class
-replaced by a subclass (same name, same config, same state) whose ``apply`` first reduces every
-gradient over the process set with ``horovod.tensorflow.allreduce(g, compression=..., op=...)``::
+Horovod's names, as Horovod's module has them: ``init``, ``shutdown``, ``is_initialized``, ``size``,
+``local_size``, ``cross_size``, ``rank``, ``local_rank``, ``cross_rank``, the ``*_built``/``*_enabled``
+queries, timelines, process sets (``ProcessSet``, ``global_process_set``, ``add_process_set``,
+``remove_process_set``), ``Average``/``Sum`` (and ``Adasum``, for the collectives), ``Compression``;
+and, working on both Keras:
 
-    apply(grads, variables):  g_i <- allreduce(g_i)  for every gradient that is not None
-                              then the optimizer's own apply (apply_gradients calls apply)
+* ``DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=...,
+  sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average, backward_passes_per_step=1,
+  average_aggregated_gradients=False, num_groups=0, groups=None, process_set=..., scale_local_gradients=True)``:
+  a tf_keras optimizer goes to Horovod's own (which works on tf_keras); a Keras 3 optimizer (where
+  Horovod's silently does not average) is distributed by the package: the same object, its class
+  replaced by a subclass (same name, config and state) whose ``apply`` first reduces every gradient
+  with ``horovod.tensorflow.allreduce(g, compression=..., op=...)``, named
+  ``<name or DistributedOptimizer>_Allreduce/<i>_<path>``; ``gradient_predivide_factor`` f: prescale 1/f,
+  postscale f; ``register_local_var`` as Horovod's. On Keras 3, ``groups``/``num_groups`` have no effect
+  (a warning, once), and ``backward_passes_per_step`` becomes Keras 3's ``gradient_accumulation_steps``
+  (same update; a warning says that nothing is saved in communication). An ``apply`` traced for XLA
+  (``jit_compile=True``) is refused: Horovod's collectives have no XLA kernels.
+* ``broadcast_variables`` (Keras 3 variables too), ``broadcast_global_variables`` (Horovod's: graph
+  mode only), ``allreduce``/``allgather``/``broadcast``/``reducescatter`` of a tensor-compatible value.
+* ``callbacks``: ``BroadcastGlobalVariablesCallback``, ``MetricAverageCallback``,
+  ``LearningRateScheduleCallback``, ``LearningRateWarmupCallback`` (``hvd_qsgd.tensorflow.keras_callbacks``);
+  ``elastic``: ``KerasState``, ``CommitStateCallback``, ``UpdateBatchStateCallback``,
+  ``UpdateEpochStateCallback``, ``run`` (``hvd_qsgd.tensorflow.keras_elastic``).
+* ``load_model(filepath, custom_optimizers=None, custom_objects=None, compression=..., legacy_opts=False)``:
+  the model of ``tf.keras`` (tf_keras where ``TF_USE_LEGACY_KERAS`` is set), its optimizer distributed.
 
-so ``model.fit``'s step (``tape.gradient``, then ``optimizer.apply_gradients``) averages the
-gradients before the update, in its ``tf.function`` or eagerly (``run_eagerly=True``), with any
-Horovod compressor: ``hvd_qsgd.QSGD``, ``hvd.Compression.none``, ``hvd.Compression.fp16``. Each
-allreduce is named after the variable's position and path (``DistributedOptimizer_Allreduce/<i>_<path>``),
-the same on every rank that builds the same model. ``gradient_predivide_factor`` f splits the
-average as Horovod's does: prescale 1/f, postscale f (the allreduce's average divides by n).
-
-A tf_keras optimizer (``TF_USE_LEGACY_KERAS=1``) is handed to Horovod's own
-``horovod.tensorflow.keras.DistributedOptimizer``, which works there; a Keras 3 optimizer that is
-already wrapped by one of the package's optimizers is refused (``hvd_qsgd.tensorflow.keras_base``), and so is an ``apply`` traced
-for XLA (``jit_compile=True``; Keras 3's ``"auto"`` turns it on where a GPU is): Horovod's collectives
-and the codec's ops have no XLA kernels, so the error says to compile with ``jit_compile=False``.
-
-``BroadcastInitialState(root_rank)``: at the start of ``fit``, rank ``root_rank``'s model and
-optimizer variables are broadcast to every rank, and once more after the first batch when that batch
-created variables (Keras 3 builds a model without an ``Input``, and the optimizer's slots, on the
-first step). ``MetricAverage``: at the end of every epoch each numeric entry of ``logs`` is replaced
-by its average over the ranks (keys in sorted order, the same on every rank).
+The package's earlier names stay: ``BroadcastInitialState(root_rank=0, process_set=None)`` and
+``MetricAverage(process_set=None)`` are the two callbacks above; and PQASGD
+(``PeriodicQuantizedAveraging``, ``hvd_qsgd.tensorflow.periodic``) and dist-EF-SGDM (``EFSGDM``,
+``hvd_qsgd.tensorflow.ef_sgdm``) for Keras 3.
 """
-from typing import Optional
-
-import keras
 import tensorflow as tf
-import horovod.tensorflow as hvd
+import horovod.tensorflow as _hvd
+from horovod.tensorflow import (  # noqa: F401  Horovod's names, as horovod.tensorflow.keras has them
+    Adasum, Average, Compression, ProcessSet, Sum, add_process_set, ccl_built, cross_rank, cross_size,
+    cuda_built, ddl_built, global_process_set, gloo_built, gloo_enabled, init, is_initialized, local_rank,
+    local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, remove_process_set,
+    rocm_built, shutdown, size, start_timeline, stop_timeline)
 
-from hvd_qsgd.tensorflow.keras_base import is_keras3_optimizer, op_name, refuse_xla, variable_name, wrap
+from hvd_qsgd.tensorflow import broadcast_global_variables, broadcast_variables  # noqa: F401
+from hvd_qsgd.tensorflow import keras_callbacks as callbacks, keras_elastic as elastic  # noqa: F401
+from hvd_qsgd.tensorflow.keras_base import (TF_KERAS, default_flavor, distributed_optimizer, keras_flavor,
+                                            keras_module, warn_once)
+from hvd_qsgd.tensorflow.keras_callbacks import BroadcastGlobalVariablesCallback, MetricAverageCallback
 from hvd_qsgd.tensorflow.ef_sgdm import EFSGDM  # noqa: F401
 from hvd_qsgd.tensorflow.periodic import PeriodicQuantizedAveraging  # noqa: F401
 from hvd_qsgd.tensorflow.tape import tf_variables
 
-WHO = "hvd_qsgd.tensorflow.keras.DistributedOptimizer"
+WHO = "hvd_qsgd.tensorflow.keras"
 
 
-def _reducer(compression, op, sparse_as_dense, gradient_predivide_factor, process_set):
-    if op == hvd.Average:
-        prescale, postscale = 1.0 / gradient_predivide_factor, gradient_predivide_factor
+def DistributedOptimizer(optimizer, name=None, device_dense='', device_sparse='', compression=Compression.none,
+                         sparse_as_dense=False, gradient_predivide_factor=1.0, op=Average,
+                         backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                         groups=None, process_set=global_process_set, scale_local_gradients=True):
+    """Horovod's Keras ``DistributedOptimizer`` for a tf_keras or a Keras 3 optimizer (module docstring)."""
+    return distributed_optimizer(
+        optimizer, name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+        sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+        backward_passes_per_step=backward_passes_per_step, average_aggregated_gradients=average_aggregated_gradients,
+        num_groups=num_groups, groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+
+
+def _tensor(value):
+    if isinstance(value, (list, tuple)):
+        return tf.convert_to_tensor(value)
+    return tf.convert_to_tensor(tf_variables([value])[0])
+
+
+def allreduce(value, name=None, average=None, prescale_factor=1.0, postscale_factor=1.0, op=None,
+              compression=Compression.none, process_set=global_process_set):
+    """The reduction (default: average) of a tensor-compatible value over the ranks (Horovod's)."""
+    return _hvd.allreduce(_tensor(value), average=average, prescale_factor=prescale_factor,
+                          postscale_factor=postscale_factor, op=op, compression=compression, name=name,
+                          process_set=process_set)
+
+
+def allgather(value, name=None, process_set=global_process_set):
+    """The ranks' values concatenated on the first dimension (Horovod's)."""
+    return _hvd.allgather(_tensor(value), name=name, process_set=process_set)
+
+
+def broadcast(value, root_rank, name=None, process_set=global_process_set):
+    """Rank ``root_rank``'s value, on every rank (Horovod's)."""
+    return _hvd.broadcast(_tensor(value), root_rank, name=name, process_set=process_set)
+
+
+def reducescatter(value, name=None, op=Average, process_set=global_process_set):
+    """The reduction of a value over the ranks, split on the first dimension among them (Horovod's)."""
+    return _hvd.reducescatter(_tensor(value), name=name, op=op, process_set=process_set)
+
+
+def _distributed_class(cls, compression):
+    """What deserializes an optimizer saved as ``cls`` into its ``DistributedOptimizer`` (Keras calls
+    ``from_config`` of what it finds in ``custom_objects``, in the .keras and the HDF5 format alike)."""
+    def from_config(_, config, custom_objects=None):
+        return DistributedOptimizer(cls.from_config(config), compression=compression)
+    return type(cls.__name__, (), {"from_config": classmethod(from_config)})
+
+
+def load_model(filepath, custom_optimizers=None, custom_objects=None, compression=Compression.none,
+               legacy_opts=False):
+    """Load a saved Keras model with ``tf.keras``'s Keras and distribute its optimizer (Horovod's).
+
+    tf_keras: every optimizer class (``tf_keras.optimizers.legacy`` ones with ``legacy_opts``) and
+    ``custom_optimizers`` are deserialized as their ``DistributedOptimizer``, so the saved optimizer state
+    loads into it. Keras 3: the model is loaded as saved and its optimizer distributed in place (same
+    object, same state); ``legacy_opts`` has no meaning there (a warning, once)."""
+    flavor = default_flavor()
+    keras = keras_module(flavor)
+    objects = {}
+    if flavor == TF_KERAS:
+        base = keras.optimizers.legacy.Optimizer if legacy_opts else keras.optimizers.Optimizer
+        for cls in base.__subclasses__():  # Keras's own optimizers (Horovod's: the direct subclasses)
+            objects[cls.__name__.lower()] = objects[cls.__name__] = _distributed_class(cls, compression)
+        for cls in custom_optimizers or []:
+            objects[cls.__name__] = _distributed_class(cls, compression)
     else:
-        prescale = postscale = 1.0
-
-    def reduce(grads, variables):
-        out = []
-        for i, (g, v) in enumerate(zip(grads, variables)):
-            if g is None:
-                out.append(None)
-                continue
-            if sparse_as_dense and isinstance(g, tf.IndexedSlices):
-                g = tf.convert_to_tensor(g)
-            out.append(hvd.allreduce(g, op=op, compression=compression,
-                                     name="DistributedOptimizer_Allreduce/" + variable_name(i, v),
-                                     prescale_factor=prescale, postscale_factor=postscale,
-                                     process_set=process_set))
-        return out
-
-    return reduce
+        if legacy_opts:
+            warn_once("legacy_opts", f"{WHO}.load_model: legacy_opts has no meaning for Keras 3 models "
+                      "(Keras 3 has no legacy optimizers); the model is loaded as saved")
+        objects.update({cls.__name__: cls for cls in custom_optimizers or []})
+    objects.update(custom_objects or {})
+    model = keras.models.load_model(filepath, custom_objects=objects)
+    optimizer = getattr(model, "optimizer", None)
+    if optimizer is not None and keras_flavor(optimizer) != TF_KERAS:
+        DistributedOptimizer(optimizer, compression=compression)
+    elif optimizer is not None and not hasattr(optimizer, "_allreduce_grads"):
+        raise ValueError(f"{WHO}.load_model: the optimizer of {filepath!r} ({type(optimizer).__name__}) was not "
+                         "loaded as a DistributedOptimizer; name its class in custom_optimizers")
+    return model
 
 
-def DistributedOptimizer(optimizer, compression=None, op=None, sparse_as_dense: bool = False,
-                         gradient_predivide_factor: float = 1.0, process_set=None):
-    """The Keras 3 ``optimizer``, distributed (module docstring); a tf_keras optimizer goes to
-    Horovod's ``horovod.tensorflow.keras.DistributedOptimizer`` with the same arguments.
-
-    ``compression``: a Horovod TensorFlow compressor (default ``hvd.Compression.none``); ``op``:
-    ``hvd.Average`` (default) or ``hvd.Sum``; ``gradient_predivide_factor``: with ``hvd.Average``
-    only; ``process_set``: default the global one."""
-    compression = hvd.Compression.none if compression is None else compression
-    op = hvd.Average if op is None else op
-    process_set = hvd.global_process_set if process_set is None else process_set
-    if gradient_predivide_factor != 1.0 and op != hvd.Average:
-        raise ValueError(f"{WHO}: gradient_predivide_factor "
-                         f"{gradient_predivide_factor} needs op=hvd.Average")
-    if gradient_predivide_factor <= 0:
-        raise ValueError(f"{WHO}: gradient_predivide_factor "
-                         f"{gradient_predivide_factor} must be positive")
-    if not is_keras3_optimizer(optimizer):
-        import horovod.tensorflow.keras as hvd_keras  # tf_keras (TF_USE_LEGACY_KERAS=1)
-        return hvd_keras.DistributedOptimizer(optimizer, compression=compression, op=op,
-                                              sparse_as_dense=sparse_as_dense,
-                                              gradient_predivide_factor=gradient_predivide_factor,
-                                              process_set=process_set)
-    reduce = _reducer(compression, op, sparse_as_dense, gradient_predivide_factor, process_set)
-    base = type(optimizer)
-
-    def apply(self, grads, trainable_variables=None):
-        refuse_xla(WHO, self)
-        grads = list(grads)
-        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
-        if len(grads) == len(variables):  # otherwise Keras raises its own error: they do not pair up
-            grads = reduce(grads, variables)
-        return base.apply(self, grads, trainable_variables)
-
-    return wrap(optimizer, WHO, {"apply": apply})
-
-
-def broadcast_variables(variables, root_rank: int = 0, process_set=None):
-    """Assign rank ``root_rank``'s values to ``variables`` (Keras 3 or ``tf.Variable``s) on every rank."""
-    process_set = hvd.global_process_set if process_set is None else process_set
-    variables = tf_variables(list(variables))
-    if variables:
-        hvd.broadcast_variables(variables, root_rank=root_rank, process_set=process_set)
-
-
-class BroadcastInitialState(keras.callbacks.Callback):
-    """Broadcast rank ``root_rank``'s model and optimizer variables at the start of ``fit`` (and after
-    the first batch, when that batch created variables): every rank starts from the same state."""
+class BroadcastInitialState(BroadcastGlobalVariablesCallback):
+    """``callbacks.BroadcastGlobalVariablesCallback`` under the package's earlier name."""
 
     def __init__(self, root_rank: int = 0, process_set=None):
-        super().__init__()
-        self.root_rank, self.process_set = root_rank, process_set
-        self._count: Optional[int] = None
-
-    def _variables(self):
-        optimizer = getattr(self.model, "optimizer", None)
-        return list(self.model.variables) + (list(optimizer.variables) if optimizer is not None else [])
-
-    def on_train_begin(self, logs=None):
-        variables = self._variables()
-        broadcast_variables(variables, self.root_rank, self.process_set)
-        self._count = len(variables)
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self._count is None:
-            return
-        variables = self._variables()
-        if len(variables) != self._count:
-            broadcast_variables(variables, self.root_rank, self.process_set)
-        self._count = None  # only after the first batch
+        super().__init__(root_rank, process_set=process_set)
 
 
-class MetricAverage(keras.callbacks.Callback):
-    """At the end of every epoch, each numeric entry of ``logs`` becomes its average over the ranks."""
+class MetricAverage(MetricAverageCallback):
+    """``callbacks.MetricAverageCallback`` under the package's earlier name."""
 
     def __init__(self, process_set=None):
-        super().__init__()
-        self.process_set = hvd.global_process_set if process_set is None else process_set
-
-    def on_epoch_end(self, epoch, logs=None):
-        if not logs:
-            return
-        for key in sorted(logs):
-            value = logs[key]
-            if isinstance(value, (int, float)) or (hasattr(value, "shape") and tuple(value.shape) == ()):
-                mean = hvd.allreduce(tf.constant(float(value), tf.float64), op=hvd.Average,
-                                     name=op_name(f"hvd_qsgd.metric.{key}"),
-                                     process_set=self.process_set)
-                logs[key] = float(mean.numpy())
+        super().__init__(process_set=process_set)

@@ -1,23 +1,76 @@
-"""What the package's Keras 3 optimizers share: telling a Keras 3 optimizer from a tf_keras one,
-refusing XLA, and turning an optimizer object into one of a subclass of its own class.
+"""What the package's Keras pieces share: telling Keras 3 from tf_keras, refusing XLA, turning an
+optimizer object into one of a subclass of its own class, warnings given once, and the Keras 3
+distributed optimizer itself (``distributed_optimizer``), which ``hvd_qsgd.tensorflow`` and
+``hvd_qsgd.tensorflow.keras`` both hand out.
 
 The optimizers are made by replacing the object's class with a subclass of it (same name, same
 config, same state, ``isinstance`` of the original class), whose ``apply`` adds what the package
 does around the optimizer's own: Keras 3's ``apply_gradients`` calls ``apply``, and so does
 ``model.fit``'s step. A mark on the subclass names the wrapper, so that two of them are never
 stacked on one optimizer (gradients reduced twice, or averaged inside local steps).
-"""
-import re
 
-import keras
+This module imports no other module of ``hvd_qsgd.tensorflow`` and imports Keras 3 only when it is
+asked about a Keras 3 object, so ``hvd_qsgd.tensorflow`` can import it without loading Keras.
+"""
+import os
+import re
+import sys
+import warnings
+
 import tensorflow as tf
+import horovod.tensorflow as hvd
 
 MARK = "_hvd_qsgd_wrapper"
+TF_KERAS, KERAS3 = "tf_keras", "keras"
+_warned = set()
+
+
+def warn_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, UserWarning, stacklevel=3)
+
+
+def keras_flavor(obj):
+    """``"tf_keras"`` or ``"keras"`` (Keras 3): the Keras that defines ``obj``'s class (or one of its
+    bases: a model class written by the user is found by its Keras base); None for neither."""
+    for cls in type(obj).__mro__:
+        root = (cls.__module__ or "").split(".")[0]
+        if root in (TF_KERAS, KERAS3):
+            return root
+    return None
+
+
+def default_flavor() -> str:
+    """The Keras that ``tf.keras`` is in this process: tf_keras where ``TF_USE_LEGACY_KERAS`` is set
+    (as TensorFlow reads it), Keras 3 otherwise."""
+    return TF_KERAS if os.environ.get("TF_USE_LEGACY_KERAS") in ("1", "true", "True") else KERAS3
+
+
+def keras_module(flavor: str):
+    """The top module of that Keras (imported)."""
+    if flavor == TF_KERAS:
+        import tf_keras
+        return tf_keras
+    import keras
+    return keras
 
 
 def is_keras3_optimizer(optimizer) -> bool:
     """Whether ``optimizer`` is a Keras 3 optimizer (not a tf_keras or TF1 one)."""
-    return int(keras.__version__.split(".")[0]) >= 3 and isinstance(optimizer, keras.optimizers.Optimizer)
+    keras = sys.modules.get("keras")
+    return (keras is not None and int(keras.__version__.split(".")[0]) >= 3
+            and isinstance(optimizer, keras.optimizers.Optimizer))
+
+
+def optimizer_variables(optimizer) -> list:
+    """An optimizer's variables: a property on Keras 3 and tf_keras, a method on tf_keras's legacy
+    optimizers."""
+    if optimizer is None:
+        return []
+    variables = optimizer.variables
+    return list(variables() if callable(variables) else variables)
 
 
 def in_xla_context() -> bool:
@@ -57,3 +110,97 @@ def variable_name(i: int, variable) -> str:
     """``<i>_<path>``: a collective's name for the i-th variable, the same on every rank that builds
     the same model."""
     return op_name(f"{i}_" + (getattr(variable, "path", None) or getattr(variable, "name", "") or "var"))
+
+
+WHO = "hvd_qsgd.tensorflow.keras.DistributedOptimizer"
+
+
+def _scaled(g, factor):
+    if isinstance(g, tf.IndexedSlices):
+        return tf.IndexedSlices(g.values * factor, g.indices, g.dense_shape)
+    return g * factor
+
+
+def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="", compression=None,
+                          sparse_as_dense=False, gradient_predivide_factor=1.0, op=None,
+                          backward_passes_per_step=1, average_aggregated_gradients=False, num_groups=0,
+                          groups=None, process_set=None, scale_local_gradients=True, **tf_only):
+    """Horovod's ``DistributedOptimizer`` for the optimizer it is given: a Keras 3 optimizer is wrapped
+    here (``apply`` reduces every gradient first; the same object); a tf_keras one goes to Horovod's
+    ``horovod.tensorflow.keras.DistributedOptimizer`` and any other (``tf.compat.v1``) to Horovod's
+    ``horovod.tensorflow.DistributedOptimizer``, with the same arguments (``tf_only``:
+    ``use_locking``, which only the latter has)."""
+    compression = hvd.Compression.none if compression is None else compression
+    op = hvd.Average if op is None else op
+    process_set = hvd.global_process_set if process_set is None else process_set
+    common = dict(name=name, device_dense=device_dense, device_sparse=device_sparse, compression=compression,
+                  sparse_as_dense=sparse_as_dense, gradient_predivide_factor=gradient_predivide_factor, op=op,
+                  backward_passes_per_step=backward_passes_per_step,
+                  average_aggregated_gradients=average_aggregated_gradients, num_groups=num_groups,
+                  groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients)
+    if not is_keras3_optimizer(optimizer):
+        if keras_flavor(optimizer) == TF_KERAS:
+            import horovod.tensorflow.keras as hvd_keras
+            return hvd_keras.DistributedOptimizer(optimizer, **common)
+        return hvd.DistributedOptimizer(optimizer, **common, **tf_only)
+    if op not in (hvd.Average, hvd.Sum):
+        raise ValueError(f"{WHO}: op must be hvd.Average or hvd.Sum (as Horovod's Keras optimizer), got {op}")
+    if gradient_predivide_factor != 1.0 and op != hvd.Average:
+        raise ValueError(f"{WHO}: gradient_predivide_factor {gradient_predivide_factor} needs op=hvd.Average")
+    if gradient_predivide_factor <= 0:
+        raise ValueError(f"{WHO}: gradient_predivide_factor {gradient_predivide_factor} must be positive")
+    if num_groups or groups is not None:
+        warn_once("groups", f"{WHO}: groups/num_groups have no effect on a Keras 3 optimizer: each gradient is "
+                  "reduced by its own hvd.allreduce (which Horovod's tensor fusion batches); the result is the same")
+    prescale, postscale = ((1.0 / gradient_predivide_factor, gradient_predivide_factor) if op == hvd.Average
+                           else (1.0, 1.0))
+    if backward_passes_per_step > 1:
+        held = getattr(optimizer, "gradient_accumulation_steps", None)
+        if held not in (None, backward_passes_per_step) or (getattr(optimizer, "built", False) and not held):
+            raise ValueError(f"{WHO}: backward_passes_per_step={backward_passes_per_step} needs an unbuilt Keras 3 "
+                             f"optimizer without another gradient_accumulation_steps (it has {held})")
+        optimizer.gradient_accumulation_steps = backward_passes_per_step
+        if not average_aggregated_gradients:  # Keras divides the accumulated sum by the steps
+            postscale *= backward_passes_per_step
+        warn_once("backward_passes", f"{WHO}: on a Keras 3 optimizer backward_passes_per_step="
+                  f"{backward_passes_per_step} becomes Keras 3's gradient_accumulation_steps: the same update "
+                  "as Horovod's, but every backward pass's gradients are reduced (no communication is saved)")
+    prefix = (name or "DistributedOptimizer") + "_Allreduce/"
+    local = {}  # id -> variable, for register_local_var (the variables are kept, so ids stay theirs)
+
+    def reduce(grads, variables):
+        out = []
+        for i, (g, v) in enumerate(zip(grads, variables)):
+            if g is not None and id(v) in local:
+                out.append(_scaled(g, 1.0 / process_set.size()) if scale_local_gradients else g)
+                continue
+            if g is None:
+                out.append(None)
+                continue
+            if sparse_as_dense and isinstance(g, tf.IndexedSlices):
+                g = tf.convert_to_tensor(g)
+            out.append(hvd.allreduce(g, device_dense=device_dense, device_sparse=device_sparse, op=op,
+                                     compression=compression, name=prefix + variable_name(i, v),
+                                     prescale_factor=prescale, postscale_factor=postscale,
+                                     process_set=process_set))
+        return out
+
+    base = type(optimizer)
+
+    def apply(self, grads, trainable_variables=None):
+        refuse_xla(WHO, self)
+        grads = list(grads)
+        variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
+        if len(grads) == len(variables):  # otherwise Keras raises its own error: they do not pair up
+            grads = reduce(grads, variables)
+        return base.apply(self, grads, trainable_variables)
+
+    def register_local_var(self, var):
+        """Keep ``var``'s gradient local (not reduced; divided by the set's size when
+        ``scale_local_gradients``), as Horovod's optimizer does."""
+        for v in (var, getattr(var, "value", None)):
+            if v is not None:
+                local[id(v)] = v
+
+    return wrap(optimizer, WHO, {"apply": apply, "register_local_var": register_local_var,
+                                 "process_set": process_set})
