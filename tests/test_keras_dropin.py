@@ -151,3 +151,19 @@ def test_the_launches_call_every_name_of_the_dropin(keras):
     assert len(called) == 2, out[-3000:]
     for line in called:
         assert [n for n in USED if n not in line.split(",")] == []
+
+
+def test_broadcast_callback_waits_for_the_weights_of_a_model_built_at_its_first_batch():
+    """Horovod's Keras MNIST example builds its Sequential at the first batch: before it, tf_keras
+    raises on reading the weights; the broadcast then comes after that batch (one process)."""
+    import numpy as np
+    import tf_keras
+    import hvd_qsgd.tensorflow.keras as hvd
+    hvd.init()
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1)])  # no input shape: built by the first batch
+    assert not model.built
+    model.compile(optimizer=hvd.DistributedOptimizer(tf_keras.optimizers.SGD(0.1)), loss="mse")
+    callback = hvd.callbacks.BroadcastGlobalVariablesCallback(0)
+    model.fit(np.ones((8, 3), np.float32), np.zeros((8, 1), np.float32), batch_size=4, epochs=1, verbose=0,
+              callbacks=[callback])
+    assert model.built and callback.broadcast_done

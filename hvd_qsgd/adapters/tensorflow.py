@@ -234,10 +234,15 @@ class QSGD(Compressor):
                     # group in TensorFlow) can hold both; cast back in decompress
                     return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
                 return tf.identity(tensor), None
-        ps = self._exchange_process_set(horovod_caller())
+        caller = horovod_caller()
+        ps = self._exchange_process_set(caller)
         seq, state_key = self._next_exchange()
         set_ranks = process_set_ranks(ps, hvd.size())
         world, grank = hvd.size(), hvd.rank()
+        if grank not in set_ranks and caller.process_set is not None:
+            # Horovod reduces over a set this rank is not in, and hands it its own tensor back: so does
+            # the compressor (the exchange is numbered all the same, as on the set's ranks)
+            return tensor, None
         if grank not in set_ranks:
             raise ValueError(f"hvd_qsgd: this rank (global rank {grank}) is not in the compressor's process "
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")

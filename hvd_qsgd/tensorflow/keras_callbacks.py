@@ -112,7 +112,10 @@ class BroadcastGlobalVariablesCallback(KerasCallback):
 
     def _variables(self):
         model = self.model
-        own = tf_variables(list(model.variables) + optimizer_variables(getattr(model, "optimizer", None)))
+        # a model built at its first batch (a Sequential without an input shape) has no weights yet:
+        # tf_keras raises on reading them; the broadcast then comes after the first batch
+        weights = list(model.variables) if getattr(model, "built", True) else []
+        own = tf_variables(weights + optimizer_variables(getattr(model, "optimizer", None)))
         return [v for v in own if v.ref() not in self._local_refs]
 
     def _broadcast(self, variables):

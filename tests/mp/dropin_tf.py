@@ -12,7 +12,8 @@ its statistics counting every step once and its residuals non-zero.
 
 ``process-set`` (at -np 3): the tape reduces over the process set of the even ranks (or of the odd
 rank), the compressor given no set (it takes Horovod's): the replicas are identical within each set
-and the compressor reduced every gradient of the even set.
+and the compressor reduced every gradient of the even set; a tape over the even set, run on every
+rank, hands the odd rank its own gradient back, as Horovod does.
 
 Every rank prints ``OK <scenario>`` when its checks pass.
 """
@@ -139,6 +140,18 @@ def scenario_process_set():
         # Horovod reduces nothing over a set of one rank (the odd set at -np 3)
         expected = STEPS * len(SHAPES) if mine.size() > 1 else 0
         assert compression.stats["tensors"] == expected, (expected, compression.stats)
+        # a tape over the even set, on every rank: Horovod hands a rank outside the set its own
+        # gradient back, and so does the compressor
+        x = tf.constant(np.full(4, float(rank), np.float32))
+        with tf.GradientTape() as tape:
+            tape.watch(x)
+            y = tf.reduce_sum(x * x)
+        outside = hvd_qsgd.QSGD(4, min_numel=1)
+        g = hvd.DistributedGradientTape(tape, process_set=even, compression=outside).gradient(y, [x])[0].numpy()
+        if rank % 2 == 1:
+            assert np.array_equal(g, 2 * x.numpy()) and outside.stats["tensors"] == 0, (g, outside.stats)
+        else:
+            assert outside.stats["tensors"] == 1, outside.stats
     finally:
         hvd.remove_process_set(odd)
         hvd.remove_process_set(even)
