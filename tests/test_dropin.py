@@ -27,7 +27,7 @@ def torch_launch(np_):
 
 
 def tf_launch():
-    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set"), timeout=300, env=ENV)
+    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set", "v1-init-first"), timeout=300, env=ENV)
 
 
 def ok_count(out, scenario):
@@ -65,3 +65,8 @@ def test_tf_compressor_built_in_the_step_is_one_compressor_across_traces():
 def test_tf_tape_over_a_process_set_needs_no_compressor_arguments():
     out = tf_launch()
     assert ok_count(out, "process-set") == 3, out[-4000:]
+
+
+def test_tf_v1_session_that_ran_its_initializer_before_the_tape_was_built():
+    out = tf_launch()
+    assert ok_count(out, "v1-init-first") == 3, out[-4000:]

@@ -157,6 +157,7 @@ class QSGD(Compressor):
                 self._counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False,
                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
                                   for k in Stats.GRAPH_FIELDS}
+                _initialize_in_session(self._counters.values())
         return self._counters
 
     def _timing_vars(self):
@@ -169,6 +170,7 @@ class QSGD(Compressor):
                                 for k in Stats.TIME_FIELDS}
                 self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                               name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
+                _initialize_in_session(self._timing.values())
         return self._timing
 
     def _timed(self, field, inputs, make):
@@ -209,6 +211,7 @@ class QSGD(Compressor):
         if v is None:
             with tf.init_scope():
                 v = store[name] = make()
+                _initialize_in_session(tf.nest.flatten(v))
         return v
 
     def _count(self, **amounts):
@@ -618,6 +621,19 @@ class QSGD(Compressor):
             # a server residual is the chunk of a world that is gone: dropped; the retrace of the
             # step makes one of the new chunk's size
             self.residuals.server = {}
+
+def _initialize_in_session(variables):
+    """In a ``tf.compat.v1`` graph, the compressor's variables are made when the training step is
+    built, which may be after the session ran its initializer (Horovod's own graph-mode tests do
+    so): they are initialized in the default session of their graph, if there is one, as they are
+    made. Elsewhere (eager, ``tf.function``, no session yet) nothing is run."""
+    variables = list(variables)
+    if not variables or tf.executing_eagerly():
+        return
+    session = tf.compat.v1.get_default_session()
+    if session is not None and session.graph is variables[0].graph:
+        session.run([v.initializer for v in variables])
+
 
 def _usable(lr):
     """Where a learning rate can rescale a residual: finite and positive."""

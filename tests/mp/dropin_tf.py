@@ -15,6 +15,9 @@ rank), the compressor given no set (it takes Horovod's): the replicas are identi
 and the compressor reduced every gradient of the even set; a tape over the even set, run on every
 rank, hands the odd rank its own gradient back, as Horovod does.
 
+``v1-init-first``: a ``tf.compat.v1`` session that ran its initializer before the tape (and so the
+compressor's variables) was built, as Horovod's graph-mode tests do: the step runs, exact.
+
 Every rank prints ``OK <scenario>`` when its checks pass.
 """
 import itertools
@@ -158,10 +161,30 @@ def scenario_process_set():
     print("OK process-set", flush=True)
 
 
+def scenario_v1_init_first():
+    """A tf.compat.v1 graph whose session ran the initializer before the tape was built (the order of
+    Horovod's graph-mode tests): the compressor's variables are initialized as they are made."""
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        w = tf.Variable(tf.ones([40]) * (hvd.rank() + 1.0))
+        sess.run(tf.compat.v1.global_variables_initializer())
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(w * w)
+        compression = hvd_qsgd.QSGD(4, min_numel=1)
+        grads = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [w])
+        for _ in range(2):
+            g = sess.run(grads)[0]
+            # 2w is constant per rank: every bucket quantizes it exactly, so the average is exact
+            expected = np.float32(sum(2.0 * (r + 1) for r in range(hvd.size())) / hvd.size())
+            assert np.array_equal(g, np.full(40, expected, np.float32)), g
+        assert sess.run(compression.stats["tensors"]) == 2
+    print("OK v1-init-first", flush=True)
+
+
 def main():
     hvd.init()
     for s in sys.argv[1:]:
-        {"step-built": scenario_step_built, "process-set": scenario_process_set}[s]()
+        {"step-built": scenario_step_built, "process-set": scenario_process_set,
+         "v1-init-first": scenario_v1_init_first}[s]()
 
 
 if __name__ == "__main__":
