@@ -6,7 +6,8 @@ tests/mp/dropin_tf.py), under real horovodrun jobs, one launch per rank count an
   (``hvd_qsgd.horovod_caller``). Over the even/odd process sets, and with ranks whose unused
   branches differ, both reductions, the same parameters are updated as uncompressed and the replicas
   are identical within each set. A compressor given another set, or other names, than the
-  optimizer's fails the step on every rank, naming both.
+  optimizer's fails the step on every rank, naming both. Residuals checkpointed by position, loaded
+  into a compressor that now takes the optimizer's names, restart from zero, said once on the log.
 * TensorFlow: the compressor built inside the ``tf.function`` step and retraced is one compressor
   (``hvd_qsgd.step_built``), step by step identical to the one built outside; the tape over a
   process set takes Horovod's set.
@@ -18,7 +19,8 @@ import pytest
 from tests.helpers import launch_once, raised_in
 
 ENV = (("HOROVOD_DYNAMIC_PROCESS_SETS", "1"),)
-TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter"]
+TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter",
+         "positional-checkpoint"]
 DISAGREE = ["disagree-set", "disagree-names"]
 
 

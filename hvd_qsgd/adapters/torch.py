@@ -123,6 +123,7 @@ class QSGD(Compressor):
         self._learning_rate = None   # residual key -> learning rate now, or None
         self._params = None
         self._grad_names = {}
+        self._positional_residuals = False  # a checkpoint's residuals keyed by position (load_state_dict)
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -211,6 +212,11 @@ class QSGD(Compressor):
                     f"optimizer {caller.name!r}: give both the same names, or none to the compressor (it "
                     "takes the optimizer's)")
             param = caller.name
+            if self._positional_residuals:
+                self._positional_residuals = False
+                log.warning("hvd_qsgd: the checkpoint loaded keys its error-feedback residuals by position (a "
+                            "compressor that numbered the optimizer's gradients); gradients from Horovod's "
+                            "optimizer are matched by its parameter names now, so their residuals start from zero")
         ctx.route = route = self.names.route(param)
         s = ctx.settings = self.policy.settings_for(route.residual_key)
         ctx.lr, ctx.shape, ctx.dtype, ctx.device = None, tensor.shape, tensor.dtype, tensor.device
@@ -624,6 +630,7 @@ class QSGD(Compressor):
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
+            self._positional_residuals = any(isinstance(k, int) for k in r.residuals)
             r.rates = {k: float(v) for k, v in state.get("residual_lr", {}).items()}
             r.server = {k: np.array(torch.as_tensor(v).float().cpu().numpy(), dtype=np.float32)
                         for k, v in state.get("server_residuals", {}).items()}

@@ -115,6 +115,30 @@ def disagreement(kind):
         hvd.remove_process_set(even)
 
 
+def positional_checkpoint():
+    """Residuals checkpointed by position (tensors numbered by hvd.allreduce) and loaded into a compressor
+    that Horovod's optimizer hands named gradients: it says once that their residuals restart."""
+    import logging
+    old = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+    for i in range(2):
+        hvd.allreduce(torch.randn(300), compression=old, name=f"positional.{i}")
+    state = old.state_dict()
+    assert all(isinstance(k, int) for k in state["torch"]["residuals"]) and state["torch"]["residuals"], state
+    new = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+    new.load_state_dict(state)
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("hvd_qsgd").addHandler(handler)
+    try:
+        run(new, "sgd", hvd.global_process_set, False, steps=2)
+    finally:
+        logging.getLogger("hvd_qsgd").removeHandler(handler)
+    said = [m for m in seen if "keys its error-feedback residuals by position" in m]
+    assert len(said) == 1, seen
+    print("OK positional-checkpoint", flush=True)
+
+
 def main():
     hvd.init()
     for s in sys.argv[1:]:
@@ -126,6 +150,9 @@ def main():
                 continue
             print(f"NOT RAISED (scenario {s})", flush=True)
             sys.exit(1)
+        if s == "positional-checkpoint":
+            positional_checkpoint()
+            continue
         kind, reduction = s.rsplit("-", 1)
         scenario(s, kind, {"allgather": "allgather", "scatter": "scatter_allgather"}[reduction])
 
