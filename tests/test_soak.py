@@ -18,7 +18,8 @@ Rules:
 * File descriptors and threads: the same at every sample (every 100 steps).
 * Collective names: no name the compressor hands to Horovod is new after the warm-up, and there
   are exactly as many as a step has exchanges (3 named allgathers; 3 alltoalls and 3 allgathers for
-  scatter_allgather; slots n0..n2 for the unnamed optimizer; n0, n1 for the unnamed allreduces).
+  scatter_allgather; the optimizer's names for the optimizer whose compressor was given none; n0, n1
+  for the unnamed allreduces).
   Horovod keeps state per name (its response cache: 1024 entries by default, LRU; with
   HOROVOD_TIMELINE also the timeline's per-name table, never shrunk). A new name per exchange misses
   that cache every time and evicts its entries ("A response has been evicted from cache"). The
@@ -103,7 +104,9 @@ CONTROLS = {"none", "allreduce-none"}   # the phases without hvd_qsgd
 TF_PHASES = ["tape:1200:2000", "eager:600:100"]
 PARAMS = ["fc1.weight", "fc2.weight", "fc3.weight"]   # the worker's tensors above min_numel
 NAMES = {"none": 0, "named-allgather": 3, "named-scatter": 6, "unnamed": 3, "allreduce-none": 0, "allreduce": 2}
-SEQ_PER_STEP = {"named-allgather": 0, "named-scatter": 0, "unnamed": 3, "allreduce": 3}
+# "unnamed": the compressor is given no names, and takes the optimizer's (hvd_qsgd.horovod_caller):
+# named exchanges, no numbered ones; the numbered exchanges are the allreduce phase's
+SEQ_PER_STEP = {"named-allgather": 0, "named-scatter": 0, "unnamed": 0, "allreduce": 3}
 OBJECTS_PER_STEP = 0.1   # tracked objects a step may add
 BLOCKS_PER_STEP = 0.5    # pymalloc blocks a step may add
 

@@ -9,8 +9,8 @@ tensors below):
   the compressor (the control: the same rules hold for PyTorch and Horovod alone);
 * ``named-allgather`` / ``named-scatter``: ``hvd.DistributedOptimizer(..., named_parameters=...,
   compression=hvd_qsgd.QSGD(4, error_feedback=True, named_parameters=..., reduction=...))``;
-* ``unnamed``: the same without names (a plain optimizer: numbered exchanges, residuals by
-  position);
+* ``unnamed``: the same without names given to the compressor or the optimizer (the compressor
+  takes the optimizer's, Horovod's ``allreduce.noname.<i>.<j>``: named exchanges, residuals by name);
 * ``allreduce``: no optimizer; each step ``hvd.allreduce(a, compression=c)`` and
   ``hvd.grouped_allreduce([a, b], compression=c)`` without names (c = ``hvd_qsgd.QSGD(4)``; three
   numbered exchanges a step, two of them in flight at once);
