@@ -22,7 +22,9 @@ A compressor given a process set or names checks them against what Horovod says,
 disagreement is an error on every rank that calls (``hvd_qsgd.adapters``).
 """
 import sys
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
+
+from hvd_qsgd.settings import set_ranks
 
 DEPTH = 6   # Horovod frames looked at: collective <- comprehension <- optimizer method <- hook, at most
 # the frames between Horovod's call and this module: the compressor's, and TensorFlow's wrapper of an
@@ -77,8 +79,23 @@ def horovod_caller() -> Caller:
     return Caller(process_set, name, where)
 
 
-def describe(process_set: Any, ranks) -> str:
+def _describe(process_set: Any, ranks) -> str:
     """A process set as messages name it."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:
         return f"the global process set {list(ranks)}"
     return f"process set {process_set.process_set_id} (ranks {list(ranks)})"
+
+
+def exchange_process_set(caller: Caller, given: Any, global_set: Any, world_size: int) -> Tuple[Any, Optional[str]]:
+    """(the process set of an exchange, why it disagrees with the one given, or None): the set Horovod
+    reduces over where its call says, else the one given, else the global set. Each adapter raises
+    the disagreement its own way (PyTorch: through the control vector; TensorFlow: where it traces)."""
+    if caller.process_set is None:
+        return (given if given is not None else global_set), None
+    if given is not None:
+        ours, theirs = set_ranks(given, world_size), set_ranks(caller.process_set, world_size)
+        if ours != theirs:
+            return caller.process_set, (f"the compressor was given {_describe(given, ours)}, but {caller.where} "
+                                        f"reduces over {_describe(caller.process_set, theirs)}: give the compressor "
+                                        "the same set, or none (it takes Horovod's)")
+    return caller.process_set, None

@@ -83,7 +83,7 @@ from horovod.tensorflow.compression import Compressor
 
 from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, reduction, report, step_built
 from hvd_qsgd.adapters import tf_schedule
-from hvd_qsgd.horovod_caller import describe as describe_set, horovod_caller
+from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, Stats, next_creation_index, process_set_key,
                                set_ranks as process_set_ranks)
@@ -322,19 +322,12 @@ class QSGD(Compressor):
         return control, ctx
 
     def _exchange_process_set(self, caller):
-        """The process set of an exchange: the one Horovod reduces over where its call says
-        (``hvd_qsgd.horovod_caller``), else the one given, else the global set. A set given that is
+        """The process set of an exchange (``horovod_caller.exchange_process_set``); a set given that is
         not Horovod's is an error, raised where every rank of the set traces (or calls) alike."""
-        given = self._given_process_set
-        if caller.process_set is None:
-            return given if given is not None else hvd.global_process_set
-        if given is not None:
-            ours, theirs = process_set_ranks(given, hvd.size()), process_set_ranks(caller.process_set, hvd.size())
-            if ours != theirs:
-                raise ValueError(f"hvd_qsgd: the compressor was given {describe_set(given, ours)}, but {caller.where} "
-                                 f"reduces over {describe_set(caller.process_set, theirs)}: give the compressor the "
-                                 "same set, or none (it takes Horovod's)")
-        return caller.process_set
+        ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, hvd.size())
+        if disagreement is not None:
+            raise ValueError(f"hvd_qsgd: {disagreement}")
+        return ps
 
     def _reduction(self, ctx, v):
         """The reduction of the exchange ``ctx`` with settings v (alike on every rank)."""

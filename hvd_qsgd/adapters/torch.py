@@ -68,7 +68,7 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
-from hvd_qsgd.horovod_caller import describe as describe_set, horovod_caller
+from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.policy import FixedBits
@@ -238,20 +238,10 @@ class QSGD(Compressor):
         return ctx
 
     def _exchange_process_set(self, caller):
-        """(the process set of an exchange, a fault or None): the set Horovod reduces over where its
-        call says (``hvd_qsgd.horovod_caller``), else the one given, else the global set. A set given
-        that is not Horovod's is a fault (raised on every rank through the control vector)."""
-        given = self._given_process_set
-        if caller.process_set is None:
-            return (given if given is not None else hvd.global_process_set), None
-        if given is not None:
-            ours, theirs = process_set_ranks(given, hvd.size()), process_set_ranks(caller.process_set, hvd.size())
-            if ours != theirs:
-                return caller.process_set, protocol.MismatchError(
-                    f"the compressor was given {describe_set(given, ours)}, but {caller.where} reduces "
-                    f"over {describe_set(caller.process_set, theirs)}: give the compressor the same set, or "
-                    "none (it takes Horovod's)")
-        return caller.process_set, None
+        """(the process set of an exchange, a fault or None: ``horovod_caller.exchange_process_set``; a
+        set given that is not Horovod's is raised on every rank through the control vector)."""
+        ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, hvd.size())
+        return ps, (None if disagreement is None else protocol.MismatchError(disagreement))
 
     def _flat32(self, tensor, ctx):
         """The tensor flattened, in float32, where its backend reads it (+ its residual)."""
