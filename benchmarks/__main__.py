@@ -21,6 +21,8 @@ SUBCOMMANDS = {
     "convergence": ("benchmarks.convergence",
                     "test accuracy vs bytes sent of the PyTorch digits example, for every method, at -np N"),
     "noise": ("benchmarks.noise", "quantization noise against minibatch noise on the language model's gradients"),
+    "overhead": ("benchmarks.overhead",
+                 "per-tensor cost: step time of K small gradients through hvd.DistributedOptimizer"),
     "calibrate": ("benchmarks.calibrate", "fit the cost model's latency alpha and bandwidth beta to timed Horovod collectives"),
 }
 

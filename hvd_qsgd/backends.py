@@ -7,12 +7,18 @@ signatures, same payload bytes for the same input, settings and seed:
     split(gathered, count, own_len, where)                               -> [payload of each rank]
     read_headers(payloads, where)                                        -> [codec.Header]
     decode_sum(payloads, alpha, where)                                   -> alpha * sum of decodes
-    encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where) -> (buffer, lengths)
+    encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where, residual)
+                                                                         -> (buffer, lengths)
     split_by(buffer, lengths)                                            -> [payload]
     reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
     reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual)
                                                                          -> (phase-2 frame, error)
     decode_chunks(payloads, alpha, numel, bucket_size, where)            -> float32 values
+    zeros(size, like), place(array, like), place_bytes(payload, like), host(x)
+                                                                         -> arrays where the backend reads
+
+``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
+reads) and update it in place: the one error-feedback path, on the CPU as on the device.
 
 ``choose(device, settings, reduction)`` picks the backend of one exchange, once. A CUDA tensor gets
 ``CudaBackend`` when every step of its exchange has a CUDA kernel; otherwise it goes through the
@@ -58,6 +64,25 @@ class CpuBackend:
     def decode(self, payload, where: str) -> np.ndarray:
         return codec.decode(payload, where)
 
+    def zeros(self, size: int, like) -> np.ndarray:
+        """A float32 array of ``size`` zeros where this backend reads ``like``."""
+        return np.zeros(size, dtype=np.float32)
+
+    def place(self, array, like) -> np.ndarray:
+        """``array`` (a residual kept here, or loaded from a checkpoint: a NumPy array or a tensor) as a
+        contiguous float32 array this backend reads: no copy for what is one already."""
+        if not isinstance(array, np.ndarray) and callable(getattr(array, "cpu", None)):
+            array = array.detach().cpu()   # a framework's tensor, maybe on a device: its host copy
+        return np.ascontiguousarray(array, dtype=np.float32)
+
+    def host(self, x) -> np.ndarray:
+        """``x`` as a NumPy array on the host."""
+        return x
+
+    def place_bytes(self, payload: np.ndarray, like) -> np.ndarray:
+        """A host payload (uint8) where this backend reads ``like``."""
+        return payload
+
     def split(self, gathered, count: int, own_len: int, where: str) -> List[np.ndarray]:
         """The ranks' payloads in an allgather's result, cut at each header's length."""
         return codec.split_payloads(gathered, count=count, where=f"{where}: gathered payloads")
@@ -69,8 +94,19 @@ class CpuBackend:
         return codec.decode_sum(payloads, alpha, where=where)
 
     def encode_chunks(self, x32: np.ndarray, settings, step_seed: int, n: int, fingerprint: int,
-                      source_dtype: str, where: str) -> Tuple[np.ndarray, List[int]]:
-        return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
+                      source_dtype: str, where: str, residual: Optional[np.ndarray] = None,
+                      residual_valid: bool = True) -> Tuple[np.ndarray, List[int]]:
+        """The n chunk payloads of x32 back to back and their lengths; with ``residual`` error feedback
+        as ``encode`` has it, the residual being v - decode of the n chunk payloads."""
+        if residual is None:
+            return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
+        v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
+        buf, lens = reduction.encode_chunks(v, settings, step_seed, n, fingerprint, source_dtype, where=where)
+        own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, v.size, settings.bucket_size, where=where)
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = v - own
+        residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
+        return buf, lens
 
     def split_by(self, buffer, lens) -> List[np.ndarray]:
         return reduction.split_by(buffer, lens)
@@ -126,6 +162,22 @@ class CudaBackend:
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)
 
+    def zeros(self, size: int, like):
+        import torch
+        return torch.zeros(size, dtype=torch.float32, device=like.device)
+
+    def place(self, array, like):
+        """``array`` as a contiguous float32 tensor on ``like``'s device: no copy for what is one already."""
+        import torch
+        return torch.as_tensor(array).to(device=like.device, dtype=torch.float32).contiguous()
+
+    def host(self, x) -> np.ndarray:
+        return x.detach().cpu().numpy()
+
+    def place_bytes(self, payload: np.ndarray, like):
+        import torch
+        return torch.from_numpy(payload).to(like.device, non_blocking=True)
+
     def split(self, gathered, count: int, own_len: int, where: str) -> list:
         """Fixed coding: every rank's payload has the length of this rank's. Elias coding (lengths
         differ): cut at each header's length (``cuda.split_payloads``). The coding is read from the
@@ -143,10 +195,21 @@ class CudaBackend:
     def decode_sum(self, payloads: Sequence, alpha: float, where: str):
         return cuda.decode_sum(payloads, alpha, where=where)
 
-    def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str):
+    def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str,
+                      residual=None, residual_valid: bool = True):
+        """As CpuBackend.encode_chunks, on the device (x32 may also be float16 or bfloat16)."""
+        import torch
         s = settings
-        return cuda.encode_chunks(x32, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                  source_dtype, name=where)
+        if residual is None:
+            return cuda.encode_chunks(x32, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
+                                      source_dtype, name=where)
+        v = x32.detach().reshape(-1).float()
+        v = v + residual if residual_valid else v.clone()
+        buf, lens = cuda.encode_chunks(v, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
+                                       source_dtype, name=where)
+        d = v - self.decode_chunks(self.split_by(buf, lens), 1.0, v.numel(), s.bucket_size, where)
+        residual.copy_(torch.where(torch.isfinite(d), d, residual if residual_valid else torch.zeros_like(d)))
+        return buf, lens
 
     def split_by(self, buffer, lens) -> list:
         if sum(lens) != buffer.numel():

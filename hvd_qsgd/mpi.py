@@ -5,32 +5,56 @@
     reducer = QSGDReducer(MPI.COMM_WORLD, bits=4, reduction="scatter_allgather")
     average = reducer.allreduce(grad, name="layer1.weight")          # op="average" or "sum"
 
-The reductions are the ones the Horovod adapters run, with the same payloads and seeds:
+The reductions are the ones the Horovod adapters run, through the same exchange
+(``hvd_qsgd.exchange``: its chains of stages and the CPU backend), with the same payloads and seeds:
+the payload seed is ``payload_seed(seed, r, exchange, i)`` with exchange = ``hvd_qsgd.mpi.<name>``
+and i the number of earlier calls with that name on this reducer. The collectives are mpi4py's
+(``MpiCollectives``), which block; each learns the counts it needs from the ranks (an allgather of
+the lengths, an alltoall of the splits), so variable-length Elias payloads need no padding.
 
-    allgather:          p_r = encode(g_r, seed payload_seed(seed, r, exchange, i));
-                        Allgatherv of the payloads; result = alpha * decode_sum(p_0 .. p_{n-1})
-    scatter_allgather:  hvd_qsgd.reduction: encode_chunks -> Alltoallv -> reduce_chunk ->
-                        Allgatherv of the reduced chunks -> decode_chunks
-
-with exchange = ``hvd_qsgd.mpi.<name>`` and i the number of earlier calls with that name on this
-reducer. MPI collectives are matched by call order, not by name, so before every exchange the ranks
-allgather a small record (reduction, element count, fingerprint of name/shape/dtype, settings,
-payload lengths): every rank checks the same records and raises the same ``MismatchError`` before any
-payload moves, and the payload collectives get their counts from it (variable-length Elias payloads
-need no padding). Tensors of fewer than ``min_numel`` elements, and dtypes QSGD does not encode, go
+MPI collectives are matched by call order, not by name, so before every exchange the ranks
+allgather a small record (reduction, element count, fingerprint of name/shape/dtype, settings): every
+rank checks the same records and raises the same ``MismatchError`` before any payload moves. Then
+the exchange's stages run in order (``ExchangeRunner.run_in_order``: no presence or control vector,
+no ``hvd.join``). Tensors of fewer than ``min_numel`` elements, and dtypes QSGD does not encode, go
 through ``Allreduce`` uncompressed.
 """
 import inspect
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
-from hvd_qsgd import codec, protocol, reduction as chunks
-from hvd_qsgd.settings import Settings, Stats
+from hvd_qsgd import codec, protocol
+from hvd_qsgd.exchange.collectives import BlockingCollectives
+from hvd_qsgd.exchange.runner import ExchangeRunner
+from hvd_qsgd.policy import FixedBits
+from hvd_qsgd.settings import Settings
+from hvd_qsgd.state import Route
 
 _REDUCTION_CODES = {"allgather": 1, "scatter_allgather": 2}
 _FLOATS = ("float32", "float16", "bfloat16")
+
+
+class MpiCollectives(BlockingCollectives):
+    """mpi4py's collectives on NumPy arrays over a communicator (the exchange's group)."""
+
+    def run_allreduce(self, array, comm):
+        from mpi4py import MPI
+        out = np.empty_like(array)
+        comm.Allreduce(np.ascontiguousarray(array), out, op=MPI.SUM)
+        return out
+
+    def run_allgather(self, array, comm):
+        counts = [int(v) for v in comm.allgather(int(array.size))]
+        gathered = np.empty(sum(counts), dtype=array.dtype)
+        comm.Allgatherv(np.ascontiguousarray(array), [gathered, counts])
+        return gathered
+
+    def run_alltoall(self, array, splits, comm):
+        received_splits = [int(v) for v in comm.alltoall(splits)]
+        received = np.empty(sum(received_splits), dtype=array.dtype)
+        comm.Alltoallv([np.ascontiguousarray(array), splits], [received, received_splits])
+        return received, received_splits
 
 
 class QSGDReducer:
@@ -49,87 +73,48 @@ class QSGDReducer:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD
         self.comm = comm
-        self._stats = Stats()
+        self.collectives = MpiCollectives()
+        self.runner = ExchangeRunner(self.collectives, 0, self.settings, FixedBits(self.settings), owner=repr(self))
         self._occurrences = {}
+
+    def __repr__(self):
+        return f"hvd_qsgd.mpi.QSGDReducer({self.settings})"
 
     @property
     def stats(self):
-        return self._stats.as_dict()
+        return self.runner.stats.as_dict()
 
     def allreduce(self, x, name, op="average"):
         """The average (or sum) of ``x`` over the ranks, every rank bit-identical; same shape and dtype."""
-        from mpi4py import MPI
         if op not in ("average", "sum"):
             raise ValueError(f"hvd_qsgd.mpi: op must be 'average' or 'sum', got {op!r}")
         x = np.asarray(x)
         comm, s, n = self.comm, self.settings, self.comm.Get_size()
         alpha = 1.0 / n if op == "average" else 1.0
         if x.dtype.name not in _FLOATS or x.size < s.min_numel:
-            self._stats.add(raw_elements=x.size, raw_tensors=1)
-            self._agree(name, x, "raw", [])
-            out = np.empty_like(x)
-            comm.Allreduce(np.ascontiguousarray(x), out, op=MPI.SUM)
+            self.runner.stats.add(raw_elements=x.size, raw_tensors=1)
+            self._agree(name, x, "raw")
+            out = self.collectives.run_allreduce(x, comm)
             return out / n if op == "average" and np.issubdtype(x.dtype, np.floating) else out
         rank = comm.Get_rank()
         exchange = f"hvd_qsgd.mpi.{name}"
         occurrence = self._occurrences.get(name, 0)
         self._occurrences[name] = occurrence + 1
-        step_seed = protocol.payload_seed(s.seed, rank, exchange, occurrence)
-        where = f"hvd_qsgd.mpi: tensor {name!r}"
-        fingerprint = codec.tensor_fingerprint(name, x.shape, x.dtype.name)
-        x32 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
         red = s.exchange_reduction(n, x.size)
-        if red == "scatter_allgather":
-            buf, lens = chunks.encode_chunks(x32, s, step_seed, n, fingerprint, x.dtype.name, where)
-        else:
-            buf = codec.encode(x32, s.bits, s.bucket_size, s.norm, step_seed, s.coding, fingerprint, s.checksum,
-                               name=where, source_dtype=x.dtype.name)
-            lens = [buf.size]
-        records = self._agree(name, x, red, lens)
-        expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding,
-                                 numel=x.size, dtype=x.dtype.name, fingerprint=fingerprint)
-        if red == "allgather":
-            counts = [int(r[-1]) for r in records]
-            gathered = np.empty(sum(counts), dtype=np.uint8)
-            comm.Allgatherv(buf, [gathered, counts])
-            payloads = chunks.split_by(gathered, counts)
-            protocol.check_payloads(payloads, expect, where)
-            out = codec.decode_sum(payloads, alpha, where=where)
-            self._stats.add(elements=x.size, bytes_sent=buf.size, tensors=1, bytes_received=gathered.size - buf.size)
-        else:
-            out = self._scatter_allgather(buf, lens, records, expect, step_seed, alpha, where)
+        self._agree(name, x, red)
+        ex = self.runner.open(name, x.size, x.dtype.name, x.shape, "cpu", comm, list(range(n)), rank, n,
+                              route=Route(exchange, exchange, occurrence, 0, name, name, None),
+                              where=f"hvd_qsgd.mpi: tensor {name!r}")
+        self.runner.encode(ex, np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
+        out = self.runner.run_in_order(ex, alpha)
         return out.reshape(x.shape).astype(x.dtype, copy=False)
 
-    def _scatter_allgather(self, buf, lens, records, expect, step_seed, alpha, where):
-        comm, s, n, j = self.comm, self.settings, self.comm.Get_size(), self.comm.Get_rank()
-        numel = expect.numel
-        recv_counts = [int(r[-n + j]) for r in records]          # what rank r sends to this rank
-        received = np.empty(sum(recv_counts), dtype=np.uint8)
-        comm.Alltoallv([buf, lens], [received, recv_counts])
-        mine = chunks.split_by(received, recv_counts)
-        try:
-            chunks.check_chunk(mine, j, expect, where)
-            q = chunks.reduce_chunk(mine, j, s, step_seed, expect.fingerprint, expect.dtype, where)
-            error = None
-        except Exception as exc:  # every rank sees the empty slot below and raises
-            q, error = np.zeros(0, dtype=np.uint8), exc
-        q_counts = [int(v) for v in comm.allgather(int(q.size))]
-        gathered = np.empty(sum(q_counts), dtype=np.uint8)
-        comm.Allgatherv(q, [gathered, q_counts])
-        if error is not None:
-            raise protocol.MismatchError(f"{where}: this rank could not reduce chunk {j}: {error}") from error
-        out = chunks.decode_chunks(chunks.split_by(gathered, q_counts), alpha, numel, s.bucket_size,
-                                   where=f"{where}: reduced chunks")
-        self._stats.add(elements=numel, tensors=1, bytes_sent=sum(lens) - lens[j] + q.size,
-                        bytes_received=received.size - recv_counts[j] + gathered.size - q.size)
-        return out
-
-    def _agree(self, name, x, red, lens):
+    def _agree(self, name, x, red):
         """Allgather every rank's record of this exchange; raise on every rank if they differ."""
         s = self.settings
         head = (_REDUCTION_CODES.get(red, 0), int(x.size), codec.tensor_fingerprint(name, x.shape, x.dtype.name),
                 s.tag(red))
-        records = self.comm.allgather(head + tuple(int(v) for v in lens))
+        records = self.comm.allgather(head)
         differ = [r for r, rec in enumerate(records) if rec[:4] != records[0][:4]]
         if differ:
             what = ("tensor (name, shape or dtype)" if any(rec[2] != records[0][2] for rec in records) else
@@ -137,7 +122,6 @@ class QSGDReducer:
             raise protocol.MismatchError(
                 f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with rank 0 on the {what}: every rank "
                 "must reduce the same tensors in the same order with the same settings")
-        return records
 
 
 QSGDReducer.__signature__ = inspect.Signature(

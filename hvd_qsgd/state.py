@@ -128,6 +128,12 @@ class ExchangeNames:
             self.seq, self.occurrences = seq, occurrences
 
 
+def element_count(array: Any) -> int:
+    """The elements of a NumPy array, a tensor or a variable."""
+    numel = getattr(array, "numel", None)
+    return int(numel()) if callable(numel) else int(array.size)
+
+
 def numbered_key(n: int) -> int:
     """The control vector's exchange key of numbered exchange n (even; parameter keys are odd)."""
     return (2 * n) % protocol.TAG_RANGE ** 2
@@ -164,7 +170,7 @@ class ResidualStore:
         a checkpoint moves once); checked for size before it is kept."""
         residual = self.server.get(key)
         residual = make(size) if residual is None else place(residual) if place is not None else residual
-        count = residual.numel() if callable(getattr(residual, "numel", None)) else residual.size
+        count = element_count(residual)
         if count != size:
             raise protocol.MismatchError(
                 f"{where}: its server error-feedback residual has {count} elements, this "

@@ -81,7 +81,7 @@ class CompressorStateHandler(StateHandler):
 
     def restore(self):
         adapter = torch_adapter(self.value)
-        adapter._stats.load(self._saved["stats"])
+        adapter.load_stats(self._saved["stats"])
         adapter.load_exchange_counters(self._saved["counters"])
 
     def reset(self):

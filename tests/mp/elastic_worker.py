@@ -95,7 +95,7 @@ def reference(args):
 def snapshot(adapter):
     """The compressor's state on this rank (reads its internals: a test's view)."""
     with adapter._lock:
-        residuals = {str(k): [list(v.shape), round(float(v.norm()), 6)]
+        residuals = {str(k): [list(v.shape), round(float(torch.as_tensor(v).norm()), 6)]
                      for k, v in sorted(adapter.residuals.residuals.items(), key=lambda kv: str(kv[0]))}
         pending, in_flight, scattering = adapter.names.pending, sorted(adapter.names.in_flight), len(adapter.driver)
     counters = adapter.exchange_counters()

@@ -48,7 +48,7 @@ import horovod.torch as hvd
 from horovod.torch import mpi_ops
 
 import hvd_qsgd
-from hvd_qsgd.adapters.torch import _Exchange
+from hvd_qsgd.exchange.chains import Exchange as _Exchange
 from tests.mp.soak_memory import malloc_in_use, memory_fields, resident_outside_malloc
 
 SAMPLE = 100          # steps between descriptor and thread counts

@@ -1,0 +1,147 @@
+"""Each reduction as its chain of stages, on one compressed tensor (``Exchange``), written once for
+every framework. A chain is four steps, run by ``hvd_qsgd.exchange.runner.ExchangeRunner``:
+
+    encode(x)    in compress: this rank's payload(s) of x (+ its error-feedback residual)
+    start        once the presence allreduce showed every rank of the set took part: the first
+                 payload collective; True when another stage follows
+    advance      once that collective completed (scatter_allgather: the reduce step and phase 2)
+    finish       in decompress, once every rank's control vector checked: the result, alpha * sum
+
+``CHAINS`` maps each reduction to its chain; a new reduction is a new chain and a row of the table.
+Arrays are the exchange's backend's (``hvd_qsgd.backends``); collectives are the runner's
+(``hvd_qsgd.exchange.collectives``). The algorithms: ``hvd_qsgd.reduction`` (scatter_allgather),
+docs/architecture.md.
+"""
+import time
+
+from hvd_qsgd import protocol, reduction
+
+
+class Exchange:
+    """One compressed tensor between compress and decompress: where it goes, how it is encoded, and
+    how far its stages have come. ``origin`` is the adapter's (the tensor's shape, dtype, device)."""
+
+    __slots__ = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
+                 "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
+                 "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
+                 "started", "origin")
+
+    def __init__(self, **fields):
+        for k in self.__slots__:
+            setattr(self, k, fields.get(k))
+        self.sent = self.received = 0
+
+
+class AllgatherChain:
+    """Every rank receives every payload and decodes their sum: (n-1) P bytes received a rank."""
+
+    name = "allgather"
+
+    @staticmethod
+    def encode(run, ex, x):
+        residual, valid = run.worker_residual(ex, x)
+        s = ex.settings
+        ex.payload = ex.backend.encode(x, s, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype, ex.where,
+                                       residual=residual, residual_valid=valid)
+        run.keep_residual(ex, residual)
+        ex.own_len = len(ex.payload)
+
+    @staticmethod
+    def start(run, ex):
+        ex.stage = "gather"
+        payload, ex.payload = ex.payload, None
+        ex.handle = run.collectives.allgather(payload, ex.route.exchange, ex.group)
+        return False
+
+    @staticmethod
+    def advance(run, ex):
+        raise AssertionError("the allgather chain has one collective")
+
+    @staticmethod
+    def own_dequantized(ex):
+        return ex.backend.decode(ex.payload, ex.where)
+
+    @staticmethod
+    def finish(run, ex, alpha):
+        """Check every rank's header, decode and sum the payloads."""
+        b, where, n = ex.backend, ex.where, len(ex.set_ranks)
+        gathered = run.wait(ex.handle)
+        t0 = time.perf_counter()
+        payloads = b.split(gathered, n, ex.own_len, where)
+        protocol.check_gathered(b.read_headers(payloads, where), ex.expect, where)
+        out = b.decode_sum(payloads, alpha, where)
+        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1, decode_s=time.perf_counter() - t0,
+                      bytes_received=len(gathered) - ex.own_len)
+        return out
+
+
+class ScatterAllgatherChain:
+    """Rank j reduces chunk j: alltoall of chunk payloads, decode-sum and re-quantize the own chunk,
+    allgather of the reduced chunks (``hvd_qsgd.reduction``): about 2 (n-1)/n P bytes a rank."""
+
+    name = "scatter_allgather"
+
+    @staticmethod
+    def encode(run, ex, x):
+        residual, valid = run.worker_residual(ex, x)
+        s, n = ex.settings, len(ex.set_ranks)
+        ex.payload, ex.splits = ex.backend.encode_chunks(x, s, ex.step_seed, n, ex.expect.fingerprint,
+                                                         ex.expect.dtype, ex.where, residual=residual,
+                                                         residual_valid=valid)
+        run.keep_residual(ex, residual)
+        ex.own_len = int(sum(ex.splits))
+
+    @staticmethod
+    def start(run, ex):
+        """Phase 1: each rank's payload of chunk j goes to rank j."""
+        ex.stage = "scatter"
+        buf, ex.payload = ex.payload, None
+        ex.sent = ex.own_len - ex.splits[ex.set_rank]
+        ex.handle = run.collectives.alltoall(buf, ex.splits, f"{ex.route.exchange}.scatter", ex.group)
+        return True
+
+    @staticmethod
+    def advance(run, ex):
+        """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
+        allgather of the reduced chunks' frames (an empty frame after a failure: every rank raises)."""
+        j = ex.set_rank
+        received, rsplits = run.collectives.wait(ex.handle)
+        ex.handle = None
+        ex.received = int(sum(rsplits)) - rsplits[j]
+        t0 = time.perf_counter()
+        server = (lambda: run.server_residual(ex, received)) if ex.settings.server_error_feedback else None
+        frame, ex.reduce_error = ex.backend.reduce_received(received, rsplits, j, ex.settings, ex.step_seed,
+                                                            ex.expect, ex.where, server_residual=server)
+        run.stats.add(decode_s=time.perf_counter() - t0)
+        ex.sent += len(frame)
+        ex.gather_handle = run.collectives.allgather(frame, f"{ex.route.exchange}.gather", ex.group)
+        return False
+
+    @staticmethod
+    def own_dequantized(ex):
+        b = ex.backend
+        return b.decode_chunks(b.split_by(ex.payload, ex.splits), 1.0, ex.expect.numel, ex.settings.bucket_size,
+                               ex.where)
+
+    @staticmethod
+    def finish(run, ex, alpha):
+        """Phase 2's result: alpha * the decoded reduced chunks."""
+        if ex.gather_handle is None:
+            raise protocol.MismatchError(f"{ex.where}: the first phase of the exchange failed on this rank")
+        n, j, b = len(ex.set_ranks), ex.set_rank, ex.backend
+        gathered = run.wait(ex.gather_handle)
+        # the frames' lengths are read on the host (a copy of the frames where they are on a device)
+        chunks = reduction.unframe(b.host(gathered), n, ex.where)
+        t0 = time.perf_counter()
+        if ex.reduce_error is not None:
+            raise protocol.MismatchError(f"{ex.where}: this rank could not reduce chunk {j}: "
+                                         f"{ex.reduce_error}") from ex.reduce_error
+        ex.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
+        chunks = [b.place_bytes(c, gathered) for c in chunks]
+        out = b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size, f"{ex.where}: reduced chunks")
+        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
+                      decode_s=time.perf_counter() - t0)
+        return out
+
+
+CHAINS = {chain.name: chain for chain in (AllgatherChain, ScatterAllgatherChain)}

@@ -1,0 +1,284 @@
+"""The exchanges of one compressor, framework-free: ``ExchangeRunner`` takes a tensor (as its
+backend's array) from compress to decompress through its reduction's chain of stages
+(``hvd_qsgd.exchange.chains``) over a collectives interface (``hvd_qsgd.exchange.collectives``).
+
+    open        the exchange's route (``hvd_qsgd.state.ExchangeNames``), settings (the bits policy),
+                reduction, chain and backend; what every header must say
+    encode      the step seed; the chain's encode, with the error-feedback residual
+                (``ResidualStore``; fused into the backend's encode, on the CPU as on the device)
+    start       the presence allreduce (``protocol.presence_vector``), even after a fault
+    control     the control vector the adapter hands to Horovod's allreduce
+    finish      the control vector's verdict; the chain's remaining stages (``hvd_qsgd.driver``);
+                the chain's result, or the joined path's (ranks gone to ``hvd.join``)
+
+The stages start from decompress and its waits, never from compress: a payload collective started
+from compress on one rank, while another rank's presence allreduce had not completed, stalled
+Horovod's grouped allreduce of the control vectors (with its response cache on).
+
+hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
+(Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
+instead, and finish returns alpha times that sum, alpha = 1/n for Average as Horovod's own joined
+allreduce gives (``protocol.joined_verdict`` checks the control vector as the stepping ranks').
+Counted in ``stats["joined_exchanges"]`` and logged once.
+"""
+import logging
+import threading
+import time
+from types import SimpleNamespace
+
+from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
+from hvd_qsgd.driver import StagedDriver
+from hvd_qsgd.exchange.chains import CHAINS, Exchange
+from hvd_qsgd.settings import Stats
+from hvd_qsgd.state import ExchangeNames, ResidualStore, element_count
+
+log = logging.getLogger("hvd_qsgd")
+_joined_logged = threading.Event()
+
+
+def _note_joined(where, joined):
+    """Log, once per process, that exchanges go uncompressed while ranks have joined."""
+    if not _joined_logged.is_set():
+        _joined_logged.set()
+        log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
+                    "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
+                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
+
+
+class ExchangeRunner:
+    """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
+    and stage driver. Thread-safe."""
+
+    def __init__(self, collectives, creation_index, settings, policy, owner, sep="."):
+        self.collectives = collectives
+        self.creation_index = creation_index
+        self.policy = policy
+        self.owner = owner     # how warnings name the compressor
+        self.lock = threading.Lock()
+        self.stats = Stats()
+        self.names = ExchangeNames(creation_index, sep)
+        self.residuals = ResidualStore()
+        self.driver = StagedDriver(collectives.poll, collectives.wait, self._next_stage)
+        self._slowdown = report.SlowdownWatch(settings.link_bps())
+
+    # -- compress -----------------------------------------------------------------------------
+
+    def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
+             where=None):
+        """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
+        "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
+        ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's."""
+        route = route or self.names.route(param)
+        s = self.policy.settings_for(route.residual_key)
+        where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
+                          f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
+        expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding, numel=numel,
+                                 dtype=dtype, fingerprint=codec.tensor_fingerprint(route.param or "", shape, dtype))
+        red = s.exchange_reduction(len(set_ranks), numel)
+        backend, fallback = backends.choose(device_type, s, red)
+        if fallback:
+            backends.note_fallback(fallback, self.stats)
+        return Exchange(route=route, where=where, settings=s, expect=expect, reduction=red, chain=CHAINS[red],
+                        backend=backend, group=group, set_ranks=set_ranks, world=world, global_rank=global_rank,
+                        set_rank=set_ranks.index(global_rank) if global_rank in set_ranks else None)
+
+    def encode(self, ex, x, lr=None):
+        """This rank's payload(s) of ``x`` (the tensor flattened, as ``ex.backend`` reads it), timed."""
+        if ex.set_rank is None:
+            raise protocol.MismatchError(
+                f"{ex.where}: this rank (global rank {ex.global_rank}) is not in the compressor's process set "
+                f"{ex.set_ranks}; pass the optimizer's process_set= to the compressor")
+        ex.lr = lr
+        ex.step_seed = protocol.payload_seed(ex.settings.seed, ex.set_rank, ex.route.seed_name, ex.route.occurrence)
+        t0 = time.perf_counter()
+        ex.chain.encode(self, ex, x)
+        self.stats.add(encode_s=time.perf_counter() - t0)
+
+    def start(self, ex):
+        """Start the exchange's presence allreduce, also after a fault (the other ranks count on it;
+        the control vector reports the fault)."""
+        ex.stage = "presence"
+        if ex.set_rank is None:  # not in the set: the control check raises on every rank
+            ex.started = threading.Event()
+            ex.started.set()
+            return
+        vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
+        ex.handle = self.collectives.allreduce(vector, f"{ex.route.exchange}.present", ex.group)
+        self.driver.add(ex)
+
+    def control(self, ex):
+        """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
+        tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(ex.reduction),
+                                      ex.route.key)
+        return protocol.control_vector(ex.world, ex.global_rank, ex.set_rank, tags, failed=ex.fault is not None)
+
+    # -- error feedback (the rules: hvd_qsgd.error_feedback) ----------------------------------
+
+    def worker_residual(self, ex, x):
+        """(the buffer the backend's encode reads and rewrites as the tensor's residual, whether it
+        holds one): with error feedback, the residual kept, where ``x`` is, rescaled by lr_made /
+        lr_now; else (None, False)."""
+        if not ex.settings.error_feedback:
+            return None, False
+        key = ex.route.residual_key
+        old = self.residuals.get(key)
+        if old is None:
+            return ex.backend.zeros(ex.expect.numel, x), False
+        if element_count(old) != ex.expect.numel:
+            raise protocol.MismatchError(
+                f"{ex.where}: its error-feedback residual (position {key!r}) has {element_count(old)} elements, "
+                f"the tensor {ex.expect.numel}: the tensors handed to the compressor changed order between "
+                "steps; pass named_parameters= to the compressor")
+        residual = ex.backend.place(old, x)
+        factor = self.residuals.factor(key, ex.lr)
+        return (residual if factor == 1.0 else residual * factor), True
+
+    def keep_residual(self, ex, residual):
+        if residual is not None:
+            self.residuals.keep(ex.route.residual_key, residual, ex.lr)
+
+    def server_residual(self, ex, like):
+        """This rank's residual of the tensor's chunk, where its backend reduces ``like`` (made zero,
+        or moved there once from a checkpoint); the reduce step updates it in place."""
+        begin, end = reduction.chunk_ranges(ex.expect.numel, ex.settings.bucket_size, len(ex.set_ranks))[ex.set_rank]
+        with self.lock:
+            return self.residuals.server_residual(ex.route.residual_key, end - begin,
+                                                  lambda size: ex.backend.zeros(size, like), ex.where,
+                                                  lambda r: ex.backend.place(r, like))
+
+    # -- stages (hvd_qsgd.driver) -------------------------------------------------------------
+
+    def _next_stage(self, ex):
+        """The driver's step once ex's collective has completed: True when another collective was
+        started that ex now waits on. Never raises (other exchanges' calls run it): an error is kept
+        in ``ex.stage_error`` for its own decompress."""
+        try:
+            if ex.stage == "presence":
+                return self._after_presence(ex)
+            return ex.chain.advance(self, ex)
+        except Exception as e:
+            ex.stage_error = e
+        return False
+
+    def _after_presence(self, ex):
+        """Every rank of the set took part: the chain's first collective. Some have joined: the
+        allreduce of this rank's dequantized payload (the joined ranks add zeros)."""
+        ex.present = protocol.present_ranks(self.collectives.wait(ex.handle), ex.where)  # a NumPy vector
+        ex.handle = None
+        if ex.fault is not None:  # the control check raises on every rank; nothing more starts
+            return False
+        if len(ex.present) < len(ex.set_ranks):
+            ex.stage = "joined"
+            own, ex.payload = ex.chain.own_dequantized(ex), None
+            ex.handle = self.collectives.allreduce(own, f"{ex.route.exchange}.joined", ex.group)
+            return False
+        return ex.chain.start(self, ex)
+
+    def wait(self, handle):
+        """The result of a collective, the time blocked on it counted in ``wait_s``."""
+        t0 = time.perf_counter()
+        try:
+            return self.driver.wait(handle)
+        finally:
+            self.stats.add(wait_s=time.perf_counter() - t0)
+
+    # -- decompress ---------------------------------------------------------------------------
+
+    def finish(self, ex, reduced_control):
+        """The exchange's result (the backend's float32 array of numel elements), once the reduced
+        control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
+        try:
+            alpha = self._check_control(ex, reduced_control)
+        except protocol.MismatchError as e:
+            self.driver.forget(ex)
+            raise e from ex.fault  # a numbered slot stays taken: its collectives may never complete
+        finally:
+            self.names.finish(ex.route)
+        try:
+            t0 = time.perf_counter()
+            self.driver.finish(ex)  # every rank started its stages (the control check passed)
+            self.stats.add(wait_s=time.perf_counter() - t0)
+            if isinstance(ex.stage_error, self.collectives.interrupts):
+                # a collective failed or the hosts changed: the library's own error, unchanged, so that
+                # elastic training (hvd.elastic.run) resets and restores instead of stopping
+                raise ex.stage_error
+            if ex.stage_error is not None:
+                raise protocol.MismatchError(f"{ex.where}: {ex.stage_error}") from ex.stage_error
+            out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
+        finally:  # every rank waited for this exchange's collectives: its slot may be used again
+            self.names.release_slot(ex.route.slot)
+        if ex.stage != "joined":
+            self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
+                                                                     4 * ex.expect.numel))
+            self._slowdown.check(self.stats.as_dict(), self.owner)
+        if self.policy.observes:
+            self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
+        return out
+
+    def run_in_order(self, ex, alpha):
+        """The exchange's stages one after another, without presence or control vector, for a
+        library whose collectives block and are matched by call order, where the caller has checked
+        that every rank runs the same exchange (``hvd_qsgd.mpi``): the result, alpha * sum."""
+        again = ex.chain.start(self, ex)
+        while again:
+            again = ex.chain.advance(self, ex)
+        return ex.chain.finish(self, ex, alpha)
+
+    def _check_control(self, ex, reduced):
+        """The control vector's verdict (``protocol.check_control``), where ranks of the set may have
+        joined (``hvd.join``): then the vector is that of the ranks still stepping, and the exchange's
+        presence allreduce must say the same (``protocol.joined_verdict`` tells a join from a
+        reduction over a smaller process set)."""
+        fault = None if ex.fault is None else f"{ex.where}: {ex.fault}"
+        try:
+            return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
+        except protocol.MismatchError as e:
+            verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
+            if verdict is None or ex.set_rank is None:
+                raise
+            present, alpha, certain = verdict
+            if not self._presence_known(ex, None if certain else protocol.JOIN_WAIT_S):
+                raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "
+                                             "of the set joined (hvd.join) but never took part in this "
+                                             "exchange's presence allreduce)") from None
+            if ex.present != present:
+                raise protocol.MismatchError(
+                    f"{ex.where}: the control vector was reduced over set ranks {present}, but the ranks "
+                    f"still stepping (not joined with hvd.join) are {ex.present}") from None
+            return alpha
+
+    def _presence_known(self, ex, timeout):
+        """Wait until the exchange's presence allreduce has completed (``timeout`` seconds at most,
+        None: no limit); whether it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while ex.present is None and ex.stage_error is None:
+            if deadline is None:
+                self.driver.finish(ex)
+                break
+            if time.monotonic() > deadline:
+                return False
+            self.driver.advance()
+            time.sleep(1e-3)
+        return ex.present is not None
+
+    def _finish_joined(self, ex, alpha):
+        """With ranks joined: alpha * the sum Horovod's allreduce made of the stepping ranks'
+        dequantized payloads (the joined ranks added zeros), counted as an uncompressed exchange."""
+        out = self.wait(ex.handle)
+        if alpha != 1.0:
+            out = out * alpha
+        self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
+        _note_joined(ex.where, len(ex.set_ranks) - len(ex.present))
+        return out
+
+    # -- elastic training ---------------------------------------------------------------------
+
+    def reset(self, residuals=True):
+        """Forget every exchange in progress, and with ``residuals`` the error-feedback residuals (and
+        the bits policy's state); the exchange counters are kept."""
+        self.names.reset()
+        self.driver.reset()
+        if residuals:
+            with self.lock:
+                self.residuals.clear()
+            self.policy.reset()
