@@ -8,7 +8,7 @@ trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks. The table gives the median step per K and mode,
 for every tree in ``--trees`` (each a checkout of this package, its kernels built), launched in
-turn for each K so that both see the same machine load: what a compressed tensor costs beyond the
+turn for each K (``--repeats`` times, alternating) so that both see the same machine load: what a compressed tensor costs beyond the
 bytes it moves (the handshake's collectives, Python, the codec at this size).
 """
 import argparse
@@ -32,6 +32,8 @@ def add_arguments(p):
     p.add_argument("--steps", type=int_at_least(1), default=40, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps (default %(default)s)")
     p.add_argument("--trees", default=".", help="checkouts to compare, comma-separated (default: this one)")
+    p.add_argument("--repeats", type=int_at_least(1), default=1,
+                   help="launches per tree and K, alternating between the trees; the table gives the median")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--json", help=argparse.SUPPRESS)
 
@@ -75,7 +77,7 @@ def run(args):
     modes = args.modes.split(",")
     table = {}
     for k in ks:
-        for tree in trees:
+        for tree in [t for _ in range(args.repeats) for t in trees]:
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = ["horovodrun", "--gloo", "-np", str(args.np), sys.executable, "-m", "benchmarks.overhead",
                        "--worker", "--json", out.name, "--tensors", str(k), "--numel", str(args.numel),
@@ -91,16 +93,17 @@ def run(args):
                     return 1
                 with open(out.name) as f:
                     for key, v in json.load(f).items():
-                        table[(tree, key)] = v
+                        table.setdefault((tree, key), []).append(v)
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; "
-          f"{args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms)")
+          f"{args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
+          f"median of {args.repeats} launches per tree, alternating")
     print("| tree | K | " + " | ".join(modes) + " |")
     print("|---|---|" + "---|" * len(modes))
     for k in ks:
         for tree in trees:
             name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
-            print(f"| {name} | {k} | " + " | ".join(f"{1e3 * table[(tree, f'{m}/{k}')]:.1f}" for m in modes) + " |")
+            print(f"| {name} | {k} | " + " | ".join(f"{1e3 * statistics.median(table[(tree, f'{m}/{k}')]):.1f}" for m in modes) + " |")
     return 0
 
 

@@ -14,7 +14,7 @@ signatures, same payload bytes for the same input, settings and seed:
     reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual)
                                                                          -> (phase-2 frame, error)
     decode_chunks(payloads, alpha, numel, bucket_size, where)            -> float32 values
-    zeros(size, like), place(array, like), place_bytes(payload, like), host(x)
+    float32(x), repeat(x, times), empty_bytes(like), zeros(size, like), place(array, like), place_bytes(payload, like), host(x)
                                                                          -> arrays where the backend reads
 
 ``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
@@ -63,6 +63,18 @@ class CpuBackend:
 
     def decode(self, payload, where: str) -> np.ndarray:
         return codec.decode(payload, where)
+
+    def float32(self, x) -> np.ndarray:
+        """A float32 copy of ``x``, flat."""
+        return np.array(x, dtype=np.float32).reshape(-1)
+
+    def repeat(self, x, times: int) -> np.ndarray:
+        """``x`` (flat) ``times`` times back to back."""
+        return np.tile(x, times)
+
+    def empty_bytes(self, like) -> np.ndarray:
+        """An empty payload where this backend reads ``like``."""
+        return np.zeros(0, dtype=np.uint8)
 
     def zeros(self, size: int, like) -> np.ndarray:
         """A float32 array of ``size`` zeros where this backend reads ``like``."""
@@ -161,6 +173,17 @@ class CudaBackend:
 
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)
+
+    def float32(self, x):
+        import torch
+        return x.detach().reshape(-1).to(torch.float32, copy=True)
+
+    def repeat(self, x, times: int):
+        return x.repeat(times)
+
+    def empty_bytes(self, like):
+        import torch
+        return torch.zeros(0, dtype=torch.uint8, device=like.device)
 
     def zeros(self, size: int, like):
         import torch

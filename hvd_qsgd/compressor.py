@@ -49,7 +49,9 @@ class QSGD:
                      scatter_allgather for large ones), "allgather" (every rank receives every
                      payload: (n-1) P bytes) or "scatter_allgather" (alltoall of chunks, reduce,
                      allgather of the re-quantized chunks: 2 (n-1)/n P bytes, flat in n; see
-                     ``hvd_qsgd.reduction``)
+                     ``hvd_qsgd.reduction``) or "hierarchical" (PyTorch: reduce inside each node in
+                     float32, compress only across nodes: (c-1) P bytes leave a node of the c;
+                     ``hvd_qsgd.exchange.hierarchical``, docs/reduction.md)
     server_error_feedback: with scatter_allgather, the rank that reduces chunk j keeps the residual
                      of its re-quantization and adds it to chunk j's sum next time (two-way error
                      feedback, as dist-EF-SGDM's server; ``hvd_qsgd.error_feedback``)
@@ -112,14 +114,14 @@ class QSGD:
                 common = dict(settings=self.settings, policy=self._policy(framework), process_set=self._process_set,
                               creation_index=self._creation_index)
                 if framework == "torch":
-                    from hvd_qsgd.adapters.torch import QSGD as TorchQSGD
+                    from hvd_qsgd.adapters.torch import TorchCompressor as TorchQSGD
                     adapter = TorchQSGD(named_parameters=self._named_parameters, **common)
                 else:
                     if self._named_parameters is not None:
                         raise ValueError(f"hvd_qsgd.{type(self).__name__}: named_parameters are PyTorch "
                                          "parameters; TensorFlow gradients are matched in the order they "
                                          "are traced")
-                    from hvd_qsgd.adapters.tensorflow import QSGD as TensorFlowQSGD
+                    from hvd_qsgd.adapters.tensorflow import TensorFlowCompressor as TensorFlowQSGD
                     adapter = TensorFlowQSGD(**common)
                 if self._learning_rate is not None:
                     adapter.follow_learning_rate(self._learning_rate)

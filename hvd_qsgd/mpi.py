@@ -26,12 +26,12 @@ import numpy as np
 
 from hvd_qsgd import codec, protocol
 from hvd_qsgd.exchange.collectives import BlockingCollectives
-from hvd_qsgd.exchange.runner import ExchangeRunner
+from hvd_qsgd.exchange.runner import ExchangeRunner, ranks_per_node_override
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings
 from hvd_qsgd.state import Route
 
-_REDUCTION_CODES = {"allgather": 1, "scatter_allgather": 2}
+_REDUCTION_CODES = {"allgather": 1, "scatter_allgather": 2, "hierarchical": 3}
 _FLOATS = ("float32", "float16", "bfloat16")
 
 
@@ -47,14 +47,20 @@ class MpiCollectives(BlockingCollectives):
     def run_allgather(self, array, comm):
         counts = [int(v) for v in comm.allgather(int(array.size))]
         gathered = np.empty(sum(counts), dtype=array.dtype)
-        comm.Allgatherv(np.ascontiguousarray(array), [gathered, counts])
+        comm.Allgatherv(np.ascontiguousarray(array), [gathered, (counts, _offsets(counts))])
         return gathered
 
     def run_alltoall(self, array, splits, comm):
         received_splits = [int(v) for v in comm.alltoall(splits)]
         received = np.empty(sum(received_splits), dtype=array.dtype)
-        comm.Alltoallv([np.ascontiguousarray(array), splits], [received, received_splits])
+        # displacements given: mpi4py's own for counts with zeros in them do not place the pieces
+        comm.Alltoallv([np.ascontiguousarray(array), (splits, _offsets(splits))],
+                       [received, (received_splits, _offsets(received_splits))])
         return received, received_splits
+
+
+def _offsets(counts):
+    return [int(v) for v in np.cumsum([0] + list(counts[:-1]))]
 
 
 class QSGDReducer:
@@ -101,18 +107,33 @@ class QSGDReducer:
         occurrence = self._occurrences.get(name, 0)
         self._occurrences[name] = occurrence + 1
         red = s.exchange_reduction(n, x.size)
-        self._agree(name, x, red)
+        per_node = self._ranks_per_node() if red == "hierarchical" else None
+        self._agree(name, x, red if per_node is None else f"{red}/{per_node}")
         ex = self.runner.open(name, x.size, x.dtype.name, x.shape, "cpu", comm, list(range(n)), rank, n,
                               route=Route(exchange, exchange, occurrence, 0, name, name, None),
-                              where=f"hvd_qsgd.mpi: tensor {name!r}")
+                              where=f"hvd_qsgd.mpi: tensor {name!r}", ranks_per_node=per_node)
+        if ex.fault is not None:  # alike on every rank: the layout agreed
+            raise ex.fault
         self.runner.encode(ex, np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
         out = self.runner.run_in_order(ex, alpha)
         return out.reshape(x.shape).astype(x.dtype, copy=False)
 
+    def _ranks_per_node(self):
+        """``HVD_QSGD_RANKS_PER_NODE``, else the ranks of this communicator sharing this rank's node,
+        where they are consecutive (0, an error, where they are not)."""
+        override = ranks_per_node_override()
+        if override is not None:
+            return override
+        from mpi4py import MPI
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        size, rank, local = node.Get_size(), self.comm.Get_rank(), node.Get_rank()
+        node.Free()
+        return size if local == rank % size else 0
+
     def _agree(self, name, x, red):
         """Allgather every rank's record of this exchange; raise on every rank if they differ."""
         s = self.settings
-        head = (_REDUCTION_CODES.get(red, 0), int(x.size), codec.tensor_fingerprint(name, x.shape, x.dtype.name),
+        head = (_REDUCTION_CODES.get(red.split("/")[0], 0), int(x.size), codec.tensor_fingerprint(name, x.shape, x.dtype.name),
                 s.tag(red))
         records = self.comm.allgather(head)
         differ = [r for r, rec in enumerate(records) if rec[:4] != records[0][:4]]

@@ -18,7 +18,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from hvd_qsgd import codec, cost_model, protocol
 
-REDUCTIONS = ("allgather", "scatter_allgather", "auto")
+REDUCTIONS = ("allgather", "scatter_allgather", "hierarchical", "auto")
 _creation_counter = itertools.count()
 _creation_lock = threading.Lock()
 

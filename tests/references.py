@@ -139,3 +139,31 @@ def block_sign(v, block):
         blk = v[i: i + block]
         out[i: i + block] = np.where(blk >= 0, 1.0, -1.0) * np.mean(np.abs(blk))
     return out
+
+
+def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32"):
+    """The hierarchical reduction (``hvd_qsgd.exchange.hierarchical``) of the n ranks' inputs xs in
+    one process: nodes of ``per_node`` consecutive ranks; shard i of node k summed in local-rank
+    order and encoded with rank k*per_node+i's step seed; shard i = decode_sum of the nodes' payloads;
+    alpha times the shards back to back. Returns (result, [[payload of node k, shard i]])."""
+    import numpy as np
+    from hvd_qsgd import codec, reduction
+    s, n = settings, len(xs)
+    nodes = n // per_node
+    flat = [np.asarray(x).astype(np.float32).reshape(-1) for x in xs]
+    shards, sent = [], []
+    for i, (b, e) in enumerate(reduction.chunk_ranges(flat[0].size, s.bucket_size, per_node)):
+        if e == b:
+            sent.append([])
+            continue
+        payloads = []
+        for k in range(nodes):
+            total = flat[k * per_node][b:e].copy()
+            for j in range(1, per_node):
+                total = total + flat[k * per_node + j][b:e]
+            payloads.append(codec.encode(total, s.bits, s.bucket_size, s.norm, step_seeds[k * per_node + i], s.coding,
+                                         fingerprint, s.checksum, source_dtype=dtype))
+        sent.append(payloads)
+        shards.append(codec.decode_sum(payloads, 1.0))
+    out = np.concatenate(shards)
+    return (out * alpha if alpha != 1.0 else out), sent

@@ -25,3 +25,16 @@ def test_mpi4py_mismatches_raise_on_every_rank():
     assert len(raised) == 9, out[-3000:]
     assert sum("compressor settings or reduction" in m for m in raised) == 6
     assert sum("on the tensor (name, shape or dtype)" in m for m in raised) == 3
+
+
+@pytest.mark.parametrize("np_", [4, 6])
+def test_mpi4py_hierarchical_equals_the_three_stage_reference(np_):
+    """Nodes of 2 consecutive ranks (HVD_QSGD_RANKS_PER_NODE): 2 and 3 nodes; every rank equals the
+    single-process reference of the three stages bit for bit, and counts the bytes it sent inside and
+    across nodes; ranks that disagree on the layout raise on every rank."""
+    scenarios = ["hierarchical"] + (["hierarchical-layouts-differ"] if np_ == 4 else [])
+    out = launch(np_, "mpirun", [WORKER] + scenarios, timeout=180)
+    assert len(re.findall(r"OK hierarchical(?![a-z_-])", out)) == np_, out[-3000:]
+    if np_ == 4:
+        raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)
+        assert len(raised) == np_ and all("compressor settings or reduction" in m for m in raised), out[-3000:]

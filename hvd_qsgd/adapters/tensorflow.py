@@ -81,11 +81,12 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, reduction, report, step_built
+from hvd_qsgd import _tf_ops as qops, codec, protocol, reduction, report, step_built
 from hvd_qsgd.adapters import tf_schedule
+from hvd_qsgd.adapters.tf_state import TensorFlowState, usable_rate
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
-from hvd_qsgd.settings import (Settings, Stats, next_creation_index, process_set_key,
+from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
                                set_ranks as process_set_ranks)
 from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
 
@@ -116,7 +117,7 @@ class _Exchange:
                  "timing", "variants", "index", "schedule", "key", "process_set")
 
 
-class QSGD(Compressor):
+class TensorFlowCompressor(TensorFlowState, Compressor):
     """QSGD compression for ``horovod.tensorflow`` (see ``hvd_qsgd.QSGD`` for the parameters).
 
     Hashable by identity: Horovod caches traced functions by compressor."""
@@ -128,6 +129,9 @@ class QSGD(Compressor):
             if first is not None:  # a retrace of the step that built it: that step's compressor
                 self.__dict__ = first.__dict__
                 return
+        if settings.reduction == "hierarchical":
+            raise ValueError("hvd_qsgd.tensorflow.QSGD: reduction='hierarchical' runs in PyTorch and hvd_qsgd.mpi "
+                             "so far; pass reduction='scatter_allgather' (or 'auto') in TensorFlow")
         self.settings = settings
         self.policy = policy if policy is not None else FixedBits(settings)
         if type(self.policy) not in (FixedBits, ScheduledBits):
@@ -151,40 +155,6 @@ class QSGD(Compressor):
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
 
-    def _counter_vars(self):
-        if self._counters is None:
-            with tf.init_scope():
-                self._counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                 name=f"hvd_qsgd_{self._creation_index}_{k}")
-                                  for k in Stats.GRAPH_FIELDS}
-                _initialize_in_session(self._counters.values())
-        return self._counters
-
-    def _timing_vars(self):
-        """The time fields and allreduce_bytes (``Stats.TIME_FIELDS``): variables of their own, kept
-        out of ``variables`` so that checkpoints hold what they held before."""
-        if self._timing is None:
-            with tf.init_scope():
-                self._timing = {k: tf.Variable(0.0, dtype=tf.float64, trainable=False,
-                                               name=f"hvd_qsgd_{self._creation_index}_{k}")
-                                for k in Stats.TIME_FIELDS}
-                self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                              name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
-                _initialize_in_session(self._timing.values())
-        return self._timing
-
-    def _timed(self, field, inputs, make):
-        """(make(), the op adding its time to ``field``): tf.timestamp() once ``inputs`` exist, the ops
-        make() builds, tf.timestamp() once their results exist (in a graph the control dependencies
-        order them; eagerly they run in turn)."""
-        with tf.control_dependencies([t for t in tf.nest.flatten(inputs) if t is not None]):
-            t0 = tf.timestamp()
-        with tf.control_dependencies([t0]):
-            result = make()
-        with tf.control_dependencies([t for t in tf.nest.flatten(result) if t is not None]):
-            t1 = tf.timestamp()
-        return result, self._timing_vars()[field].assign_add(t1 - t0)
-
     def _next_exchange(self):
         """(sequence number, state key) of the next exchange.
 
@@ -205,19 +175,6 @@ class QSGD(Compressor):
             self.traced_exchanges.append((self.names.name(f"s{seq}"), getattr(g, "name", "graph")))
             return seq, f"{getattr(g, 'name', 'graph')}:{position}"
 
-    def _state(self, store, name, make):
-        """The variable ``name`` in ``store``, created outside any traced function on first use."""
-        v = store.get(name)
-        if v is None:
-            with tf.init_scope():
-                v = store[name] = make()
-                _initialize_in_session(tf.nest.flatten(v))
-        return v
-
-    def _count(self, **amounts):
-        counters = self._counter_vars()
-        return [counters[k].assign_add(tf.cast(v, tf.int64)) for k, v in amounts.items()]
-
     # -- Compressor interface -----------------------------------------------------------------
 
     @tf.autograph.experimental.do_not_convert
@@ -225,23 +182,14 @@ class QSGD(Compressor):
         if isinstance(tensor, tf.IndexedSlices):
             return tensor, None
         tensor = tf.convert_to_tensor(tensor)
-        s = self.settings
         if (tensor.dtype not in SOURCE_DTYPES or not tensor.shape.is_fully_defined()
-                or tensor.shape.num_elements() < s.min_numel):
-            n = tensor.shape.num_elements()
-            if n is None:
-                n = tf.size(tensor)
-            with tf.control_dependencies(self._count(raw_elements=n, raw_tensors=1)):
-                if tensor.dtype.is_floating and tensor.dtype != tf.float64:
-                    # float64 like the control vectors, so that a grouped allreduce (one dtype per
-                    # group in TensorFlow) can hold both; cast back in decompress
-                    return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
-                return tf.identity(tensor), None
+                or tensor.shape.num_elements() < self.settings.min_numel):
+            return self._raw(tensor)
         caller = horovod_caller()
         ps = self._exchange_process_set(caller)
         seq, state_key = self._next_exchange()
         set_ranks = process_set_ranks(ps, hvd.size())
-        world, grank = hvd.size(), hvd.rank()
+        grank = hvd.rank()
         if grank not in set_ranks and caller.process_set is not None:
             # Horovod reduces over a set this rank is not in, and hands it its own tensor back: so does
             # the compressor (the exchange is numbered all the same, as on the set's ranks)
@@ -249,7 +197,25 @@ class QSGD(Compressor):
         if grank not in set_ranks:
             raise ValueError(f"hvd_qsgd: this rank (global rank {grank}) is not in the compressor's process "
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")
-        set_rank = set_ranks.index(grank)
+        ctx = self._open(tensor, ps, seq, state_key, set_ranks, set_ranks.index(grank))
+        return self._encode(ctx, self._input(ctx, tensor), seq)
+
+    def _raw(self, tensor):
+        """An uncompressed tensor, counted: floating point as float64, so that a grouped allreduce
+        (one dtype per group in TensorFlow) can hold it with the control vectors; cast back in
+        decompress."""
+        n = tensor.shape.num_elements()
+        if n is None:
+            n = tf.size(tensor)
+        with tf.control_dependencies(self._count(raw_elements=n, raw_tensors=1)):
+            if tensor.dtype.is_floating and tensor.dtype != tf.float64:
+                return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
+            return tf.identity(tensor), None
+
+    def _open(self, tensor, ps, seq, state_key, set_ranks, set_rank):
+        """The context of exchange ``seq``: its name (eager: a slot), messages, and occurrence (the
+        payload seed's counter: a variable per traced exchange)."""
+        s = self.settings
         ctx = _Exchange()
         ctx.process_set = ps
         eager = tf.executing_eagerly()
@@ -262,15 +228,22 @@ class QSGD(Compressor):
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), SOURCE_DTYPES[tensor.dtype])
         if eager:  # the seed of "hvd_qsgd_<k>_s<seq>", through the input (see the module docstring);
             # a NumPy scalar, as TensorFlow keeps every eager tensor made from a Python number
-            occurrence = tf.constant(np.int64(_occurrence_for(protocol.exchange_seed(
+            ctx.occurrence = tf.constant(np.int64(_occurrence_for(protocol.exchange_seed(
                 s.seed, set_rank, self.names.name(f"s{seq}")))))
         else:
             counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
-            occurrence = counter.assign_add(1) - 1
-        x = tensor
+            ctx.occurrence = counter.assign_add(1) - 1
         ctx.residual = ctx.lr = ctx.residual_lr = None
         ctx.variants, ctx.index, ctx.schedule, ctx.key = [s], None, None, state_key
+        ctx.set_rank = set_rank
+        ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
+        return ctx
+
+    def _input(self, ctx, tensor):
+        """What is encoded: the tensor (+ its residual, rescaled, with error feedback); DQSGD's bits
+        of this step chosen from the tensor's schedule (``ctx.index``)."""
+        s, eager, state_key = self.settings, tf.executing_eagerly(), ctx.key
         if isinstance(self.policy, ScheduledBits):
             if eager:
                 raise ValueError("hvd_qsgd.DynamicQSGD in TensorFlow needs a tf.function training step: the bits "
@@ -280,20 +253,24 @@ class QSGD(Compressor):
             ctx.variants = [self.policy.settings_of_bits(b) for b in self.policy.bits_range()]
             with tf.control_dependencies([advance]):
                 ctx.index = tf.identity(bits - self.policy.bits_range()[0])
-        if s.error_feedback:
-            if eager:
-                raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
-                                 "step: residuals are kept per traced tensor")
-            ctx.residual = self._state(self.residuals.residuals, state_key, lambda: tf.Variable(
-                tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
-            if ctx.residual.shape.num_elements() != ctx.numel:
-                raise ValueError(f"{ctx.where}: its error-feedback residual ({state_key}) has "
-                                 f"{ctx.residual.shape.num_elements()} elements: the function handed the "
-                                 "compressor other tensors in this position when it was first traced")
-            x = tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual * self._rescale_factor(ctx, state_key)
+        if not s.error_feedback:
+            return tensor
+        if eager:
+            raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
+                             "step: residuals are kept per traced tensor")
+        ctx.residual = self._state(self.residuals.residuals, state_key, lambda: tf.Variable(
+            tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
+        if ctx.residual.shape.num_elements() != ctx.numel:
+            raise ValueError(f"{ctx.where}: its error-feedback residual ({state_key}) has "
+                             f"{ctx.residual.shape.num_elements()} elements: the function handed the "
+                             "compressor other tensors in this position when it was first traced")
+        return tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual * self._rescale_factor(ctx, state_key)
+
+    def _encode(self, ctx, x, seq):
+        """(the control vector for Horovod's allreduce, ctx): the payload(s) of x, timed."""
         ctx.x32 = x
-        ctx.set_rank, ctx.occurrence = set_rank, occurrence
-        ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
+        occurrence, set_ranks = ctx.occurrence, ctx.set_ranks
+        s, world, grank, set_rank = self.settings, hvd.size(), hvd.rank(), ctx.set_rank
 
         def encode(v, uniform):
             """The payload(s) with settings v; ``uniform``: (payload, splits) for every reduction."""
@@ -454,11 +431,6 @@ class QSGD(Compressor):
                              "number of ranks changed since it was made")
         return server
 
-    def _count_allreduce_bytes(self, ctx):
-        n = len(ctx.set_ranks)
-        return self._timing_vars()["allreduce_bytes"].assign_add(
-            int(cost_model.received_bytes("allreduce", n, 4 * ctx.numel)))
-
     @staticmethod
     def _assign_residual(ctx, own):
         """residual <- x32 - own, except where that is not finite (a bucket that held a NaN or an Inf
@@ -469,168 +441,6 @@ class QSGD(Compressor):
         if ctx.lr is None:
             return assign
         with tf.control_dependencies([assign]):
-            return ctx.residual_lr.assign(tf.where(_usable(ctx.lr), ctx.lr, ctx.residual_lr))
+            return ctx.residual_lr.assign(tf.where(usable_rate(ctx.lr), ctx.lr, ctx.residual_lr))
 
-    # -- learning-rate following (hvd_qsgd.error_feedback) -----------------------------------------
-
-    def follow_learning_rate(self, optimizer):
-        """See ``hvd_qsgd.QSGD.follow_learning_rate``: a Keras optimizer, or a function returning the
-        learning rate now (a number or a tensor; read when the training step is traced)."""
-        if optimizer is not None and not callable(optimizer) and not hasattr(optimizer, "learning_rate"):
-            raise TypeError(f"follow_learning_rate: expected a Keras optimizer or a function returning the "
-                            f"learning rate, got {type(optimizer).__name__}")
-        self._learning_rate = optimizer
-        return self
-
-    def _lr_now(self):
-        source = self._learning_rate
-        if not hasattr(source, "learning_rate"):
-            return source()
-        lr = source.learning_rate
-        if callable(lr) and not isinstance(lr, (tf.Tensor, tf.Variable)):  # a schedule (Keras 2)
-            lr = lr(source.iterations)
-        return lr
-
-    def _rescale_factor(self, ctx, state_key):
-        """lr_made / lr_now for the residual (1 without follow_learning_rate, or where either is not
-        a finite positive number)."""
-        if self._learning_rate is None:
-            return tf.constant(1.0)
-        ctx.lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
-        ctx.residual_lr = self._state(self.residuals.rates, state_key, lambda: tf.Variable(
-            0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
-        ok = _usable(ctx.lr) & _usable(ctx.residual_lr)
-        return tf.where(ok, ctx.residual_lr / tf.where(ok, ctx.lr, 1.0), 1.0)
-
-    def rescale_residuals(self, factor):
-        """Multiply every error-feedback residual by ``factor`` (eager execution)."""
-        for v in self.residuals.residuals.values():
-            v.assign(v * float(factor))
-
-    # -- state --------------------------------------------------------------------------------
-
-    @property
-    def stats(self):
-        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks`` and ``joined_exchanges``): numbers when executing eagerly,
-        the counter tensors otherwise (evaluate them in a session)."""
-        counters = self._counter_vars()
-        if not tf.executing_eagerly():
-            return {**counters, **self._timing_vars()}
-        d = {k: int(v.numpy()) for k, v in counters.items()}
-        for k, v in self._timing_vars().items():
-            d[k] = int(v.numpy()) if k == "allreduce_bytes" else float(v.numpy())
-        d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
-        return d
-
-    @property
-    def variables(self):
-        """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals,
-        DQSGD's schedules, server residuals), for a ``tf.train.Checkpoint``."""
-        return (list(self._counter_vars().values()) + list(self._occurrences.values())
-                + list(self.residuals.residuals.values()) + list(self.residuals.rates.values())
-                + list(self._schedules.values()) + list(self.residuals.server.values()))
-
-    def schedules(self):
-        """DQSGD: {state key: the schedule's fields (``tf_schedule.FIELDS``)}, eagerly."""
-        return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
-
-    def state_dict(self):
-        """Statistics and residuals as NumPy values (eager execution)."""
-        return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
-                                                                  rate=lambda v: float(v.numpy()),
-                                                                  server=lambda v: v.numpy())}
-
-    def load_state_dict(self, state):
-        for k, v in state.get("stats", {}).items():
-            if k in Stats.GRAPH_FIELDS:
-                self._counter_vars()[k].assign(int(v))
-        for k, v in state.get("residuals", {}).items():
-            if k in self.residuals.residuals:
-                self.residuals.residuals[k].assign(v)
-        for k, v in state.get("residual_lr", {}).items():
-            if k in self.residuals.rates:
-                self.residuals.rates[k].assign(v)
-        for k, v in state.get("server_residuals", {}).items():
-            if k in self.residuals.server:
-                self.residuals.server[k].assign(v)
-
-    # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
-
-    def exchange_counters(self):
-        """What names and seeds the next traced exchanges: the exchanges numbered so far (``seq``)
-        and the occurrence counter of every traced exchange, by state key."""
-        with self._lock:
-            occurrences = dict(self._occurrences)
-        return {"seq": self.names.counters()["seq"], "occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}
-
-    def load_exchange_counters(self, counters):
-        """Set the counters of ``exchange_counters()`` (e.g. another rank's): the occurrence counters
-        this compressor has are assigned (0 where ``counters`` has none), the others are created."""
-        occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
-        self.names.load_counters({"seq": counters["seq"], "occurrences": {}})
-        for k in occurrences:
-            self._state(self._occurrences, k, lambda: tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                                  name=f"{self.names.prefix}_occurrence"))
-        for k, v in list(self._occurrences.items()):
-            v.assign(occurrences.get(k, 0))
-
-    def residual_layout(self):
-        """{state key: elements} of the error-feedback residuals, and the keys of their learning rates."""
-        return {"residuals": {k: int(v.shape.num_elements()) for k, v in self.residuals.residuals.items()},
-                "rates": sorted(self.residuals.rates)}
-
-    def create_residuals(self, layout):
-        """Create the residuals (zero) and learning rates of ``residual_layout()`` this compressor lacks,
-        so that a trace finds them: a tf.function whose first trace creates variables traces twice, and
-        every trace numbers its exchanges."""
-        for k, n in layout["residuals"].items():
-            v = self._state(self.residuals.residuals, k, lambda: tf.Variable(
-                tf.zeros([n], tf.float32), trainable=False, name=f"{self.names.prefix}_residual"))
-            if v.shape.num_elements() != n:
-                raise protocol.MismatchError(f"hvd_qsgd: the error-feedback residual {k} has "
-                                             f"{v.shape.num_elements()} elements here and {n} in the layout given")
-        for k in layout["rates"]:
-            self._state(self.residuals.rates, k, lambda: tf.Variable(
-                0.0, dtype=tf.float32, trainable=False, name=f"{self.names.prefix}_residual_lr"))
-
-    def load_stats(self, stats):
-        """Set the statistics counters (those of ``stats``, as the eager ``stats`` gives them)."""
-        for k, v in self._counter_vars().items():
-            v.assign(int(stats[k]))
-        for k, v in self._timing_vars().items():
-            v.assign(int(stats[k]) if k == "allreduce_bytes" else float(stats[k]))
-
-    def reset(self, residuals=True):
-        """Forget every exchange in progress (the slots of eager exchanges), and with ``residuals``
-        zero every error-feedback residual and the learning rate it was made at (as when created).
-        For after Horovod was shut down and re-initialised (an elastic reset); the exchange counters
-        are kept. The variables stay: the traced functions that read them stay valid."""
-        self.names.reset()
-        if residuals:
-            for v in self.residuals.residuals.values():
-                v.assign(tf.zeros_like(v))
-            for v in self.residuals.rates.values():
-                v.assign(tf.zeros_like(v))
-            # a server residual is the chunk of a world that is gone: dropped; the retrace of the
-            # step makes one of the new chunk's size
-            self.residuals.server = {}
-
-def _initialize_in_session(variables):
-    """In a ``tf.compat.v1`` graph, the compressor's variables are made when the training step is
-    built, which may be after the session ran its initializer (Horovod's own graph-mode tests do
-    so): they are initialized in the default session of their graph, if there is one, as they are
-    made. Elsewhere (eager, ``tf.function``, no session yet) nothing is run."""
-    variables = list(variables)
-    if not variables or tf.executing_eagerly():
-        return
-    session = tf.compat.v1.get_default_session()
-    if session is not None and session.graph is variables[0].graph:
-        session.run([v.initializer for v in variables])
-
-
-def _usable(lr):
-    """Where a learning rate can rescale a residual: finite and positive."""
-    return tf.math.is_finite(lr) & (lr > 0)
-
-
-QSGD.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)
+TensorFlowCompressor.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)

@@ -40,7 +40,7 @@ from hvd_qsgd import backends, protocol
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.exchange.chains import Exchange
-from hvd_qsgd.exchange.runner import ExchangeRunner
+from hvd_qsgd.exchange.runner import ExchangeRunner, ranks_per_node_override
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index, set_ranks as process_set_ranks
@@ -49,7 +49,7 @@ SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloa
 log = logging.getLogger("hvd_qsgd")
 
 
-class QSGD(Compressor):
+class TorchCompressor(Compressor):
     """QSGD compression for ``horovod.torch``: the parameters of ``hvd_qsgd.QSGD`` (the settings, as
     ``hvd_qsgd.settings.Settings.make``, then ``named_parameters`` and ``process_set`` by name), or
     ``settings=`` and a bits ``policy=`` (``hvd_qsgd.policy``; default: fixed bits)."""
@@ -145,8 +145,9 @@ class QSGD(Compressor):
                             "compressor that numbered the optimizer's gradients); gradients from Horovod's "
                             "optimizer are matched by its parameter names now, so their residuals start from zero")
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
-                              ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size())
-        ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault
+                              ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size(),
+                              ranks_per_node=_ranks_per_node())
+        ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
         return ex
 
     @staticmethod
@@ -255,10 +256,20 @@ class QSGD(Compressor):
         self.names.load_counters(counters)
 
 
+def _ranks_per_node():
+    """The hierarchical reduction's node size: ``HVD_QSGD_RANKS_PER_NODE``, else Horovod's local_size
+    where Horovod's ranks fill its nodes one after another (0, an error, where they do not)."""
+    override = ranks_per_node_override()
+    if override is not None:
+        return override
+    size = hvd.local_size()
+    return size if hvd.local_rank() == hvd.rank() % size and hvd.cross_rank() == hvd.rank() // size else 0
+
+
 def _checkpointed(v):
     """A residual as a checkpoint holds it: a tensor of its own (a NumPy residual as a CPU tensor)."""
     return torch.from_numpy(v.copy()) if isinstance(v, np.ndarray) else v.detach().clone()
 
 
-QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None, settings=None, policy=None,
+TorchCompressor.__signature__ = Settings.signature(named_parameters=None, process_set=None, settings=None, policy=None,
                                         creation_index=None)

@@ -24,7 +24,7 @@ class Exchange:
     __slots__ = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
                  "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
                  "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
-                 "started", "origin")
+                 "started", "origin", "layout")
 
     def __init__(self, **fields):
         for k in self.__slots__:
@@ -144,4 +144,6 @@ class ScatterAllgatherChain:
         return out
 
 
-CHAINS = {chain.name: chain for chain in (AllgatherChain, ScatterAllgatherChain)}
+from hvd_qsgd.exchange.hierarchical import HierarchicalChain  # noqa: E402  (a chain of its own module)
+
+CHAINS = {chain.name: chain for chain in (AllgatherChain, ScatterAllgatherChain, HierarchicalChain)}

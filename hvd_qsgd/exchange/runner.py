@@ -22,6 +22,7 @@ allreduce gives (``protocol.joined_verdict`` checks the control vector as the st
 Counted in ``stats["joined_exchanges"]`` and logged once.
 """
 import logging
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -45,6 +46,33 @@ def _note_joined(where, joined):
                     "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
 
 
+def ranks_per_node_override():
+    """``HVD_QSGD_RANKS_PER_NODE`` (consecutive ranks form a node; the same on every rank), or None."""
+    text = os.environ.get("HVD_QSGD_RANKS_PER_NODE", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"HVD_QSGD_RANKS_PER_NODE must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def node_layout(ranks_per_node, set_ranks, world, where):
+    """(L, None): the hierarchical reduction's ranks per node, or (1, the fault) where it cannot run."""
+    n = len(set_ranks)
+    if n != world:
+        return 1, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
+                             f"holds {n} of {world} ranks); pass another reduction for process sets")
+    if not ranks_per_node:
+        return 1, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
+                             "Horovod's ranks do not fill its nodes one after another: set "
+                             "HVD_QSGD_RANKS_PER_NODE on every rank, or pass another reduction")
+    if n % ranks_per_node:
+        return 1, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
+                             f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "
+                             "local_size)")
+    return ranks_per_node, None
+
+
 class ExchangeRunner:
     """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
     and stage driver. Thread-safe."""
@@ -64,7 +92,7 @@ class ExchangeRunner:
     # -- compress -----------------------------------------------------------------------------
 
     def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
-             where=None):
+             where=None, ranks_per_node=None):
         """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
         "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
         ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's."""
@@ -78,9 +106,12 @@ class ExchangeRunner:
         backend, fallback = backends.choose(device_type, s, red)
         if fallback:
             backends.note_fallback(fallback, self.stats)
-        return Exchange(route=route, where=where, settings=s, expect=expect, reduction=red, chain=CHAINS[red],
-                        backend=backend, group=group, set_ranks=set_ranks, world=world, global_rank=global_rank,
-                        set_rank=set_ranks.index(global_rank) if global_rank in set_ranks else None)
+        ex = Exchange(route=route, where=where, settings=s, expect=expect, reduction=red, chain=CHAINS[red],
+                      backend=backend, group=group, set_ranks=set_ranks, world=world, global_rank=global_rank,
+                      set_rank=set_ranks.index(global_rank) if global_rank in set_ranks else None)
+        if red == "hierarchical":
+            ex.layout, ex.fault = node_layout(ranks_per_node, set_ranks, world, where)
+        return ex
 
     def encode(self, ex, x, lr=None):
         """This rank's payload(s) of ``x`` (the tensor flattened, as ``ex.backend`` reads it), timed."""
@@ -108,7 +139,8 @@ class ExchangeRunner:
 
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
-        tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(ex.reduction),
+        reduction = ex.reduction if ex.layout is None else f"{ex.reduction}/{ex.layout}"  # ranks per node too
+        tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(reduction),
                                       ex.route.key)
         return protocol.control_vector(ex.world, ex.global_rank, ex.set_rank, tags, failed=ex.fault is not None)
 

@@ -2,7 +2,7 @@
 ``hvd_qsgd.adapters.torch``, a ``horovod.torch.compression.Compressor``) and the optimizers of the
 algorithms built on it: ``EFSGDM`` (dist-EF-SGDM) and ``PeriodicQuantizedAveraging`` (PQASGD);
 ``hvd_qsgd.torch.elastic`` carries compressors through Horovod's elastic training."""
-from hvd_qsgd.adapters.torch import QSGD  # noqa: F401
+from hvd_qsgd.adapters.torch import TorchCompressor as QSGD  # noqa: F401  (the public name)
 from hvd_qsgd.policy import ScheduledBits
 from hvd_qsgd.settings import Settings
 from hvd_qsgd.torch.ef_sgdm import EFSGDM  # noqa: F401

@@ -46,7 +46,7 @@ from horovod.torch.functions import broadcast_object
 
 import hvd_qsgd
 from hvd_qsgd import protocol
-from hvd_qsgd.adapters.torch import QSGD as TorchQSGD
+from hvd_qsgd.adapters.torch import TorchCompressor as TorchQSGD
 
 
 def is_qsgd(obj):

@@ -4,6 +4,7 @@ Every rank regenerates every rank's input from (seed, rank), so it can compute t
 reference itself: ``reduction.simulate`` for scatter_allgather, ``codec.decode_sum`` of independently
 re-encoded payloads for allgather. Prints ``OK <scenario>`` or ``RAISED <type>: <message>``.
 """
+import os
 import sys
 
 import numpy as np
@@ -11,6 +12,7 @@ from mpi4py import MPI
 
 from hvd_qsgd import codec, protocol, reduction
 from hvd_qsgd.mpi import QSGDReducer
+from tests import references
 
 SEED = 11
 
@@ -36,6 +38,11 @@ def reference(reducer, xs, name, occurrence, alpha):
     payloads = [codec.encode(x.astype(np.float32), s.bits, s.bucket_size, s.norm, seeds[r], s.coding, fp, s.checksum,
                              source_dtype=x.dtype.name) for r, x in enumerate(xs)]
     return codec.decode_sum(payloads, alpha), [p.size for p in payloads]
+
+
+def numel_of_shard(numel, bucket_size, i, per_node=2):
+    b, e = reduction.chunk_ranges(numel, bucket_size, per_node)[i]
+    return e - b
 
 
 def identical(comm, a):
@@ -67,6 +74,41 @@ def scenario(comm, name):
         assert len(set(lengths)) == n, f"payload lengths per rank {lengths}"
         assert np.array_equal(out, ref)
         identical(comm, out)
+    elif name == "hierarchical":
+        # nodes of 2 consecutive ranks; odd lengths, shards of unequal size, a tensor of one bucket
+        # (fewer buckets than the node has ranks: one shard is empty), half precision
+        os.environ["HVD_QSGD_RANKS_PER_NODE"] = "2"
+        r = QSGDReducer(comm, bits=4, seed=SEED, reduction="hierarchical", min_numel=1)
+        for i, (numel, op, dtype) in enumerate(((20000, "average", np.float32), (1001, "sum", np.float32),
+                                                 (300, "average", np.float32), (30001, "average", np.float16))):
+            xs = inputs(numel, n, dtype)
+            for occurrence in range(2):
+                before = r.stats
+                out = r.allreduce(xs[rank], f"h{i}", op=op)
+                exchange = f"hvd_qsgd.mpi.h{i}"
+                seeds = [protocol.payload_seed(r.settings.seed, q, exchange, occurrence) for q in range(n)]
+                fp = codec.tensor_fingerprint(f"h{i}", xs[0].shape, xs[0].dtype.name)
+                ref, sent = references.hierarchical(xs, r.settings, seeds, 2, 1.0 / n if op == "average" else 1.0,
+                                                    fp, xs[0].dtype.name)
+                assert out.dtype == dtype and out.shape == xs[rank].shape
+                assert np.array_equal(out, ref.astype(dtype)), f"hierarchical h{i}: max diff {np.abs(out - ref).max()}"
+                identical(comm, out)
+                # what left this rank's node: its shard's payload, once to each other node
+                own = sent[rank % 2]
+                cross = own[rank // 2].size * (n // 2 - 1) if own else 0
+                inside = 4 * (numel - numel_of_shard(numel, r.settings.bucket_size, rank % 2))
+                got = r.stats["bytes_sent"] - before["bytes_sent"]
+                assert got == cross + inside + 4 * (numel_of_shard(numel, r.settings.bucket_size, rank % 2)), \
+                    (got, cross, inside)
+    elif name == "hierarchical-layouts-differ":
+        os.environ["HVD_QSGD_RANKS_PER_NODE"] = "2" if rank else "1"
+        try:
+            QSGDReducer(comm, reduction="hierarchical").allreduce(inputs(20000, n)[rank], "w")
+        except protocol.MismatchError as e:
+            print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+            return
+        print("NOT RAISED", flush=True)
+        sys.exit(1)
     elif name.startswith("mismatch-"):
         kind = name[len("mismatch-"):]
         try:

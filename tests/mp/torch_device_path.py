@@ -15,6 +15,7 @@ fallback counted; emulated: the wrappers called the emulated kernels), except fo
 which must go through the host with every exchange counted. Each rank prints
 ``OK <configuration>``.
 """
+import os
 import sys
 
 import numpy as np
@@ -40,6 +41,9 @@ CONFIGS = {  # name: (settings, dtype)
     "scatter-server-ef-fp16": (Settings.make(bits=4, reduction="scatter_allgather", error_feedback=True,
                                              server_error_feedback=True), torch.float16),
     "blocksign": (hvd_qsgd.BlockSign(block_size=256).settings, torch.float32),
+    # nodes of one rank (HVD_QSGD_RANKS_PER_NODE=1 in this worker): the node scatter and gather go to
+    # the rank itself, the cross stage among the 3 "nodes"; every stage's operation on the device
+    "hierarchical-fp16": (Settings.make(bits=4, reduction="hierarchical"), torch.float16),
     # the Elias coding is kept off the device until its GPU tests pass (docs/gpu.md): through the host,
     # every exchange counted
     "elias-through-the-host": (Settings.make(bits=4, coding="elias", reduction="allgather", error_feedback=True),
@@ -111,6 +115,7 @@ def check(name, device, lib, index):
 
 
 def main():
+    os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1"   # for the hierarchical configuration, alike on every rank
     device, names = sys.argv[1], sys.argv[2:]
     names = list(CONFIGS) if names == ["all"] else names
     if device not in ("emulated", "cuda") or not names or not set(names) <= set(CONFIGS):

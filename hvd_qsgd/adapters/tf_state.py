@@ -1,0 +1,232 @@
+"""The state of the TensorFlow adapter (``hvd_qsgd.adapters.tensorflow``), apart from the graph it
+builds: its variables (statistics counters and times, occurrence counters, residuals and the
+learning rates they were made at, DQSGD's schedules, server residuals), made outside any traced
+function and initialized where a ``tf.compat.v1`` session already ran its initializer; learning-rate
+following; checkpoints (``variables``, ``state_dict``); and what elastic training reads and sets
+(eagerly). ``TensorFlowState`` is a base of ``TensorFlowCompressor``: it reads the compressor's
+``settings``, ``names``, ``residuals``, ``_occurrences``, ``_schedules`` and ``_creation_index``.
+"""
+import tensorflow as tf
+
+from hvd_qsgd import cost_model, protocol
+from hvd_qsgd.adapters import tf_schedule
+from hvd_qsgd.settings import Stats
+
+
+class TensorFlowState:
+    """Variables, statistics, learning-rate following, checkpoints and elastic state (see the
+    module docstring)."""
+
+    def _counter_vars(self):
+        if self._counters is None:
+            with tf.init_scope():
+                self._counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                 name=f"hvd_qsgd_{self._creation_index}_{k}")
+                                  for k in Stats.GRAPH_FIELDS}
+                _initialize_in_session(self._counters.values())
+        return self._counters
+
+    def _timing_vars(self):
+        """The time fields and allreduce_bytes (``Stats.TIME_FIELDS``): variables of their own, kept
+        out of ``variables`` so that checkpoints hold what they held before."""
+        if self._timing is None:
+            with tf.init_scope():
+                self._timing = {k: tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                                               name=f"hvd_qsgd_{self._creation_index}_{k}")
+                                for k in Stats.TIME_FIELDS}
+                self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                              name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
+                _initialize_in_session(self._timing.values())
+        return self._timing
+
+    def _timed(self, field, inputs, make):
+        """(make(), the op adding its time to ``field``): tf.timestamp() once ``inputs`` exist, the ops
+        make() builds, tf.timestamp() once their results exist (in a graph the control dependencies
+        order them; eagerly they run in turn)."""
+        with tf.control_dependencies([t for t in tf.nest.flatten(inputs) if t is not None]):
+            t0 = tf.timestamp()
+        with tf.control_dependencies([t0]):
+            result = make()
+        with tf.control_dependencies([t for t in tf.nest.flatten(result) if t is not None]):
+            t1 = tf.timestamp()
+        return result, self._timing_vars()[field].assign_add(t1 - t0)
+
+    def _state(self, store, name, make):
+        """The variable ``name`` in ``store``, created outside any traced function on first use."""
+        v = store.get(name)
+        if v is None:
+            with tf.init_scope():
+                v = store[name] = make()
+                _initialize_in_session(tf.nest.flatten(v))
+        return v
+
+    def _count(self, **amounts):
+        counters = self._counter_vars()
+        return [counters[k].assign_add(tf.cast(v, tf.int64)) for k, v in amounts.items()]
+
+    def _count_allreduce_bytes(self, ctx):
+        n = len(ctx.set_ranks)
+        return self._timing_vars()["allreduce_bytes"].assign_add(
+            int(cost_model.received_bytes("allreduce", n, 4 * ctx.numel)))
+
+    # -- learning-rate following (hvd_qsgd.error_feedback) -----------------------------------------
+
+    def follow_learning_rate(self, optimizer):
+        """See ``hvd_qsgd.QSGD.follow_learning_rate``: a Keras optimizer, or a function returning the
+        learning rate now (a number or a tensor; read when the training step is traced)."""
+        if optimizer is not None and not callable(optimizer) and not hasattr(optimizer, "learning_rate"):
+            raise TypeError(f"follow_learning_rate: expected a Keras optimizer or a function returning the "
+                            f"learning rate, got {type(optimizer).__name__}")
+        self._learning_rate = optimizer
+        return self
+
+    def _lr_now(self):
+        source = self._learning_rate
+        if not hasattr(source, "learning_rate"):
+            return source()
+        lr = source.learning_rate
+        if callable(lr) and not isinstance(lr, (tf.Tensor, tf.Variable)):  # a schedule (Keras 2)
+            lr = lr(source.iterations)
+        return lr
+
+    def _rescale_factor(self, ctx, state_key):
+        """lr_made / lr_now for the residual (1 without follow_learning_rate, or where either is not
+        a finite positive number)."""
+        if self._learning_rate is None:
+            return tf.constant(1.0)
+        ctx.lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
+        ctx.residual_lr = self._state(self.residuals.rates, state_key, lambda: tf.Variable(
+            0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
+        ok = usable_rate(ctx.lr) & usable_rate(ctx.residual_lr)
+        return tf.where(ok, ctx.residual_lr / tf.where(ok, ctx.lr, 1.0), 1.0)
+
+    def rescale_residuals(self, factor):
+        """Multiply every error-feedback residual by ``factor`` (eager execution)."""
+        for v in self.residuals.residuals.values():
+            v.assign(v * float(factor))
+
+    # -- state --------------------------------------------------------------------------------
+
+    @property
+    def stats(self):
+        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks`` and ``joined_exchanges``): numbers when executing eagerly,
+        the counter tensors otherwise (evaluate them in a session)."""
+        counters = self._counter_vars()
+        if not tf.executing_eagerly():
+            return {**counters, **self._timing_vars()}
+        d = {k: int(v.numpy()) for k, v in counters.items()}
+        for k, v in self._timing_vars().items():
+            d[k] = int(v.numpy()) if k == "allreduce_bytes" else float(v.numpy())
+        d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
+        return d
+
+    @property
+    def variables(self):
+        """The compressor's tf.Variables (statistics, occurrence counters, error-feedback residuals,
+        DQSGD's schedules, server residuals), for a ``tf.train.Checkpoint``."""
+        return (list(self._counter_vars().values()) + list(self._occurrences.values())
+                + list(self.residuals.residuals.values()) + list(self.residuals.rates.values())
+                + list(self._schedules.values()) + list(self.residuals.server.values()))
+
+    def schedules(self):
+        """DQSGD: {state key: the schedule's fields (``tf_schedule.FIELDS``)}, eagerly."""
+        return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
+
+    def state_dict(self):
+        """Statistics and residuals as NumPy values (eager execution)."""
+        return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
+                                                                  rate=lambda v: float(v.numpy()),
+                                                                  server=lambda v: v.numpy())}
+
+    def load_state_dict(self, state):
+        for k, v in state.get("stats", {}).items():
+            if k in Stats.GRAPH_FIELDS:
+                self._counter_vars()[k].assign(int(v))
+        for k, v in state.get("residuals", {}).items():
+            if k in self.residuals.residuals:
+                self.residuals.residuals[k].assign(v)
+        for k, v in state.get("residual_lr", {}).items():
+            if k in self.residuals.rates:
+                self.residuals.rates[k].assign(v)
+        for k, v in state.get("server_residuals", {}).items():
+            if k in self.residuals.server:
+                self.residuals.server[k].assign(v)
+
+    # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
+
+    def exchange_counters(self):
+        """What names and seeds the next traced exchanges: the exchanges numbered so far (``seq``)
+        and the occurrence counter of every traced exchange, by state key."""
+        with self._lock:
+            occurrences = dict(self._occurrences)
+        return {"seq": self.names.counters()["seq"], "occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}
+
+    def load_exchange_counters(self, counters):
+        """Set the counters of ``exchange_counters()`` (e.g. another rank's): the occurrence counters
+        this compressor has are assigned (0 where ``counters`` has none), the others are created."""
+        occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
+        self.names.load_counters({"seq": counters["seq"], "occurrences": {}})
+        for k in occurrences:
+            self._state(self._occurrences, k, lambda: tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                                  name=f"{self.names.prefix}_occurrence"))
+        for k, v in list(self._occurrences.items()):
+            v.assign(occurrences.get(k, 0))
+
+    def residual_layout(self):
+        """{state key: elements} of the error-feedback residuals, and the keys of their learning rates."""
+        return {"residuals": {k: int(v.shape.num_elements()) for k, v in self.residuals.residuals.items()},
+                "rates": sorted(self.residuals.rates)}
+
+    def create_residuals(self, layout):
+        """Create the residuals (zero) and learning rates of ``residual_layout()`` this compressor lacks,
+        so that a trace finds them: a tf.function whose first trace creates variables traces twice, and
+        every trace numbers its exchanges."""
+        for k, n in layout["residuals"].items():
+            v = self._state(self.residuals.residuals, k, lambda: tf.Variable(
+                tf.zeros([n], tf.float32), trainable=False, name=f"{self.names.prefix}_residual"))
+            if v.shape.num_elements() != n:
+                raise protocol.MismatchError(f"hvd_qsgd: the error-feedback residual {k} has "
+                                             f"{v.shape.num_elements()} elements here and {n} in the layout given")
+        for k in layout["rates"]:
+            self._state(self.residuals.rates, k, lambda: tf.Variable(
+                0.0, dtype=tf.float32, trainable=False, name=f"{self.names.prefix}_residual_lr"))
+
+    def load_stats(self, stats):
+        """Set the statistics counters (those of ``stats``, as the eager ``stats`` gives them)."""
+        for k, v in self._counter_vars().items():
+            v.assign(int(stats[k]))
+        for k, v in self._timing_vars().items():
+            v.assign(int(stats[k]) if k == "allreduce_bytes" else float(stats[k]))
+
+    def reset(self, residuals=True):
+        """Forget every exchange in progress (the slots of eager exchanges), and with ``residuals``
+        zero every error-feedback residual and the learning rate it was made at (as when created).
+        For after Horovod was shut down and re-initialised (an elastic reset); the exchange counters
+        are kept. The variables stay: the traced functions that read them stay valid."""
+        self.names.reset()
+        if residuals:
+            for v in self.residuals.residuals.values():
+                v.assign(tf.zeros_like(v))
+            for v in self.residuals.rates.values():
+                v.assign(tf.zeros_like(v))
+            # a server residual is the chunk of a world that is gone: dropped; the retrace of the
+            # step makes one of the new chunk's size
+            self.residuals.server = {}
+
+
+def _initialize_in_session(variables):
+    """In a ``tf.compat.v1`` graph, the compressor's variables are made when the training step is
+    built, which may be after the session ran its initializer (Horovod's own graph-mode tests do
+    so): they are initialized in the default session of their graph, if there is one, as they are
+    made. Elsewhere (eager, ``tf.function``, no session yet) nothing is run."""
+    variables = list(variables)
+    if not variables or tf.executing_eagerly():
+        return
+    session = tf.compat.v1.get_default_session()
+    if session is not None and session.graph is variables[0].graph:
+        session.run([v.initializer for v in variables])
+
+
+def usable_rate(lr):
+    """Where a learning rate can rescale a residual: finite and positive."""
+    return tf.math.is_finite(lr) & (lr > 0)

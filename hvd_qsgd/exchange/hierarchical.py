@@ -1,0 +1,163 @@
+"""The hierarchical reduction: reduce inside each node uncompressed, compress only what crosses nodes.
+
+With n ranks in c nodes of L consecutive ranks (node k holds set ranks kL .. kL+L-1; the layout:
+``hvd_qsgd.exchange.layout``), a d-element tensor is cut into L shards of whole buckets
+(``reduction.chunk_ranges(d, B, L)``), and rank kL+i:
+
+    node scatter   sends shard j of its tensor (float32) to its node's rank j: an alltoall over the
+                   set whose splits are zero outside the node (nothing crosses the node link);
+    node sum       S_ki = the sum of the L shards i it received, added in local-rank order;
+    cross          encodes S_ki (its own step seed) and sends the payload to the ranks holding shard
+                   i on every node, itself included (splits zero elsewhere: c - 1 payloads of d b/8L
+                   bytes leave the node per rank, (c - 1) P per node);
+    shard result   R_i = decode_sum of the c payloads of shard i, in node order: the same bytes
+                   decoded alike on the c ranks holding shard i;
+    node gather    sends R_i (float32) to every rank of its node (inside the node);
+    result         alpha * (R_0 .. R_{L-1}), the received shards back to back.
+
+Unbiased: E[R_i] = sum_k S_ki = the sum over all ranks of shard i. Every rank of a node receives
+the same R_i bits, and the c ranks holding shard i computed R_i from the same payloads, so every
+rank ends bit-identical. A rank whose received payloads fail their checks sends its node an empty
+shard; the node's ranks see it and raise, as its cross peers (which checked the same bytes) do.
+"""
+import time
+from types import SimpleNamespace
+
+from hvd_qsgd import protocol, reduction
+
+
+class _Empty(Exception):
+    """This rank's shard has no element."""
+
+
+def _layout(ex):
+    """(L ranks per node, c nodes, this rank's node, its local index)."""
+    per_node, r = ex.layout, ex.set_rank
+    return per_node, len(ex.set_ranks) // per_node, r // per_node, r % per_node
+
+
+def _shard_ranges(ex):
+    return reduction.chunk_ranges(ex.expect.numel, ex.settings.bucket_size, ex.layout)
+
+
+class HierarchicalChain:
+    """Inside the node uncompressed, across nodes compressed (see the module docstring)."""
+
+    name = "hierarchical"
+
+    @staticmethod
+    def encode(run, ex, x):
+        """Nothing is quantized before the node's sum: the tensor waits in float32."""
+        if ex.settings.error_feedback or ex.settings.server_error_feedback:
+            raise ValueError("the hierarchical reduction has no error feedback yet: pass error_feedback=False "
+                             "and server_error_feedback=False, or another reduction")
+        ex.payload = ex.backend.float32(x)
+        ex.own_len = 0
+
+    @staticmethod
+    def start(run, ex):
+        """Node scatter: shard j of this rank's tensor to its node's rank j."""
+        per_node, _, node, local = _layout(ex)
+        splits = [0] * len(ex.set_ranks)
+        for j, (b, e) in enumerate(_shard_ranges(ex)):
+            splits[node * per_node + j] = e - b
+        ex.stage = "node scatter"
+        buf, ex.payload = ex.payload, None
+        ex.sent += 4 * (sum(splits) - splits[ex.set_rank])
+        ex.handle = run.collectives.alltoall(buf, splits, f"{ex.route.exchange}.node_scatter", ex.group)
+        return True
+
+    @staticmethod
+    def advance(run, ex):
+        if ex.stage == "node scatter":
+            return HierarchicalChain._cross(run, ex)
+        return HierarchicalChain._node_gather(run, ex)
+
+    @staticmethod
+    def _cross(run, ex):
+        """Node sum of this rank's shard, encoded, sent to the ranks holding the shard on every node."""
+        per_node, nodes, node, local = _layout(ex)
+        received, rsplits = run.collectives.wait(ex.handle)
+        ex.received += 4 * (sum(rsplits) - rsplits[ex.set_rank])
+        t0 = time.perf_counter()
+        b, e = _shard_ranges(ex)[local]
+        m = e - b
+        if len(received) != per_node * m:
+            raise protocol.MismatchError(f"{ex.where}: received {len(received)} elements of shard {local}, "
+                                         f"expected {per_node} x {m}")
+        payload = ex.backend.empty_bytes(received)
+        if m:
+            total = ex.backend.float32(received[:m])
+            for k in range(1, per_node):  # in local-rank order: the same bits wherever it is summed
+                total = total + received[k * m:(k + 1) * m]
+            payload = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype,
+                                        f"{ex.where}: shard {local}")
+        run.stats.add(encode_s=time.perf_counter() - t0)
+        splits = [0] * len(ex.set_ranks)
+        for k in range(nodes):
+            splits[k * per_node + local] = len(payload)
+        ex.sent += len(payload) * (nodes - 1)
+        ex.stage = "cross"
+        # an alltoall sends each rank its own piece: the payload once for each node, this one's included
+        ex.handle = run.collectives.alltoall(ex.backend.repeat(payload, nodes), splits, f"{ex.route.exchange}.cross",
+                                             ex.group)
+        return True
+
+    @staticmethod
+    def _node_gather(run, ex):
+        """Shard result: decode the c payloads of this rank's shard; send it to the node's ranks."""
+        per_node, nodes, node, local = _layout(ex)
+        received, rsplits = run.collectives.wait(ex.handle)
+        ex.handle = None
+        ex.received += sum(rsplits) - rsplits[ex.set_rank]
+        b, e = _shard_ranges(ex)[local]
+        where = f"{ex.where}: shard {local}"
+        t0 = time.perf_counter()
+        try:
+            if e == b:  # an empty shard (a tensor of fewer buckets than the node has ranks)
+                raise _Empty
+            payloads = ex.backend.split_by(received, [v for v in rsplits if v])
+            if len(payloads) != nodes:
+                raise protocol.MismatchError(f"{where}: received {len(payloads)} payloads, expected {nodes}")
+            protocol.check_gathered(ex.backend.read_headers(payloads, where),
+                                    SimpleNamespace(**{**vars(ex.expect), "numel": e - b}), where)
+            shard = ex.backend.decode_sum(payloads, 1.0, where)
+        except _Empty:
+            shard = ex.backend.zeros(0, received)
+        except Exception as error:  # this node's ranks see the empty shard and raise
+            ex.reduce_error, shard = error, ex.backend.zeros(0, received)
+        run.stats.add(decode_s=time.perf_counter() - t0)
+        splits = [0] * len(ex.set_ranks)
+        for j in range(per_node):
+            splits[node * per_node + j] = len(shard)
+        ex.sent += 4 * len(shard) * (per_node - 1)
+        ex.stage = "node gather"
+        ex.gather_handle = run.collectives.alltoall(ex.backend.repeat(shard, per_node), splits,
+                                                    f"{ex.route.exchange}.node_gather", ex.group)
+        return False
+
+    @staticmethod
+    def own_dequantized(ex):
+        return ex.backend.float32(ex.payload)
+
+    @staticmethod
+    def finish(run, ex, alpha):
+        """The node's shard results back to back, times alpha."""
+        if ex.gather_handle is None:
+            raise protocol.MismatchError(f"{ex.where}: the first stages of the exchange failed on this rank")
+        out, rsplits = run.wait(ex.gather_handle)
+        per_node, _, node, local = _layout(ex)
+        if ex.reduce_error is not None:
+            raise protocol.MismatchError(f"{ex.where}: this rank could not reduce shard {local}: "
+                                         f"{ex.reduce_error}") from ex.reduce_error
+        expected = [e - b for b, e in _shard_ranges(ex)]
+        got = [rsplits[node * per_node + j] for j in range(per_node)]
+        if got != expected:
+            empty = [node * per_node + j for j in range(per_node) if got[j] != expected[j]]
+            raise protocol.MismatchError(f"{ex.where}: ranks {empty} of this node sent no reduced shard: they "
+                                         "could not reduce it (see the error on those ranks)")
+        ex.received += 4 * (sum(got) - got[local])
+        if alpha != 1.0:
+            out = out * alpha
+        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received)
+        return out

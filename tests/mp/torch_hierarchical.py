@@ -1,0 +1,85 @@
+"""Worker for tests/test_hierarchical.py under horovodrun with HVD_QSGD_RANKS_PER_NODE=2: the
+hierarchical reduction through Horovod's PyTorch allreduce equals the single-process reference of
+its three stages (``tests.references.hierarchical``) bit for bit on every rank, counts what it sent,
+and ranks that disagree on the layout raise on every rank. Prints ``OK <scenario>`` or
+``RAISED <type>: <message>``."""
+import os
+import sys
+
+import numpy as np
+import torch
+import horovod.torch as hvd
+
+import hvd_qsgd
+from hvd_qsgd import codec, protocol, reduction
+from tests import references
+
+SEED = 5
+PER_NODE = 2
+
+
+def gather(t, tag):
+    return [x for x in hvd.allgather(t.detach().float().unsqueeze(0), name=f"test.gather.{tag}").unbind(0)]
+
+
+def exact():
+    rank, n = hvd.rank(), hvd.size()
+    c = hvd_qsgd.QSGD(4, seed=SEED, reduction="hierarchical", min_numel=1)
+    seq = 0
+    # odd lengths, shards of unequal size, one bucket (fewer buckets than the node has ranks: an empty
+    # shard), half precision, Sum and Average
+    for numel, dtype, op in ((20000, torch.float32, hvd.Average), (1001, torch.float32, hvd.Sum),
+                             (300, torch.float32, hvd.Average), (30001, torch.float16, hvd.Average),
+                             (1 << 20, torch.float32, hvd.Average)):
+        t = torch.randn(numel, generator=torch.Generator().manual_seed(100 * rank + seq)).to(dtype)
+        before = c.stats
+        out = hvd.allreduce(t, compression=c, op=op, name=f"h{seq}")
+        adapter = c._adapter("torch")
+        exchange = f"hvd_qsgd.{adapter._creation_index}.s{seq}"
+        seeds = [protocol.payload_seed(SEED, r, exchange, 0) for r in range(n)]
+        dname = {torch.float32: "float32", torch.float16: "float16"}[dtype]
+        fp = codec.tensor_fingerprint("", t.shape, dname)
+        xs = [x.numpy() for x in gather(t, seq)]
+        ref, sent = references.hierarchical(xs, c.settings, seeds, PER_NODE, 1.0 / n if op == hvd.Average else 1.0,
+                                            fp, dname)
+        assert out.dtype == dtype and out.shape == t.shape
+        assert np.array_equal(out.numpy(), ref.astype(out.numpy().dtype)), \
+            f"{numel} {dtype}: max diff {np.abs(out.float().numpy() - ref).max()}"
+        copies = gather(out, f"out{seq}")
+        assert all(torch.equal(x, copies[0]) for x in copies), "ranks differ"
+        # this rank's bytes: its tensor's other shards inside the node (float32), its shard's payload
+        # to each other node, its shard result to the node's other rank (float32)
+        b, e = reduction.chunk_ranges(numel, c.settings.bucket_size, PER_NODE)[rank % PER_NODE]
+        cross = sent[rank % PER_NODE][rank // PER_NODE].size * (n // PER_NODE - 1) if e > b else 0
+        expected = 4 * (numel - (e - b)) + cross + 4 * (e - b) * (PER_NODE - 1)
+        got = c.stats["bytes_sent"] - before["bytes_sent"]
+        assert got == expected, (numel, got, expected)
+        if numel == 1 << 20:  # what leaves the node: (c - 1) P, P = the tensor's payload bytes
+            payload = codec.payload_nbytes(numel, 4, c.settings.bucket_size)
+            node_cross = hvd.allreduce(torch.tensor([float(cross)]), op=hvd.Sum, name="test.cross")[0] / (n // PER_NODE)
+            nodes = n // PER_NODE
+            assert node_cross <= 1.2 * (nodes - 1) * payload, (float(node_cross), payload)
+        seq += 1
+
+
+def layouts_differ():
+    os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1" if hvd.rank() == 0 else str(PER_NODE)
+    c = hvd_qsgd.QSGD(4, reduction="hierarchical")
+    try:
+        hvd.allreduce(torch.randn(20000), compression=c, name="differ")
+    except protocol.MismatchError as e:
+        print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+        return False
+    raise AssertionError("ranks with different layouts did not raise")
+
+
+def main():
+    hvd.init()
+    torch.set_num_threads(1)
+    for name in sys.argv[1:]:
+        if {"exact": exact, "layouts-differ": layouts_differ}[name]() is not False:
+            print(f"OK {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
