@@ -1,0 +1,158 @@
+"""The framework-free exchange (hvd_qsgd.exchange) in one process: n threads stand for n ranks, over
+an in-process implementation of its collectives interface. Every chain (allgather,
+scatter_allgather, hierarchical at several node layouts) equals its single-process reference bit
+for bit on every "rank", and counts the bytes it sent. (Under horovodrun and mpirun:
+tests/test_torch_compressor.py, tests/test_hierarchical.py, tests/test_mpi_reduction.py.)"""
+import threading
+
+import numpy as np
+import pytest
+
+from hvd_qsgd import codec, protocol, reduction
+from hvd_qsgd.exchange.chains import CHAINS
+from hvd_qsgd.exchange.collectives import BlockingCollectives
+from hvd_qsgd.exchange.runner import ExchangeRunner
+from hvd_qsgd.policy import FixedBits
+from hvd_qsgd.settings import REDUCTIONS, Settings
+from hvd_qsgd.state import Route
+from tests import references
+
+
+class ThreadGroup(BlockingCollectives):
+    """n threads as the ranks of one group: each collective is a barrier on both sides of a shared
+    table of what every rank put in."""
+
+    def __init__(self, n):
+        self.n = n
+        self.table = [None] * n
+        self.barrier = threading.Barrier(n)
+        self.local = threading.local()
+
+    def _exchange(self, value):
+        r = self.local.rank
+        self.table[r] = value
+        self.barrier.wait()
+        seen = list(self.table)
+        self.barrier.wait()
+        return seen
+
+    def run_allreduce(self, array, group):
+        return np.sum(self._exchange(np.asarray(array)), axis=0).astype(array.dtype)
+
+    def run_allgather(self, array, group):
+        return np.concatenate(self._exchange(np.asarray(array)))
+
+    def run_alltoall(self, array, splits, group):
+        sent = self._exchange((np.asarray(array), list(splits)))
+        r = self.local.rank
+        pieces, counts = [], []
+        for buf, s in sent:
+            offset = sum(s[:r])
+            pieces.append(buf[offset: offset + s[r]])
+            counts.append(s[r])
+        return np.concatenate(pieces), counts
+
+
+def on_threads(n, fn):
+    """fn(group, rank) on n threads over one ThreadGroup; their results in rank order (the first
+    thread's exception re-raised, the others released from the barrier)."""
+    group = ThreadGroup(n)
+    results, errors = [None] * n, []
+
+    def body(r):
+        group.local.rank = r
+        try:
+            results[r] = fn(group, r)
+        except Exception as e:
+            errors.append(e)
+            group.barrier.abort()
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def reduce_on_threads(xs, settings, per_node=None):
+    """(result, bytes sent) of every rank's exchange of xs[r] through an ExchangeRunner (alpha 1/n)."""
+    n = len(xs)
+
+    def rank(group, r):
+        runner = ExchangeRunner(group, 0, settings, FixedBits(settings), owner="test")
+        ex = runner.open("t", xs[r].size, "float32", xs[r].shape, "cpu", None, list(range(n)), r, n,
+                         route=Route("t", "t", 0, 0, "t", "t", None), where="test", ranks_per_node=per_node)
+        assert ex.fault is None, ex.fault
+        runner.encode(ex, np.ascontiguousarray(xs[r], dtype=np.float32).reshape(-1))
+        return runner.run_in_order(ex, 1.0 / n), runner.stats.as_dict()["bytes_sent"]
+
+    return on_threads(n, rank)
+
+
+def inputs(n, numel):
+    return [np.random.default_rng(50 + r).standard_normal(numel).astype(np.float32) for r in range(n)]
+
+
+def seeds(settings, n):
+    return [protocol.payload_seed(settings.seed, r, "t", 0) for r in range(n)]
+
+
+def fingerprint(x):
+    return codec.tensor_fingerprint("t", x.shape, "float32")
+
+
+@pytest.mark.parametrize("n, numel", [(2, 20000), (3, 1001), (4, 300)])
+def test_allgather_chain_equals_decode_sum_of_every_payload(n, numel):
+    s = Settings.make(bits=4, reduction="allgather", min_numel=1)
+    xs = inputs(n, numel)
+    got = reduce_on_threads(xs, s)
+    payloads = [codec.encode(x, 4, s.bucket_size, s.norm, seed, s.coding, fingerprint(x), s.checksum)
+                for x, seed in zip(xs, seeds(s, n))]
+    ref = codec.decode_sum(payloads, 1.0 / n)
+    for out, sent in got:
+        assert np.array_equal(out, ref)
+        assert sent == payloads[0].size
+
+
+@pytest.mark.parametrize("n, numel", [(3, 20011), (4, 1001), (5, 300)])
+def test_scatter_allgather_chain_equals_the_two_phase_simulation(n, numel):
+    s = Settings.make(bits=4, bucket_size=128, reduction="scatter_allgather", min_numel=1)
+    xs = inputs(n, numel)
+    got = reduce_on_threads(xs, s)
+    ref, _, _ = reduction.simulate(xs, s, seeds(s, n), 1.0 / n, fingerprint(xs[0]))
+    for out, _ in got:
+        assert np.array_equal(out, ref)
+
+
+@pytest.mark.parametrize("n, per_node, numel", [(4, 2, 20000), (6, 2, 1001), (6, 3, 30001), (4, 4, 5000),
+                                                (4, 1, 5000), (4, 2, 300)])
+def test_hierarchical_chain_equals_the_three_stage_reference(n, per_node, numel):
+    s = Settings.make(bits=4, reduction="hierarchical", min_numel=1)
+    xs = inputs(n, numel)
+    got = reduce_on_threads(xs, s, per_node=per_node)
+    ref, sent = references.hierarchical(xs, s, seeds(s, n), per_node, 1.0 / n, fingerprint(xs[0]))
+    nodes = n // per_node
+    for r, (out, bytes_sent) in enumerate(got):
+        assert np.array_equal(out, ref), f"rank {r}"
+        b, e = reduction.chunk_ranges(numel, s.bucket_size, per_node)[r % per_node]
+        cross = sent[r % per_node][r // per_node].size * (nodes - 1) if e > b else 0
+        assert bytes_sent == 4 * (numel - (e - b)) + cross + 4 * (e - b) * (per_node - 1)
+
+
+def test_every_reduction_has_a_chain():
+    assert set(CHAINS) == set(REDUCTIONS) - {"auto"}
+
+
+def test_a_layout_that_does_not_split_the_ranks_is_a_fault_on_every_rank():
+    s = Settings.make(bits=4, reduction="hierarchical", min_numel=1)
+
+    def rank(group, r):
+        runner = ExchangeRunner(group, 0, s, FixedBits(s), owner="test")
+        return runner.open("t", 100, "float32", (100,), "cpu", None, list(range(4)), r, 4,
+                           route=Route("t", "t", 0, 0, "t", "t", None), where="test", ranks_per_node=3).fault
+
+    faults = on_threads(4, rank)
+    assert all(isinstance(f, ValueError) and "do not split into nodes of 3" in str(f) for f in faults), faults
