@@ -141,11 +141,13 @@ def block_sign(v, block):
     return out
 
 
-def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32"):
+def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32", residuals=None):
     """The hierarchical reduction (``hvd_qsgd.exchange.hierarchical``) of the n ranks' inputs xs in
     one process: nodes of ``per_node`` consecutive ranks; shard i of node k summed in local-rank
     order and encoded with rank k*per_node+i's step seed; shard i = decode_sum of the nodes' payloads;
-    alpha times the shards back to back. Returns (result, [[payload of node k, shard i]])."""
+    alpha times the shards back to back. With ``residuals`` (a dict, updated): error feedback of the
+    rank encoding shard i of node k, e <- (sum + e) - decode(payload) where finite, keyed (k, i).
+    Returns (result, [[payload of node k, shard i]])."""
     import numpy as np
     from hvd_qsgd import codec, reduction
     s, n = settings, len(xs)
@@ -161,8 +163,15 @@ def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype
             total = flat[k * per_node][b:e].copy()
             for j in range(1, per_node):
                 total = total + flat[k * per_node + j][b:e]
-            payloads.append(codec.encode(total, s.bits, s.bucket_size, s.norm, step_seeds[k * per_node + i], s.coding,
-                                         fingerprint, s.checksum, source_dtype=dtype))
+            if residuals is not None and (k, i) in residuals:
+                total = total + residuals[(k, i)]
+            q = codec.encode(total, s.bits, s.bucket_size, s.norm, step_seeds[k * per_node + i], s.coding,
+                             fingerprint, s.checksum, source_dtype=dtype)
+            if residuals is not None:
+                with np.errstate(invalid="ignore", over="ignore"):
+                    d = total - codec.decode(q)
+                residuals[(k, i)] = np.where(np.isfinite(d), d, residuals.get((k, i), np.float32(0)))
+            payloads.append(q)
         sent.append(payloads)
         shards.append(codec.decode_sum(payloads, 1.0))
     out = np.concatenate(shards)

@@ -77,17 +77,23 @@ def on_threads(n, fn):
     return results
 
 
-def reduce_on_threads(xs, settings, per_node=None):
-    """(result, bytes sent) of every rank's exchange of xs[r] through an ExchangeRunner (alpha 1/n)."""
+def reduce_on_threads(xs, settings, per_node=None, steps=1):
+    """(result, bytes sent) of every rank's exchange of xs[r] through an ExchangeRunner (alpha 1/n);
+    with ``steps``, the list of every step's (result, bytes sent), one runner a rank (its residuals
+    kept from step to step), occurrence i in step i."""
     n = len(xs)
 
     def rank(group, r):
         runner = ExchangeRunner(group, 0, settings, FixedBits(settings), owner="test")
-        ex = runner.open("t", xs[r].size, "float32", xs[r].shape, "cpu", None, list(range(n)), r, n,
-                         route=Route("t", "t", 0, 0, "t", "t", None), where="test", ranks_per_node=per_node)
-        assert ex.fault is None, ex.fault
-        runner.encode(ex, np.ascontiguousarray(xs[r], dtype=np.float32).reshape(-1))
-        return runner.run_in_order(ex, 1.0 / n), runner.stats.as_dict()["bytes_sent"]
+        out = []
+        for step in range(steps):
+            ex = runner.open("t", xs[r].size, "float32", xs[r].shape, "cpu", None, list(range(n)), r, n,
+                             route=Route("t", "t", step, 0, "t", "t", None), where="test", ranks_per_node=per_node)
+            assert ex.fault is None, ex.fault
+            before = runner.stats.as_dict()["bytes_sent"]
+            runner.encode(ex, np.ascontiguousarray(xs[r], dtype=np.float32).reshape(-1))
+            out.append((runner.run_in_order(ex, 1.0 / n), runner.stats.as_dict()["bytes_sent"] - before))
+        return out[0] if steps == 1 else out
 
     return on_threads(n, rank)
 
@@ -96,8 +102,8 @@ def inputs(n, numel):
     return [np.random.default_rng(50 + r).standard_normal(numel).astype(np.float32) for r in range(n)]
 
 
-def seeds(settings, n):
-    return [protocol.payload_seed(settings.seed, r, "t", 0) for r in range(n)]
+def seeds(settings, n, occurrence=0):
+    return [protocol.payload_seed(settings.seed, r, "t", occurrence) for r in range(n)]
 
 
 def fingerprint(x):
@@ -140,6 +146,20 @@ def test_hierarchical_chain_equals_the_three_stage_reference(n, per_node, numel)
         b, e = reduction.chunk_ranges(numel, s.bucket_size, per_node)[r % per_node]
         cross = sent[r % per_node][r // per_node].size * (nodes - 1) if e > b else 0
         assert bytes_sent == 4 * (numel - (e - b)) + cross + 4 * (e - b) * (per_node - 1)
+
+
+@pytest.mark.parametrize("n, per_node", [(4, 2), (6, 3)])
+def test_hierarchical_error_feedback_keeps_the_residual_of_the_shard_each_rank_encodes(n, per_node):
+    s = Settings.make(bits=2, reduction="hierarchical", min_numel=1, error_feedback=True)
+    xs = inputs(n, 5001)
+    got = reduce_on_threads(xs, s, per_node=per_node, steps=3)
+    residuals = {}
+    for step in range(3):
+        ref, _ = references.hierarchical(xs, s, seeds(s, n, step), per_node, 1.0 / n, fingerprint(xs[0]),
+                                         residuals=residuals)
+        for r in range(n):
+            assert np.array_equal(got[r][step][0], ref), f"step {step}, rank {r}"
+    assert len(residuals) == n  # one residual per (node, shard): per rank
 
 
 def test_every_reduction_has_a_chain():

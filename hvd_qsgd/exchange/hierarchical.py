@@ -7,7 +7,9 @@ With n ranks in c nodes of L consecutive ranks (node k holds set ranks kL .. kL+
     node scatter   sends shard j of its tensor (float32) to its node's rank j: an alltoall over the
                    set whose splits are zero outside the node (nothing crosses the node link);
     node sum       S_ki = the sum of the L shards i it received, added in local-rank order;
-    cross          encodes S_ki (its own step seed) and sends the payload to the ranks holding shard
+    cross          encodes S_ki (its own step seed; with error feedback, S_ki + e_ki, keeping
+                   e_ki <- that minus the decoded payload: the residual of what this rank encodes,
+                   a shard's worth) and sends the payload to the ranks holding shard
                    i on every node, itself included (splits zero elsewhere: c - 1 payloads of d b/8L
                    bytes leave the node per rank, (c - 1) P per node);
     shard result   R_i = decode_sum of the c payloads of shard i, in node order: the same bytes
@@ -48,9 +50,12 @@ class HierarchicalChain:
     @staticmethod
     def encode(run, ex, x):
         """Nothing is quantized before the node's sum: the tensor waits in float32."""
-        if ex.settings.error_feedback or ex.settings.server_error_feedback:
-            raise ValueError("the hierarchical reduction has no error feedback yet: pass error_feedback=False "
-                             "and server_error_feedback=False, or another reduction")
+        if ex.settings.server_error_feedback:
+            raise ValueError("the hierarchical reduction quantizes each shard once (no re-quantization for a "
+                             "server residual to feed back): pass server_error_feedback=False (error_feedback=True "
+                             "keeps the residual of the shard this rank encodes)")
+        b, e = _shard_ranges(ex)[_layout(ex)[3]]
+        run.worker_residual(ex, x, size=e - b)  # a residual of another size fails here, on every rank
         ex.payload = ex.backend.float32(x)
         ex.own_len = 0
 
@@ -82,16 +87,22 @@ class HierarchicalChain:
         t0 = time.perf_counter()
         b, e = _shard_ranges(ex)[local]
         m = e - b
-        if len(received) != per_node * m:
-            raise protocol.MismatchError(f"{ex.where}: received {len(received)} elements of shard {local}, "
-                                         f"expected {per_node} x {m}")
         payload = ex.backend.empty_bytes(received)
-        if m:
-            total = ex.backend.float32(received[:m])
-            for k in range(1, per_node):  # in local-rank order: the same bits wherever it is summed
-                total = total + received[k * m:(k + 1) * m]
-            payload = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype,
-                                        f"{ex.where}: shard {local}")
+        try:
+            if len(received) != per_node * m:
+                raise protocol.MismatchError(f"{ex.where}: received {len(received)} elements of shard {local}, "
+                                             f"expected {per_node} x {m}")
+            if m:
+                total = ex.backend.float32(received[:m])
+                for k in range(1, per_node):  # in local-rank order: the same bits wherever it is summed
+                    total = total + received[k * m:(k + 1) * m]
+                residual, valid = run.worker_residual(ex, total, size=m)
+                payload = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint,
+                                            ex.expect.dtype, f"{ex.where}: shard {local}", residual=residual,
+                                            residual_valid=valid)
+                run.keep_residual(ex, residual)
+        except Exception as error:  # the cross peers miss this payload, and they and this node raise
+            ex.reduce_error = error
         run.stats.add(encode_s=time.perf_counter() - t0)
         splits = [0] * len(ex.set_ranks)
         for k in range(nodes):
@@ -114,6 +125,8 @@ class HierarchicalChain:
         where = f"{ex.where}: shard {local}"
         t0 = time.perf_counter()
         try:
+            if ex.reduce_error is not None:  # this rank could not encode its shard
+                raise ex.reduce_error
             if e == b:  # an empty shard (a tensor of fewer buckets than the node has ranks)
                 raise _Empty
             payloads = ex.backend.split_by(received, [v for v in rsplits if v])

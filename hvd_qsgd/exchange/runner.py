@@ -146,21 +146,21 @@ class ExchangeRunner:
 
     # -- error feedback (the rules: hvd_qsgd.error_feedback) ----------------------------------
 
-    def worker_residual(self, ex, x):
-        """(the buffer the backend's encode reads and rewrites as the tensor's residual, whether it
-        holds one): with error feedback, the residual kept, where ``x`` is, rescaled by lr_made /
-        lr_now; else (None, False)."""
+    def worker_residual(self, ex, x, size=None):
+        """(the buffer the backend's encode reads and rewrites as the residual of what this rank
+        encodes, ``size`` elements (default: the tensor's), whether it holds one): with error
+        feedback, the residual kept, where ``x`` is, rescaled by lr_made / lr_now; else (None, False)."""
         if not ex.settings.error_feedback:
             return None, False
-        key = ex.route.residual_key
+        key, size = ex.route.residual_key, ex.expect.numel if size is None else size
         old = self.residuals.get(key)
         if old is None:
-            return ex.backend.zeros(ex.expect.numel, x), False
-        if element_count(old) != ex.expect.numel:
+            return ex.backend.zeros(size, x), False
+        if element_count(old) != size:
             raise protocol.MismatchError(
                 f"{ex.where}: its error-feedback residual (position {key!r}) has {element_count(old)} elements, "
-                f"the tensor {ex.expect.numel}: the tensors handed to the compressor changed order between "
-                "steps; pass named_parameters= to the compressor")
+                f"what this rank encodes {size}: the tensors handed to the compressor changed order between "
+                "steps (pass named_parameters= to the compressor), or the node layout changed")
         residual = ex.backend.place(old, x)
         factor = self.residuals.factor(key, ex.lr)
         return (residual if factor == 1.0 else residual * factor), True
