@@ -66,7 +66,8 @@ def _offsets(counts):
 class QSGDReducer:
     """QSGD allreduce of NumPy arrays among the ranks of an mpi4py communicator.
 
-    ``comm``: the communicator (default ``MPI.COMM_WORLD``); then the settings of ``hvd_qsgd.QSGD``
+    ``comm``: the communicator (default ``MPI.COMM_WORLD``; every rank of it constructs its reducer,
+    which learns which ranks share a node); then the settings of ``hvd_qsgd.QSGD``
     (``hvd_qsgd.settings.Settings.make``) by name; the reducer keeps no error feedback.
     ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
 
@@ -82,6 +83,13 @@ class QSGDReducer:
         self.collectives = MpiCollectives()
         self.runner = ExchangeRunner(self.collectives, 0, self.settings, FixedBits(self.settings), owner=repr(self))
         self._occurrences = {}
+        # the ranks sharing this rank's node, where they are consecutive (else 0): a collective, made
+        # as every rank constructs its reducer
+        from mpi4py import MPI
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        size, local = node.Get_size(), node.Get_rank()
+        node.Free()
+        self._node_size = size if local == comm.Get_rank() % size else 0
 
     def __repr__(self):
         return f"hvd_qsgd.mpi.QSGDReducer({self.settings})"
@@ -107,8 +115,8 @@ class QSGDReducer:
         occurrence = self._occurrences.get(name, 0)
         self._occurrences[name] = occurrence + 1
         red = s.exchange_reduction(n, x.size)
-        per_node = self._ranks_per_node() if red == "hierarchical" else None
-        self._agree(name, x, red if per_node is None else f"{red}/{per_node}")
+        per_node = self._ranks_per_node()
+        self._agree(name, x, f"{red}/{per_node}" if red == "hierarchical" else red)
         ex = self.runner.open(name, x.size, x.dtype.name, x.shape, "cpu", comm, list(range(n)), rank, n,
                               route=Route(exchange, exchange, occurrence, 0, name, name, None),
                               where=f"hvd_qsgd.mpi: tensor {name!r}", ranks_per_node=per_node)
@@ -122,13 +130,7 @@ class QSGDReducer:
         """``HVD_QSGD_RANKS_PER_NODE``, else the ranks of this communicator sharing this rank's node,
         where they are consecutive (0, an error, where they are not)."""
         override = ranks_per_node_override()
-        if override is not None:
-            return override
-        from mpi4py import MPI
-        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
-        size, rank, local = node.Get_size(), self.comm.Get_rank(), node.Get_rank()
-        node.Free()
-        return size if local == rank % size else 0
+        return self._node_size if override is None else override
 
     def _agree(self, name, x, red):
         """Allgather every rank's record of this exchange; raise on every rank if they differ."""

@@ -177,6 +177,10 @@ class Stats:
                     counted in raw_elements / raw_tensors; logged once)
     allreduce_bytes: bytes a ring allreduce of the compressed tensors in fp32 would have made this
                     rank receive, 2 (n-1)/n * 4 d per exchange (what ``hvd_qsgd.report`` compares with)
+    cross_bytes_sent / cross_bytes_received: of bytes_sent / bytes_received, those addressed to (or
+                    from) ranks on other nodes (the node layout: HVD_QSGD_RANKS_PER_NODE, else the
+                    framework's local size; 0 where it is not known), counted per destination as a
+                    direct send: what the node's link must carry (PyTorch and hvd_qsgd.mpi)
     encode_s:       seconds this rank spent encoding (compress: quantize, pack, error feedback)
     decode_s:       seconds spent decoding (decode-sum; scatter_allgather's reduce step, which decodes
                     and re-quantizes a chunk, counts here)
@@ -184,7 +188,7 @@ class Stats:
     """
 
     FIELDS = ("elements", "bytes_sent", "bytes_received", "tensors", "raw_elements", "raw_tensors",
-              "host_fallbacks", "joined_exchanges", "allreduce_bytes")
+              "host_fallbacks", "joined_exchanges", "allreduce_bytes", "cross_bytes_sent", "cross_bytes_received")
     TIME_FIELDS = ("encode_s", "decode_s", "wait_s")
     # what the TensorFlow adapter counts in graph variables (its ops run on the host: no fallback)
     GRAPH_FIELDS = FIELDS[:6]

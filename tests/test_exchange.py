@@ -93,9 +93,15 @@ def reduce_on_threads(xs, settings, per_node=None, steps=1):
             before = runner.stats.as_dict()["bytes_sent"]
             runner.encode(ex, np.ascontiguousarray(xs[r], dtype=np.float32).reshape(-1))
             out.append((runner.run_in_order(ex, 1.0 / n), runner.stats.as_dict()["bytes_sent"] - before))
+        stats[r] = runner.stats.as_dict()
         return out[0] if steps == 1 else out
 
+    last_stats[:] = [None] * n
+    stats = last_stats
     return on_threads(n, rank)
+
+
+last_stats = []   # every rank's stats after the last reduce_on_threads
 
 
 def inputs(n, numel):
@@ -160,6 +166,29 @@ def test_hierarchical_error_feedback_keeps_the_residual_of_the_shard_each_rank_e
         for r in range(n):
             assert np.array_equal(got[r][step][0], ref), f"step {step}, rank {r}"
     assert len(residuals) == n  # one residual per (node, shard): per rank
+
+
+def test_bytes_to_other_nodes_are_counted_for_every_reduction():
+    """Nodes of 2 at 4 ranks: allgather sends its payload to the 2 ranks of the other node;
+    scatter_allgather its chunks for them and its frame twice; hierarchical its shard's payload once;
+    and each rank receives what the others addressed to it."""
+    n, numel = 4, 20000
+    xs = inputs(n, numel)
+    for red in ("allgather", "scatter_allgather", "hierarchical"):
+        s = Settings.make(bits=4, reduction=red, min_numel=1)
+        reduce_on_threads(xs, s, per_node=2)
+        sent = [st["cross_bytes_sent"] for st in last_stats]
+        received = [st["cross_bytes_received"] for st in last_stats]
+        assert sum(sent) == sum(received) > 0, (red, sent, received)
+        if red == "allgather":
+            p = codec.payload_nbytes(numel, 4, s.bucket_size)
+            assert sent == [2 * p] * n, (sent, p)
+        if red == "hierarchical":
+            _, payloads = references.hierarchical(xs, s, seeds(s, n), 2, 1.0 / n, fingerprint(xs[0]))
+            assert sent == [payloads[r % 2][r // 2].size for r in range(n)], sent
+            # what leaves a node: (c - 1) P with P the whole tensor's payload, against 2 (c - 1) P
+            # for the allgather at 2 ranks a node
+            assert sent[0] + sent[1] <= 1.01 * codec.payload_nbytes(numel, 4, s.bucket_size)
 
 
 def test_every_reduction_has_a_chain():

@@ -24,12 +24,16 @@ class Exchange:
     __slots__ = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
                  "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
                  "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
-                 "started", "origin", "layout")
+                 "started", "origin", "layout", "nodes", "cross_sent", "cross_received")
 
     def __init__(self, **fields):
         for k in self.__slots__:
             setattr(self, k, fields.get(k))
-        self.sent = self.received = 0
+        self.sent = self.received = self.cross_sent = self.cross_received = 0
+
+    def remote(self, j):
+        """Whether set rank j is on another node than this rank (False where the layout is unknown)."""
+        return self.nodes is not None and self.nodes[j] != self.nodes[self.set_rank]
 
 
 class AllgatherChain:
@@ -70,8 +74,10 @@ class AllgatherChain:
         payloads = b.split(gathered, n, ex.own_len, where)
         protocol.check_gathered(b.read_headers(payloads, where), ex.expect, where)
         out = b.decode_sum(payloads, alpha, where)
+        remote = [j for j in range(n) if ex.remote(j)]
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1, decode_s=time.perf_counter() - t0,
-                      bytes_received=len(gathered) - ex.own_len)
+                      bytes_received=len(gathered) - ex.own_len, cross_bytes_sent=ex.own_len * len(remote),
+                      cross_bytes_received=sum(len(payloads[j]) for j in remote))
         return out
 
 
@@ -97,6 +103,7 @@ class ScatterAllgatherChain:
         ex.stage = "scatter"
         buf, ex.payload = ex.payload, None
         ex.sent = ex.own_len - ex.splits[ex.set_rank]
+        ex.cross_sent = sum(v for j, v in enumerate(ex.splits) if ex.remote(j))
         ex.handle = run.collectives.alltoall(buf, ex.splits, f"{ex.route.exchange}.scatter", ex.group)
         return True
 
@@ -108,12 +115,14 @@ class ScatterAllgatherChain:
         received, rsplits = run.collectives.wait(ex.handle)
         ex.handle = None
         ex.received = int(sum(rsplits)) - rsplits[j]
+        ex.cross_received = sum(v for k, v in enumerate(rsplits) if ex.remote(k))
         t0 = time.perf_counter()
         server = (lambda: run.server_residual(ex, received)) if ex.settings.server_error_feedback else None
         frame, ex.reduce_error = ex.backend.reduce_received(received, rsplits, j, ex.settings, ex.step_seed,
                                                             ex.expect, ex.where, server_residual=server)
         run.stats.add(decode_s=time.perf_counter() - t0)
         ex.sent += len(frame)
+        ex.cross_sent += len(frame) * sum(1 for k in range(len(ex.set_ranks)) if ex.remote(k))
         ex.gather_handle = run.collectives.allgather(frame, f"{ex.route.exchange}.gather", ex.group)
         return False
 
@@ -137,10 +146,12 @@ class ScatterAllgatherChain:
             raise protocol.MismatchError(f"{ex.where}: this rank could not reduce chunk {j}: "
                                          f"{ex.reduce_error}") from ex.reduce_error
         ex.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
+        ex.cross_received += sum(8 + c.size for k, c in enumerate(chunks) if ex.remote(k))
         chunks = [b.place_bytes(c, gathered) for c in chunks]
         out = b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size, f"{ex.where}: reduced chunks")
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
-                      decode_s=time.perf_counter() - t0)
+                      decode_s=time.perf_counter() - t0, cross_bytes_sent=ex.cross_sent,
+                      cross_bytes_received=ex.cross_received)
         return out
 
 

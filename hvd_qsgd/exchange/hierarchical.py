@@ -108,6 +108,7 @@ class HierarchicalChain:
         for k in range(nodes):
             splits[k * per_node + local] = len(payload)
         ex.sent += len(payload) * (nodes - 1)
+        ex.cross_sent = len(payload) * (nodes - 1)
         ex.stage = "cross"
         # an alltoall sends each rank its own piece: the payload once for each node, this one's included
         ex.handle = run.collectives.alltoall(ex.backend.repeat(payload, nodes), splits, f"{ex.route.exchange}.cross",
@@ -121,6 +122,7 @@ class HierarchicalChain:
         received, rsplits = run.collectives.wait(ex.handle)
         ex.handle = None
         ex.received += sum(rsplits) - rsplits[ex.set_rank]
+        ex.cross_received = sum(rsplits) - rsplits[ex.set_rank]
         b, e = _shard_ranges(ex)[local]
         where = f"{ex.where}: shard {local}"
         t0 = time.perf_counter()
@@ -172,5 +174,6 @@ class HierarchicalChain:
         ex.received += 4 * (sum(got) - got[local])
         if alpha != 1.0:
             out = out * alpha
-        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received)
+        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
+                      cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
         return out

@@ -111,6 +111,8 @@ class ExchangeRunner:
                       set_rank=set_ranks.index(global_rank) if global_rank in set_ranks else None)
         if red == "hierarchical":
             ex.layout, ex.fault = node_layout(ranks_per_node, set_ranks, world, where)
+        if ranks_per_node and world % ranks_per_node == 0:  # which node each set rank is on (the stats')
+            ex.nodes = [g // ranks_per_node for g in set_ranks]
         return ex
 
     def encode(self, ex, x, lr=None):

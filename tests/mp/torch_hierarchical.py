@@ -54,9 +54,11 @@ def exact():
         expected = 4 * (numel - (e - b)) + cross + 4 * (e - b) * (PER_NODE - 1)
         got = c.stats["bytes_sent"] - before["bytes_sent"]
         assert got == expected, (numel, got, expected)
-        if numel == 1 << 20:  # what leaves the node: (c - 1) P, P = the tensor's payload bytes
+        assert c.stats["cross_bytes_sent"] - before["cross_bytes_sent"] == cross, (numel, c.stats, cross)
+        if numel == 1 << 20:  # what leaves the node, counted by stats: (c - 1) P, P the tensor's payload
             payload = codec.payload_nbytes(numel, 4, c.settings.bucket_size)
-            node_cross = hvd.allreduce(torch.tensor([float(cross)]), op=hvd.Sum, name="test.cross")[0] / (n // PER_NODE)
+            mine = float(c.stats["cross_bytes_sent"] - before["cross_bytes_sent"])
+            node_cross = hvd.allreduce(torch.tensor([mine]), op=hvd.Sum, name="test.cross")[0] / (n // PER_NODE)
             nodes = n // PER_NODE
             assert node_cross <= 1.2 * (nodes - 1) * payload, (float(node_cross), payload)
         seq += 1
