@@ -66,8 +66,8 @@ def _offsets(counts):
 class QSGDReducer:
     """QSGD allreduce of NumPy arrays among the ranks of an mpi4py communicator.
 
-    ``comm``: the communicator (default ``MPI.COMM_WORLD``; every rank of it constructs its reducer,
-    which learns which ranks share a node); then the settings of ``hvd_qsgd.QSGD``
+    ``comm``: the communicator (default ``MPI.COMM_WORLD``; the first allreduce learns which of its
+    ranks share a node); then the settings of ``hvd_qsgd.QSGD``
     (``hvd_qsgd.settings.Settings.make``) by name; the reducer keeps no error feedback.
     ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
 
@@ -83,13 +83,7 @@ class QSGDReducer:
         self.collectives = MpiCollectives()
         self.runner = ExchangeRunner(self.collectives, 0, self.settings, FixedBits(self.settings), owner=repr(self))
         self._occurrences = {}
-        # the ranks sharing this rank's node, where they are consecutive (else 0): a collective, made
-        # as every rank constructs its reducer
-        from mpi4py import MPI
-        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        size, local = node.Get_size(), node.Get_rank()
-        node.Free()
-        self._node_size = size if local == comm.Get_rank() % size else 0
+        self._node_size = None   # learnt by the first allreduce (a collective)
 
     def __repr__(self):
         return f"hvd_qsgd.mpi.QSGDReducer({self.settings})"
@@ -103,6 +97,8 @@ class QSGDReducer:
         if op not in ("average", "sum"):
             raise ValueError(f"hvd_qsgd.mpi: op must be 'average' or 'sum', got {op!r}")
         x = np.asarray(x)
+        if self._node_size is None:  # every rank's first exchange, whatever its tensor: the same call
+            self._node_size = self._learn_node_size()
         comm, s, n = self.comm, self.settings, self.comm.Get_size()
         alpha = 1.0 / n if op == "average" else 1.0
         if x.dtype.name not in _FLOATS or x.size < s.min_numel:
@@ -131,6 +127,14 @@ class QSGDReducer:
         where they are consecutive (0, an error, where they are not)."""
         override = ranks_per_node_override()
         return self._node_size if override is None else override
+
+    def _learn_node_size(self):
+        """The ranks sharing this rank's node, where they are consecutive (else 0)."""
+        from mpi4py import MPI
+        node = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        size, local = node.Get_size(), node.Get_rank()
+        node.Free()
+        return size if local == self.comm.Get_rank() % size else 0
 
     def _agree(self, name, x, red):
         """Allgather every rank's record of this exchange; raise on every rank if they differ."""
