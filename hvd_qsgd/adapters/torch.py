@@ -144,9 +144,12 @@ class TorchCompressor(Compressor):
                 log.warning("hvd_qsgd: the checkpoint loaded keys its error-feedback residuals by position (a "
                             "compressor that numbered the optimizer's gradients); gradients from Horovod's "
                             "optimizer are matched by its parameter names now, so their residuals start from zero")
+        try:
+            per_node = _ranks_per_node()
+        except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
+            per_node, fault = 0, fault or e
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
-                              ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size(),
-                              ranks_per_node=_ranks_per_node())
+                              ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size(), ranks_per_node=per_node)
         ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
         return ex
 

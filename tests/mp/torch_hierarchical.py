@@ -83,6 +83,20 @@ def error_feedback():
     assert np.array_equal(mine, residuals[(rank // PER_NODE, rank % PER_NODE)]), "residual"
 
 
+def malformed_layout():
+    """A malformed HVD_QSGD_RANKS_PER_NODE is an error naming it on every rank, not a hang."""
+    os.environ["HVD_QSGD_RANKS_PER_NODE"] = "two"
+    try:
+        hvd.allreduce(torch.randn(20000), compression=hvd_qsgd.QSGD(4), name="malformed")
+    except protocol.MismatchError as e:
+        assert "HVD_QSGD_RANKS_PER_NODE" in str(e), str(e)
+        print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+        return False
+    finally:
+        os.environ["HVD_QSGD_RANKS_PER_NODE"] = str(PER_NODE)
+    raise AssertionError("a malformed layout did not raise")
+
+
 def layouts_differ():
     os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1" if hvd.rank() == 0 else str(PER_NODE)
     c = hvd_qsgd.QSGD(4, reduction="hierarchical")
@@ -98,7 +112,8 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     for name in sys.argv[1:]:
-        if {"exact": exact, "error-feedback": error_feedback, "layouts-differ": layouts_differ}[name]() is not False:
+        if {"exact": exact, "error-feedback": error_feedback, "layouts-differ": layouts_differ,
+                 "malformed-layout": malformed_layout}[name]() is not False:
             print(f"OK {name}", flush=True)
 
 
