@@ -110,12 +110,10 @@ class QSGDReducer:
         exchange = f"hvd_qsgd.mpi.{name}"
         occurrence = self._occurrences.get(name, 0)
         self._occurrences[name] = occurrence + 1
-        red = s.exchange_reduction(n, x.size)
-        per_node = self._ranks_per_node()
-        self._agree(name, x, f"{red}/{per_node}" if red == "hierarchical" else red)
         ex = self.runner.open(name, x.size, x.dtype.name, x.shape, "cpu", comm, list(range(n)), rank, n,
                               route=Route(exchange, exchange, occurrence, 0, name, name, None),
-                              where=f"hvd_qsgd.mpi: tensor {name!r}", ranks_per_node=per_node)
+                              where=f"hvd_qsgd.mpi: tensor {name!r}", ranks_per_node=self._ranks_per_node())
+        self._agree(name, x, ex.tag_reduction())
         if ex.fault is not None:  # alike on every rank: the layout agreed
             raise ex.fault
         self.runner.encode(ex, np.ascontiguousarray(x, dtype=np.float32).reshape(-1))

@@ -35,6 +35,15 @@ class Exchange:
         """Whether set rank j is on another node than this rank (False where the layout is unknown)."""
         return self.nodes is not None and self.nodes[j] != self.nodes[self.set_rank]
 
+    def remote_ranks(self):
+        """The set ranks on other nodes than this rank's."""
+        return [j for j in range(len(self.set_ranks)) if self.remote(j)]
+
+    def tag_reduction(self):
+        """The reduction as the settings tag names it: with its ranks per node where it has a layout,
+        so that ranks that disagree on the layout fail the check."""
+        return self.reduction if self.layout is None else f"{self.reduction}/{self.layout}"
+
 
 class AllgatherChain:
     """Every rank receives every payload and decodes their sum: (n-1) P bytes received a rank."""
@@ -74,7 +83,7 @@ class AllgatherChain:
         payloads = b.split(gathered, n, ex.own_len, where)
         protocol.check_gathered(b.read_headers(payloads, where), ex.expect, where)
         out = b.decode_sum(payloads, alpha, where)
-        remote = [j for j in range(n) if ex.remote(j)]
+        remote = ex.remote_ranks()
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1, decode_s=time.perf_counter() - t0,
                       bytes_received=len(gathered) - ex.own_len, cross_bytes_sent=ex.own_len * len(remote),
                       cross_bytes_received=sum(len(payloads[j]) for j in remote))
@@ -122,7 +131,7 @@ class ScatterAllgatherChain:
                                                             ex.expect, ex.where, server_residual=server)
         run.stats.add(decode_s=time.perf_counter() - t0)
         ex.sent += len(frame)
-        ex.cross_sent += len(frame) * sum(1 for k in range(len(ex.set_ranks)) if ex.remote(k))
+        ex.cross_sent += len(frame) * len(ex.remote_ranks())
         ex.gather_handle = run.collectives.allgather(frame, f"{ex.route.exchange}.gather", ex.group)
         return False
 

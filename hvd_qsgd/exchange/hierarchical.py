@@ -1,7 +1,7 @@
 """The hierarchical reduction: reduce inside each node uncompressed, compress only what crosses nodes.
 
 With n ranks in c nodes of L consecutive ranks (node k holds set ranks kL .. kL+L-1; the layout:
-``hvd_qsgd.exchange.layout``), a d-element tensor is cut into L shards of whole buckets
+``runner.node_layout``), a d-element tensor is cut into L shards of whole buckets
 (``reduction.chunk_ranges(d, B, L)``), and rank kL+i:
 
     node scatter   sends shard j of its tensor (float32) to its node's rank j: an alltoall over the
@@ -55,7 +55,7 @@ class HierarchicalChain:
                              "server residual to feed back): pass server_error_feedback=False (error_feedback=True "
                              "keeps the residual of the shard this rank encodes)")
         b, e = _shard_ranges(ex)[_layout(ex)[3]]
-        run.worker_residual(ex, x, size=e - b)  # a residual of another size fails here, on every rank
+        run.check_residual(ex, e - b)  # a residual of another size fails here, on every rank
         ex.payload = ex.backend.float32(x)
         ex.own_len = 0
 

@@ -57,17 +57,18 @@ def ranks_per_node_override():
 
 
 def node_layout(ranks_per_node, set_ranks, world, where):
-    """(L, None): the hierarchical reduction's ranks per node, or (1, the fault) where it cannot run."""
+    """(L, None): the hierarchical reduction's ranks per node, or (L as given, the fault) where it
+    cannot run (kept in the settings tag: ranks that were given different layouts still differ there)."""
     n = len(set_ranks)
     if n != world:
-        return 1, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
+        return ranks_per_node or 0, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
                              f"holds {n} of {world} ranks); pass another reduction for process sets")
     if not ranks_per_node:
-        return 1, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
+        return 0, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
                              "Horovod's ranks do not fill its nodes one after another: set "
                              "HVD_QSGD_RANKS_PER_NODE on every rank, or pass another reduction")
     if n % ranks_per_node:
-        return 1, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
+        return ranks_per_node, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
                              f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "
                              "local_size)")
     return ranks_per_node, None
@@ -141,8 +142,7 @@ class ExchangeRunner:
 
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
-        reduction = ex.reduction if ex.layout is None else f"{ex.reduction}/{ex.layout}"  # ranks per node too
-        tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(reduction),
+        tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(ex.tag_reduction()),
                                       ex.route.key)
         return protocol.control_vector(ex.world, ex.global_rank, ex.set_rank, tags, failed=ex.fault is not None)
 
@@ -155,17 +155,24 @@ class ExchangeRunner:
         if not ex.settings.error_feedback:
             return None, False
         key, size = ex.route.residual_key, ex.expect.numel if size is None else size
-        old = self.residuals.get(key)
+        old = self.check_residual(ex, size)
         if old is None:
             return ex.backend.zeros(size, x), False
-        if element_count(old) != size:
+        residual = ex.backend.place(old, x)
+        factor = self.residuals.factor(key, ex.lr)
+        return (residual if factor == 1.0 else residual * factor), True
+
+    def check_residual(self, ex, size):
+        """The residual kept for what this rank encodes (None if none), after checking that it has
+        ``size`` elements."""
+        key = ex.route.residual_key
+        old = self.residuals.get(key) if ex.settings.error_feedback else None
+        if old is not None and element_count(old) != size:
             raise protocol.MismatchError(
                 f"{ex.where}: its error-feedback residual (position {key!r}) has {element_count(old)} elements, "
                 f"what this rank encodes {size}: the tensors handed to the compressor changed order between "
                 "steps (pass named_parameters= to the compressor), or the node layout changed")
-        residual = ex.backend.place(old, x)
-        factor = self.residuals.factor(key, ex.lr)
-        return (residual if factor == 1.0 else residual * factor), True
+        return old
 
     def keep_residual(self, ex, residual):
         if residual is not None:
