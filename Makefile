@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-plan check-newest test test-quick demo bench gpu-check gpu-check-horovod gpu-carry clean
+.PHONY: setup setup-plan check-newest test test-quick demo bench gpu-check gpu-check-horovod gpu-carry gpu-session clean
 
 # TORCH_VERSION=... / TF_VERSION=... override the pins of scripts/versions.sh; TORCH_INDEX_URL picks
 # torch's index (https://download.pytorch.org/whl/cpu: the CPU build); CUDA_HOME the toolkit
@@ -46,10 +46,18 @@ gpu-check:
 gpu-check-horovod:
 	bash scripts/gpu_check_horovod.sh
 
-# where there is network: what gpu-check-horovod needs to carry (.gpu_carry/, ignored by git)
+# where there is network: what gpu-check-horovod needs to carry (.gpu_carry/, ignored by git): Horovod's
+# sdist, and the cffi wheels its PyTorch build needs, which the GPU machine's Python (3.12) lacks
 gpu-carry:
 	mkdir -p .gpu_carry
 	python3 -m pip download -q --no-deps --no-binary :all: -d .gpu_carry horovod==$$(. scripts/versions.sh; echo $$HOROVOD_VERSION)
+	python3 -m pip download -q --no-deps --only-binary :all: --python-version 3.12 --implementation cp \
+	  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+	  -d .gpu_carry cffi pycparser
+
+# on the GPU machine, in one call: gpu-check, gpu-check-horovod and the training run (docs/gpu.md)
+gpu-session:
+	bash scripts/gpu_session.sh
 
 clean:
 	rm -rf build *.egg-info hvd_qsgd/*.so hvd_qsgd/tensorflow/*.so hvd_qsgd/_build_target.json .pytest_cache

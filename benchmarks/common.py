@@ -3,6 +3,7 @@ entry point of a subcommand module run on its own."""
 import argparse
 import os
 import platform
+import shutil
 import signal
 import statistics
 import subprocess
@@ -30,6 +31,13 @@ def job_env():
                PYTHONPATH=REPO_ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return env
+
+
+def horovodrun():
+    """The horovodrun beside this Python, else the first on PATH (Horovod installed with
+    ``pip --target`` elsewhere, as on the GPU machine)."""
+    beside = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    return beside if os.access(beside, os.X_OK) else (shutil.which("horovodrun") or beside)
 
 
 def launch_job(cmd, timeout, cwd=None):

@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import launch_job, machine_info, REPO_ROOT
+from benchmarks.common import horovodrun, launch_job, machine_info, REPO_ROOT
 
 EXAMPLE = os.path.join("examples", "pytorch_lm.py")
 TARGET_MARGIN = 0.01  # the target: fp32's final validation loss + 1%
@@ -69,6 +69,14 @@ def add_lm_arguments(p):
     p.add_argument("--steps", type=int, default=300, help="lm: optimizer steps of every run (default %(default)s)")
     p.add_argument("--eval-every", type=int, default=30, help="lm: steps between evaluations (default %(default)s)")
     p.add_argument("--size", choices=tuple(SIZES), default="default", help="lm: the model's size (default %(default)s)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="lm: the example's --device: cuda puts every rank's model on GPU local_rank modulo the "
+                        "GPUs there are, so ranks may share one (default %(default)s)")
+    p.add_argument("--project", metavar="JSON[,JSON...]", default=None,
+                   help="lm: run nothing; read the runs of these --json files (loopback runs, e.g. one per seed) "
+                        "and print their table with the time to target projected over links of --project-gbps")
+    p.add_argument("--project-gbps", default="1,10,100", help="lm: the link rates of --project, Gbit/s "
+                                                              "(default %(default)s)")
     p.add_argument("--rate", default=None, help="lm: shape every rank's link to this rate (tc syntax, e.g. 1gbit); "
                                                 "default: loopback, nothing shaped")
 
@@ -83,7 +91,7 @@ def example_flags(args, method, seed, json_path):
     """The example's flags for one run; rank 0 writes its results to json_path and its final
     parameters next to it (``.pt``), so that the reported loss can be checked directly."""
     return (["--no-progress", "--json", json_path, "--save", json_path[:-len(".json")] + ".pt", "--seed", str(seed),
-             "--max-steps", str(args.steps), "--eval-every", str(args.eval_every)] + SIZES[args.size]
+             "--max-steps", str(args.steps), "--eval-every", str(args.eval_every), "--device", args.device] + SIZES[args.size]
             + METHODS[method][1])
 
 
@@ -180,15 +188,69 @@ def plot(rows, path, title):
     plt.close(fig)
 
 
+# ---- the projection over links of a given rate, from loopback runs ----------------------------------
+def projected_time_to_target(result, target, gbps):
+    """A loopback run's time to target over links of ``gbps`` Gbit/s: the training time measured at
+    its first evaluation at or below ``target``, plus the bytes its rank had sent by then over the
+    link's rate. That adds the wire time to the step with no overlap, and keeps loopback's own
+    exchange time: a projection, not a measurement. None when the run never reaches the target."""
+    for point in result["curve"]:
+        if point["val_bpb"] <= target:
+            return point["train_time"] + point["bytes_sent_so_far"] * 8 / (gbps * 1e9)
+    return None
+
+
+def projection_lines(rows, target, rates):
+    """Per method: the mean projected time to target at each rate (runs that reach it), and its
+    speed-up against fp16's at the same rate."""
+    by = {}
+    for r in rows:
+        if r["result"] is not None:
+            by.setdefault(r["method"], []).append(r["result"])
+    means = {}
+    for method, results in by.items():
+        for g in rates:
+            times = [t for t in (projected_time_to_target(res, target, g) for res in results) if t is not None]
+            means[method, g] = statistics.mean(times) if times else None
+    lines = ["| method | " + " | ".join(f"{g:g} Gbit/s: time to target (s), vs fp16" for g in rates) + " |",
+             "|" + "---|" * (len(rates) + 1)]
+    for method in by:
+        cells = []
+        for g in rates:
+            t, base = means[method, g], means.get(("fp16", g))
+            cells.append("not reached" if t is None else
+                         f"{t:.1f}, " + (f"{base / t:.2f}x" if base else "-"))
+        lines.append(f"| {METHODS[method][0]} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def project(args):
+    """``--project``: the saved runs' table, and their time to target projected over links."""
+    rows = []
+    for path in args.project.split(","):
+        with open(path) as f:
+            rows += json.load(f)["runs"]
+    rates = [float(g) for g in str(args.project_gbps).split(",") if g.strip()]
+    target, summary = summarize(rows)
+    if target is None:
+        print("--project: no fp32 (none) run among the files: no target", file=sys.stderr)
+        return 2
+    print("\n".join(table_lines(rows, target, summary)))
+    print("\nPROJECTED (measured training time + bytes sent / link rate, no overlap; not measured):")
+    print("\n".join(projection_lines(rows, target, rates)))
+    return 0
+
+
 # ---- launching -----------------------------------------------------------------------------------
 def _loopback(args, flags):
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, EXAMPLE] + flags
+    cmd = [horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable, EXAMPLE] + flags
     status, out, seconds = launch_job(cmd, args.timeout, cwd=REPO_ROOT)
     return cmd, status, out, seconds
 
 
 def run(args):
+    if args.project:
+        return project(args)
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         print(f"--workload lm has no method {', '.join(unknown)}; its methods: {', '.join(METHODS)}", file=sys.stderr)
@@ -196,8 +258,8 @@ def run(args):
     info = machine_info()
     todo = runs_of(args)
     where = f"links shaped to {args.rate}" if args.rate else "loopback"
-    print(f"machine: {info['cpu']}, {info['usable_cores']} usable cores; {len(todo)} runs of {args.np} ranks over "
-          f"{where}, {args.steps} steps each", flush=True)
+    print(f"machine: {info['cpu']}, {info['usable_cores']} usable cores; {len(todo)} runs of {args.np} ranks "
+          f"(device {args.device}) over {where}, {args.steps} steps each", flush=True)
     rows, topo, out_dir = [], None, os.path.abspath(args.out)
     os.makedirs(out_dir, exist_ok=True)
     old_handlers = {}
@@ -259,7 +321,7 @@ def run(args):
         print(f"\nwrote {args.png}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(machine=info, workload="lm", np=args.np, rate=args.rate, steps=args.steps, size=args.size,
+            json.dump(dict(machine=info, workload="lm", np=args.np, device=args.device, rate=args.rate, steps=args.steps, size=args.size,
                            seeds=args.seeds, target=target, summary=summary, runs=rows, table=lines), f, indent=1)
         print(f"wrote {args.json}")
     failed = any(r["result"] is None or not r["result"]["ranks_identical"] for r in rows)

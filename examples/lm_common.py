@@ -190,10 +190,11 @@ def bits_per_byte(model, inputs, targets, chunk=64):
     was = model.training
     model.eval()
     total, count = 0.0, 0
+    device = next(model.parameters()).device
     with torch.no_grad():
         for lo in range(0, inputs.shape[0], chunk):
-            x = torch.from_numpy(inputs[lo: lo + chunk])
-            y = torch.from_numpy(targets[lo: lo + chunk])
+            x = torch.from_numpy(inputs[lo: lo + chunk]).to(device)
+            y = torch.from_numpy(targets[lo: lo + chunk]).to(device)
             logits = model(x)
             total += float(F.cross_entropy(logits.reshape(-1, 256), y.reshape(-1), reduction="sum"))
             count += y.numel()

@@ -139,7 +139,7 @@ def method_info(args, opt):
 
 def param_checksum(model):
     """A 63-bit digest of every parameter's bytes, in named_parameters() order."""
-    return common.checksum((name, p.detach().contiguous().numpy()) for name, p in model.named_parameters())
+    return common.checksum((name, p.detach().cpu().contiguous().numpy()) for name, p in model.named_parameters())
 
 
 @torch.no_grad()

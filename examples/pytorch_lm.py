@@ -55,6 +55,9 @@ def add_flags(p):
     p.add_argument("--train-mb", type=float, default=8.0, help="MB of training text (default 8)")
     p.add_argument("--val-mb", type=float, default=1.0, help="MB of validation text (default 1)")
     p.add_argument("--save", metavar="PATH", help="rank 0 saves its final parameters here")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the model and its gradients live (default cpu); cuda: GPU local_rank modulo "
+                        "the GPUs this host has, so ranks may share one")
     p.set_defaults(batch_size=4, lr=0.1, max_steps=300)
 
 
@@ -76,7 +79,13 @@ def main(argv=None):
 
     torch.manual_seed(args.seed + rank)  # the broadcast makes the ranks start alike
     orders = tuple(int(n) for n in args.ngram_orders.split(",") if n.strip())
-    model = lm.make_model(args.d_model, args.layers, args.heads, args.context, args.ngram_rows, orders)
+    device = torch.device("cpu")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("[lm] error: --device cuda, but torch sees no CUDA device here")
+        device = torch.device("cuda", hvd.local_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    model = lm.make_model(args.d_model, args.layers, args.heads, args.context, args.ngram_rows, orders).to(device)
     compression = digits.make_compression(args, model)
     opt = digits.make_optimizer(args, model, compression)
     numel = sum(p.numel() for p in model.parameters())
@@ -109,12 +118,15 @@ def main(argv=None):
     for step in range(1, steps + 1):
         x, y = lm.train_batch(corpus.train, args.batch_size, args.context, args.seed, rank, step)
         opt.zero_grad()
-        loss = F.cross_entropy(model(torch.from_numpy(x)).reshape(-1, 256), torch.from_numpy(y).reshape(-1))
+        x, y = torch.from_numpy(x).to(device), torch.from_numpy(y).to(device)
+        loss = F.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
         loss.backward()
         opt.step()
         if step == steps and args.method == "pqasgd" and opt.local_steps % opt.period:
             opt.synchronize()  # end on a sync: the ranks' parameters are then bit-identical
         if rank == 0 and (step % args.eval_every == 0 or step == steps):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the step's kernels are in its time
             t_eval = time.perf_counter()
             sent = common.bytes_so_far(args, numel, common.compressor_stats(args, compression), step,
                                        extra=digits.state_bytes(args, opt, numel))
@@ -122,6 +134,8 @@ def main(argv=None):
                          val_bpb=evaluate(), train_loss_bits=float(loss) / 0.6931471805599453)
             curve.append(point)
             eval_time += time.perf_counter() - t_eval
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     train_time = time.perf_counter() - t0 - eval_time
 
     mine = torch.tensor([digits.param_checksum(model)], dtype=torch.int64)
@@ -132,7 +146,7 @@ def main(argv=None):
         total = common.bytes_so_far(args, numel, stats, steps, extra=digits.state_bytes(args, opt, numel))
         result = dict(
             workload="lm", label=common.method_label(args), method=args.method, compression=args.compression,
-            np=size, steps=steps, seed=args.seed, numel=numel, train_time=train_time,
+            np=size, device=str(device) if device.type == "cpu" else torch.cuda.get_device_name(device), steps=steps, seed=args.seed, numel=numel, train_time=train_time,
             final_val_bpb=curve[-1]["val_bpb"], bytes_sent_total=total, bytes_per_step=total / steps,
             ranks_identical=len(set(sums)) == 1, checksums=sums, stats=stats, curve=curve,
             method_info=digits.method_info(args, opt), corpus=corpus.manifest,

@@ -141,9 +141,9 @@ class CpuBackend:
 class CudaBackend:
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
     decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing
-    rank's residual a CUDA tensor the reduce kernel updates in place). The Elias coding (its kernels
-    are not yet verified on a GPU through this path) has no CUDA path yet; ``missing`` names what an
-    exchange would need that is not here."""
+    rank's residual a CUDA tensor the reduce kernel updates in place), and the Elias coding's encode
+    and decode-sum (tests/test_cuda.py's Elias cases passed on an H200, docs/gpu.md); the Elias
+    coding has no chunk kernels. ``missing`` names what an exchange would need that is not here."""
 
     name = "cuda"
 
@@ -153,11 +153,6 @@ class CudaBackend:
         if not cuda.available():
             return "the CUDA kernels are not available (" + (
                 "no CUDA device is visible" if cuda.built() else "the CUDA library was not built") + ")"
-        if settings.coding == "elias":
-            # the Elias kernels are byte-identical to the CPU on an H100 when called directly (the kernel
-            # benchmark), but this path through hvd_qsgd.cuda has not run on a GPU yet (docs/gpu.md):
-            # not on the training path until tests/test_cuda.py's Elias cases pass there
-            return "the Elias coding's CUDA kernels are not yet verified on a GPU"
         if settings.coding != "fixed" and exchange_reduction == "scatter_allgather":
             return f"the {settings.coding} coding's chunk steps have no CUDA kernel"
         return None

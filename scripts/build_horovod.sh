@@ -37,6 +37,8 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PLAN=0
 if [ "${1:-}" = "--plan" ]; then PLAN=1; shift; fi
 VPY="${1:?usage: build_horovod.sh [--plan] PYTHON}"
+# a bare name is resolved now: the build puts /usr/bin first on PATH, where another python3 may be
+case "$VPY" in */*) ;; *) VPY="$(command -v "$VPY")" || { printf '[horovod] error: no %s on PATH\n' "$1" >&2; exit 1; } ;; esac
 log() { printf '[horovod] %s\n' "$*" >&2; }
 die() { printf '[horovod] error: %s\n' "$*" >&2; exit 1; }
 plan() { printf 'horovod.%s=%s\n' "$1" "$2"; }
@@ -191,6 +193,11 @@ replace horovod/tensorflow/CMakeLists.txt 'list(APPEND TF_SOURCES "${PROJECT_SOU
 # Fix 4a: TF 2.21's headers include highwayhash and farmhash from paths not on Horovod's include list.
 export CXXFLAGS="${CXXFLAGS:-} -I$TFINC/external/highwayhash -I$TFINC/external/farmhash_archive/src"
 fi
+
+# Fix 5: group_table.h uses std::string without <string>, which GCC 13's headers no longer bring in
+#        through <mutex>; other sources likewise lean on <cstdint> arriving transitively.
+replace horovod/common/group_table.h "#include <mutex>" $'#include <mutex>\n#include <string>'
+export CXXFLAGS="${CXXFLAGS:-} -include cstdint"
 
 # The system cmake, not one from the registry (fix 1).
 command -v cmake >/dev/null || die "cmake not found (the system cmake 3.x is needed)"

@@ -21,6 +21,10 @@ cuda_arch() {  # cuda_arch CHECK: the visible GPU's compute capability (e.g. 90)
 }
 
 build_for_gpu() {  # build_for_gpu ARCH: the CPU and CUDA libraries, in place, for that compute capability
+  # GPU_CHECK_REUSE_BUILD=1: keep the libraries an earlier check of this session built for this Python
+  if [ "${GPU_CHECK_REUSE_BUILD:-0}" = 1 ] && ls hvd_qsgd/_lib_cuda"$($PY -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')" >/dev/null 2>&1; then
+    echo "reusing the libraries built earlier in this session"; return 0
+  fi
   env HVD_QSGD_WITH_CUDA=1 HVD_QSGD_CUDA_ARCHS="$1" $PY setup.py -q build_ext --inplace
 }
 

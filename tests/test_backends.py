@@ -28,8 +28,7 @@ def test_cpu_tensors_use_the_cpu_backend_with_no_fallback():
 
 
 @pytest.mark.parametrize("coding, red, server_ef, reason", [
-    ("elias", "allgather", False, "the Elias coding's CUDA kernels are not yet verified on a GPU"),
-    ("elias", "scatter_allgather", False, "the Elias coding's CUDA kernels are not yet verified on a GPU"),
+    ("elias", "scatter_allgather", False, "the elias coding's chunk steps have no CUDA kernel"),
 ])
 def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_the_reason(coding, red, server_ef,
                                                                                           reason, monkeypatch):
@@ -40,6 +39,8 @@ def test_a_cuda_tensor_without_a_kernel_for_a_step_goes_through_the_host_with_th
 
 
 @pytest.mark.parametrize("coding, red, server_ef", [("fixed", "allgather", False),
+                                                    ("elias", "allgather", False),
+                                                    ("elias", "hierarchical", False),
                                                     ("fixed", "scatter_allgather", False),
                                                     ("fixed", "scatter_allgather", True)])
 def test_a_cuda_tensor_stays_on_the_device_when_every_step_has_a_kernel(coding, red, server_ef, monkeypatch):

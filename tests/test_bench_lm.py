@@ -109,3 +109,17 @@ def test_lm_smoke_reports_what_it_computed(tmp_path):
         first = next((p["train_time"] for p in res["curve"] if p["val_bpb"] <= target), None)
         assert r["summary"][method]["times_to_target"] == [first], method
     assert (tmp_path / "lm.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # --project: the same runs' time to target over links of 1 and 10 Gbit/s (measured training time
+    # plus the bytes sent by then over the rate), printed and recomputed here from the curves
+    from benchmarks import convergence_lm
+    returncode, stdout = run_bounded([sys.executable, "-m", "benchmarks", "convergence", "--workload", "lm",
+                                      "--project", str(tmp_path / "lm.json"), "--project-gbps", "1,10"], 120)
+    assert returncode == 0 and "PROJECTED" in stdout, stdout[-3000:]
+    for method, res in runs.items():
+        first = next((p for p in res["curve"] if p["val_bpb"] <= target), None)
+        for g in (1, 10):
+            want = None if first is None else first["train_time"] + first["bytes_sent_so_far"] * 8 / (g * 1e9)
+            assert convergence_lm.projected_time_to_target(res, target, g) == want, (method, g)
+    first = next(p for p in runs["none"]["curve"] if p["val_bpb"] <= target)
+    row = next(line for line in stdout.split("PROJECTED")[1].splitlines() if line.startswith("| none (fp32) |"))
+    assert row.split("|")[2].strip().startswith(f"{first['train_time'] + first['bytes_sent_so_far'] * 8 / 1e9:.1f},")

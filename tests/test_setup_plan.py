@@ -419,6 +419,8 @@ def test_real_build_of_a_fake_source_with_cuda_and_nccl(machine):
     (src / "horovod" / "__init__.py").write_text("__version__ = '0.28.1'\n")
     (src / "CMakeLists.txt").write_text("set(CMAKE_CXX_STANDARD 14)\n")
     (src / "horovod" / "torch" / "CMakeLists.txt").write_text("set(CMAKE_CXX_STANDARD 14)\n")
+    (src / "horovod" / "common").mkdir()
+    (src / "horovod" / "common" / "group_table.h").write_text("#include <mutex>\n")
     (src / "setup.py").write_text(FAKE_SETUP_PY)
     sdist = machine.root / "horovod-0.28.1.tar.gz"
     with tarfile.open(sdist, "w:gz") as tar:

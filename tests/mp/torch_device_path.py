@@ -44,12 +44,13 @@ CONFIGS = {  # name: (settings, dtype)
     # nodes of one rank (HVD_QSGD_RANKS_PER_NODE=1 in this worker): the node scatter and gather go to
     # the rank itself, the cross stage among the 3 "nodes"; every stage's operation on the device
     "hierarchical-fp16": (Settings.make(bits=4, reduction="hierarchical"), torch.float16),
-    # the Elias coding is kept off the device until its GPU tests pass (docs/gpu.md): through the host,
-    # every exchange counted
-    "elias-through-the-host": (Settings.make(bits=4, coding="elias", reduction="allgather", error_feedback=True),
-                               torch.float32),
+    # the Elias coding on the device: its encode (error feedback unfused) and decode-sum kernels
+    "elias-ef": (Settings.make(bits=4, coding="elias", reduction="allgather", error_feedback=True), torch.float32),
+    # the Elias coding has no chunk kernels: scatter_allgather goes through the host, every exchange counted
+    "elias-scatter-through-the-host": (Settings.make(bits=4, bucket_size=128, coding="elias",
+                                                     reduction="scatter_allgather"), torch.float32),
 }
-THROUGH_HOST = {"elias-through-the-host"}
+THROUGH_HOST = {"elias-scatter-through-the-host"}
 
 
 def gradient(rank, step, i, numel):
