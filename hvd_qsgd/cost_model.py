@@ -18,6 +18,28 @@ only on n, the tensor size and the settings, which every rank shares, so every r
 (and the control vector checks it). The defaults, ``LATENCY_S`` = 50 us and ``BANDWIDTH_BPS`` = 10 Gbit/s,
 can be overridden per job with ``HVD_QSGD_LATENCY_US`` and ``HVD_QSGD_BANDWIDTH_GBITS`` (the same on
 every rank, as horovodrun passes its environment to every rank).
+
+Two links, where the ranks sit on c nodes of L consecutive ranks each (n = L c, L > 1, c > 1). The
+node's link to the network (beta, the bandwidth above: ``link_gbps=`` sets it) is shared by its L
+ranks; inside the node the ranks talk over a faster link (beta_i: ``INTRA_BANDWIDTH_BPS``, 200
+Gbit/s by default, the PCIe end of the range; ``HVD_QSGD_INTRA_GBITS`` sets it). A reduction is then
+priced by its messages m, the bytes B_x that cross one node's link in each direction and the bytes
+B_i a rank takes from its own node in stages of their own (before or after the cross stage):
+
+    T = m alpha + B_x / beta + B_i / beta_i            (``node_costs``, ``seconds_in_nodes``)
+
+    allgather (a ring):  m = n-1,            B_x = (n-1) P,                       B_i = 0
+    scatter_allgather:   m = 2(n-1),         B_x = L (n-L) P / n + (n-1) P / n,   B_i = 0
+    hierarchical:        m = 2(L-1) + (c-1), B_x = L (c-1) P_s,                   B_i = 2 (L-1)/L 4d
+
+The ring allgather's edge out of a node carries every payload but the node's first rank's own;
+scatter_allgather's alltoall sends each of the node's L ranks' P/n-byte chunks to the n-L ranks
+elsewhere, and its allgather of the reduced chunks is a ring again. In both, what moves inside the
+node moves alongside what crosses it, so the node link alone bounds them. The hierarchical
+reduction's float32 node scatter and gather are stages of their own inside the node, and its cross
+stage sends each rank's shard payload P_s (ceil(d/L) elements) to its peer on each other node.
+With L = 1 these are the flat rows above. ``choose_in_nodes`` picks the fastest of the three (of the
+flat two where the hierarchical reduction cannot run: server error feedback, a process set).
 """
 import os
 from typing import Optional, Tuple
@@ -26,7 +48,9 @@ from hvd_qsgd import codec
 
 LATENCY_S = 50e-6
 BANDWIDTH_BPS = 10e9 / 8
+INTRA_BANDWIDTH_BPS = 200e9 / 8
 REDUCTIONS = ("allgather", "scatter_allgather")
+NODE_REDUCTIONS = REDUCTIONS + ("hierarchical",)
 
 
 def link(latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None) -> Tuple[float, float]:
@@ -70,3 +94,50 @@ def choose(n: int, numel: int, bits: int, bucket_size: int, latency_s: Optional[
     t_ag = seconds("allgather", n, payload, latency_s, bandwidth_bps)
     t_sa = seconds("scatter_allgather", n, payload, latency_s, bandwidth_bps)
     return "scatter_allgather" if t_sa < t_ag else "allgather"
+
+
+def intra_link(bandwidth_bps: Optional[float] = None) -> float:
+    """beta_i, the link inside a node (bytes/s): the given value, else ``HVD_QSGD_INTRA_GBITS``, else
+    the default."""
+    if bandwidth_bps is None:
+        bandwidth_bps = float(os.environ.get("HVD_QSGD_INTRA_GBITS", INTRA_BANDWIDTH_BPS * 8 / 1e9)) * 1e9 / 8
+    if not bandwidth_bps > 0:
+        raise ValueError(f"the link inside a node needs a bandwidth > 0, got {bandwidth_bps} B/s (HVD_QSGD_INTRA_GBITS)")
+    return bandwidth_bps
+
+
+def node_costs(reduction: str, per_node: int, nodes: int, numel: int, bits: int,
+               bucket_size: int) -> Tuple[int, float, float]:
+    """(messages, bytes crossing one node's link in each direction, bytes a rank takes from its own
+    node) of one exchange on ``nodes`` nodes of ``per_node`` ranks (the module docstring)."""
+    L, n = per_node, per_node * nodes
+    payload = codec.payload_nbytes(int(numel), bits, bucket_size)
+    if reduction == "allgather":
+        return n - 1, (n - 1) * payload, 0.0
+    if reduction == "scatter_allgather":
+        return 2 * (n - 1), (L * (n - L) + n - 1) * payload / n, 0.0
+    if reduction == "hierarchical":
+        shard = codec.payload_nbytes(-(-int(numel) // L), bits, bucket_size)
+        return 2 * (L - 1) + nodes - 1, L * (nodes - 1) * shard, 2 * (L - 1) / L * 4 * numel
+    raise ValueError(f"unknown reduction {reduction!r}")
+
+
+def seconds_in_nodes(reduction: str, per_node: int, nodes: int, numel: int, bits: int, bucket_size: int,
+                     latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None,
+                     intra_bps: Optional[float] = None) -> float:
+    """Modelled time of one exchange on two links: m alpha + B_x / beta + B_i / beta_i."""
+    alpha, beta = link(latency_s, bandwidth_bps)
+    messages, cross, inside = node_costs(reduction, per_node, nodes, numel, bits, bucket_size)
+    return messages * alpha + cross / beta + inside / intra_link(intra_bps)
+
+
+def choose_in_nodes(per_node: int, nodes: int, numel: int, bits: int, bucket_size: int, hierarchical: bool = True,
+                    latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None,
+                    intra_bps: Optional[float] = None) -> str:
+    """The fastest reduction by the two-link model on ``nodes`` nodes of ``per_node`` ranks (on one
+    node, or nodes of one rank, ``choose``'s flat answer); ``hierarchical=False`` where it cannot run."""
+    if per_node <= 1 or nodes <= 1:
+        return choose(per_node * nodes, numel, bits, bucket_size, latency_s, bandwidth_bps)
+    candidates = NODE_REDUCTIONS if hierarchical else REDUCTIONS
+    return min(candidates, key=lambda r: seconds_in_nodes(r, per_node, nodes, numel, bits, bucket_size,
+                                                          latency_s, bandwidth_bps, intra_bps))

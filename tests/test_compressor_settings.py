@@ -85,3 +85,50 @@ def test_compressors_are_hashable_and_numbered_in_creation_order():
     assert b._creation_index == a._creation_index + 1
     assert len({a, b}) == 2
     assert "bits=4" in repr(a)
+
+
+# ---- two links: nodes of several ranks (hvd_qsgd.cost_model, the module docstring) -----------------
+def test_two_links_on_nodes_of_one_rank_are_the_flat_model():
+    from hvd_qsgd import codec, cost_model
+    for n in (3, 4, 8, 16):
+        for numel in (1000, 150000, 10**6):
+            payload = codec.payload_nbytes(numel, 4, 512)
+            for red in ("allgather", "scatter_allgather"):
+                assert cost_model.seconds_in_nodes(red, 1, n, numel, 4, 512) == pytest.approx(
+                    cost_model.seconds(red, n, payload)), (n, numel, red)
+            assert cost_model.choose_in_nodes(1, n, numel, 4, 512) == cost_model.choose(n, numel, 4, 512)
+            assert cost_model.choose_in_nodes(n, 1, numel, 4, 512) == cost_model.choose(n, numel, 4, 512)
+
+
+def test_node_link_bytes_at_2_nodes_of_8_are_those_of_the_derivation():
+    """QSGD(4) on 2 x 8 ranks, P the payload of d = 2^20 elements: the ring allgather's edge out of a
+    node carries 15 P; scatter_allgather's alltoall 8 * 8 * P / 16 and its ring allgather 15 P / 16;
+    the hierarchical reduction one payload per shard, 8 shards of d/8: P plus 7 more headers."""
+    from hvd_qsgd import codec, cost_model
+    d = 1 << 20
+    payload, shard = codec.payload_nbytes(d, 4, 512), codec.payload_nbytes(d // 8, 4, 512)
+    assert cost_model.node_costs("allgather", 8, 2, d, 4, 512) == (15, 15 * payload, 0.0)
+    assert cost_model.node_costs("scatter_allgather", 8, 2, d, 4, 512) == (30, pytest.approx((4 + 15 / 16) * payload), 0.0)
+    messages, cross, inside = cost_model.node_costs("hierarchical", 8, 2, d, 4, 512)
+    assert (messages, cross, inside) == (15, 8 * shard, 2 * 7 / 8 * 4 * d)
+    assert payload < cross < 1.001 * payload
+
+
+def test_auto_weighs_the_hierarchical_reduction_on_nodes_of_several_ranks(monkeypatch):
+    s = hvd_qsgd.QSGD(4).settings
+    flat = s.exchange_reduction(16, 10**6)
+    assert flat == "scatter_allgather"
+    assert s.exchange_reduction(16, 10**6, per_node=8) == "hierarchical"          # 2 x 8 at 10 Gbit/s
+    for layout in (None, 0, 1, 16, 5):  # unknown, nodes of one rank, one node, nodes that do not divide 16
+        assert s.exchange_reduction(16, 10**6, per_node=layout) == flat, layout
+    # not where it cannot run, nor where the setting names a reduction
+    assert hvd_qsgd.QSGD(4, server_error_feedback=True).settings.exchange_reduction(16, 10**6, 8) != "hierarchical"
+    assert hvd_qsgd.QSGD(4, reduction="allgather").settings.exchange_reduction(16, 10**6, 8) == "allgather"
+    # a 400 Gbit/s node link with the default 200 Gbit/s inside: the node's float32 stages cost more
+    # than the bytes they save on the node link
+    assert hvd_qsgd.QSGD(4, link_gbps=400).settings.exchange_reduction(16, 10**6, 8) == "allgather"
+    monkeypatch.setenv("HVD_QSGD_INTRA_GBITS", "1")  # a slow link inside the node: flat again
+    assert s.exchange_reduction(16, 10**6, per_node=8) == flat
+    monkeypatch.setenv("HVD_QSGD_INTRA_GBITS", "0")
+    with pytest.raises(ValueError, match="HVD_QSGD_INTRA_GBITS"):
+        s.exchange_reduction(16, 10**6, per_node=8)

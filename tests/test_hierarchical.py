@@ -1,7 +1,8 @@
 """The hierarchical reduction (hvd_qsgd.exchange.hierarchical) through Horovod's PyTorch allreduce,
 nodes simulated by HVD_QSGD_RANKS_PER_NODE=2: exact against the single-process reference of its
 three stages on every rank, bytes counted, node-link bytes within (c - 1) P, error feedback over
-three steps, and ranks that disagree on the layout raise on every rank. (hvd_qsgd.mpi: tests/test_mpi_reduction.py.)"""
+three steps, "auto" resolving to it on nodes of 2 ranks, and ranks that disagree on the layout raise
+on every rank. (hvd_qsgd.mpi: tests/test_mpi_reduction.py.)"""
 import re
 
 import pytest
@@ -13,10 +14,10 @@ WORKER = "tests/mp/torch_hierarchical.py"
 
 @pytest.mark.parametrize("np_, controller", [(4, "gloo"), (6, "gloo"), (4, "mpi")])
 def test_hierarchical_equals_the_three_stage_reference_on_every_rank(np_, controller):
-    scenarios = ["exact", "error-feedback"] + (["malformed-layout", "layouts-differ"]
-                                               if (np_, controller) == (4, "gloo") else [])
+    scenarios = ["exact", "error-feedback", "auto"] + (["malformed-layout", "layouts-differ"]
+                                                       if (np_, controller) == (4, "gloo") else [])
     out = launch(np_, controller, [WORKER] + scenarios, timeout=300, env={"HVD_QSGD_RANKS_PER_NODE": "2"})
-    for scenario in ("exact", "error-feedback"):
+    for scenario in ("exact", "error-feedback", "auto"):
         assert len(re.findall(rf"OK {scenario}\b", out)) == np_, out[-3000:]
     if "layouts-differ" in scenarios:
         raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)

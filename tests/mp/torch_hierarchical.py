@@ -83,6 +83,25 @@ def error_feedback():
     assert np.array_equal(mine, residuals[(rank // PER_NODE, rank % PER_NODE)]), "residual"
 
 
+def auto():
+    """reduction="auto" (the default) on nodes of 2 ranks: a 1M-element tensor resolves to the
+    hierarchical reduction by the two-link cost model, and equals its three-stage reference."""
+    rank, n = hvd.rank(), hvd.size()
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    numel = 1 << 20
+    assert c.settings.reduction == "auto" and c.settings.exchange_reduction(n, numel, PER_NODE) == "hierarchical"
+    t = torch.randn(numel, generator=torch.Generator().manual_seed(7 + rank))
+    out = hvd.allreduce(t, compression=c, name="auto")
+    exchange = f"hvd_qsgd.{c._adapter('torch')._creation_index}.s0"
+    seeds = [protocol.payload_seed(SEED, r, exchange, 0) for r in range(n)]
+    xs = [x.numpy() for x in gather(t, "auto")]
+    ref, _ = references.hierarchical(xs, c.settings, seeds, PER_NODE, 1.0 / n,
+                                     codec.tensor_fingerprint("", t.shape, "float32"), "float32")
+    assert np.array_equal(out.numpy(), ref), f"auto: max diff {np.abs(out.numpy() - ref).max()}"
+    payload = codec.payload_nbytes(numel, 4, c.settings.bucket_size)
+    assert c.stats["cross_bytes_sent"] <= 1.2 * payload * (n // PER_NODE - 1) / PER_NODE, c.stats
+
+
 def malformed_layout():
     """A malformed HVD_QSGD_RANKS_PER_NODE is an error naming it on every rank, not a hang."""
     os.environ["HVD_QSGD_RANKS_PER_NODE"] = "two"
@@ -112,7 +131,7 @@ def main():
     hvd.init()
     torch.set_num_threads(1)
     for name in sys.argv[1:]:
-        if {"exact": exact, "error-feedback": error_feedback, "layouts-differ": layouts_differ,
+        if {"exact": exact, "error-feedback": error_feedback, "auto": auto, "layouts-differ": layouts_differ,
                  "malformed-layout": malformed_layout}[name]() is not False:
             print(f"OK {name}", flush=True)
 
