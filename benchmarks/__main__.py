@@ -24,6 +24,7 @@ SUBCOMMANDS = {
     "overhead": ("benchmarks.overhead",
                  "per-tensor cost: step time of K small gradients through hvd.DistributedOptimizer"),
     "calibrate": ("benchmarks.calibrate", "fit the cost model's latency alpha and bandwidth beta to timed Horovod collectives"),
+    "nodes": ("benchmarks.nodes", "PROJECTED step time of fp16 and QSGD's reductions on nodes of GPUs (no measurement)"),
 }
 
 

@@ -30,6 +30,15 @@ weights, each under ``hvd.DistributedOptimizer(SGD, named_parameters=..., compre
     qsgd<b>-allgather   hvd_qsgd.QSGD(b, reduction="allgather")
     qsgd<b>-scatter     hvd_qsgd.QSGD(b, reduction="scatter_allgather"), reported as unavailable
                         (not run) while hvd_qsgd.settings.REDUCTIONS lacks "scatter_allgather"
+    qsgd<b>-hierarchical
+                        hvd_qsgd.QSGD(b, reduction="hierarchical"), with --ranks-per-host > 1
+
+Several ranks per host (``--ranks-per-host L``, default 1): each of the n / L host namespaces holds
+L consecutive ranks (Horovod's local rank and size say so), which share its one shaped link; what
+they send each other stays inside the namespace. The bytes counted on veth0 are then the host
+link's (every rank of a host reads the same counters), and the tables say "per host". The cost
+model of this command prices one link per rank, so with L > 1 it is not run: the two-link model of
+such layouts is ``python -m benchmarks nodes`` (a projection).
 
 and one more copy, ``compute``, with a local optimizer and no exchange. The modes are stepped in
 turn, one step of each per round: ``--warmup`` untimed rounds, then ``--steps`` timed rounds, so they
@@ -143,7 +152,8 @@ def _modes(text):
     bad = [m for m in modes if not MODE.match(m)]
     if bad or not modes:
         raise argparse.ArgumentTypeError(
-            f"modes are none, fp16, qsgd<b>-allgather, qsgd<b>-scatter (b in 1..8), comma-separated: {text!r}")
+            f"modes are none, fp16, qsgd<b>-allgather, qsgd<b>-scatter, qsgd<b>-hierarchical (b in 1..8), "
+            f"comma-separated: {text!r}")
     if "none" not in modes:
         modes.insert(0, "none")  # the reference of every speedup
     return list(dict.fromkeys(modes))
@@ -156,6 +166,9 @@ def add_arguments(p):
                    help="link rates, tc syntax, comma-separated; one job per rate (default %(default)s)")
     p.add_argument("--modes", type=_modes, default=DEFAULT_MODES,
                    help="compression modes, comma-separated (default %(default)s; none is always run)")
+    p.add_argument("--ranks-per-host", type=positive_int, default=1, metavar="L",
+                   help="consecutive ranks sharing one host namespace and its link (default %(default)s); "
+                        "every --np a multiple of it")
     p.add_argument("--width", type=positive_int, default=4096, help="MLP width W (default %(default)s)")
     p.add_argument("--depth", type=positive_int, default=3,
                    help="hidden Linear(W, W) layers (default %(default)s: 50,384,906 parameters at W=4096)")
@@ -200,6 +213,10 @@ def fit_and_project(args, jobs, shapes):
     """The model of the run: each job's link efficiency fitted on its none point (set in the job),
     the predictions of the measured points, and the projection at nominal rates with the compute of
     one rank timed in this process."""
+    if args.ranks_per_host > 1:  # this module's model has one link per rank: not these layouts
+        for job in jobs:
+            job["efficiency"] = None
+        return dict(compute=None, compute_how=None, predictions=[], efficiency=None, projection=[])
     print("timing the compute of one rank in this process (for the projection) ...", flush=True)
     comp = local_compute(args, args.modes)
     for job in jobs:
@@ -212,9 +229,27 @@ def fit_and_project(args, jobs, shapes):
                 projection=projection(args.modes, shapes, comp, rates, n_list, efficiency))
 
 
+def layout_problem(args):
+    """Why --np, --ranks-per-host and --modes do not go together, or None."""
+    per_host = args.ranks_per_host
+    uneven = [n for n in args.np if n % per_host or n == per_host]
+    if uneven:
+        return f"--np {' '.join(map(str, uneven))}: not 2 or more hosts of --ranks-per-host {per_host} ranks"
+    hierarchical = [m for m in args.modes if m.endswith("-hierarchical")]
+    if hierarchical and per_host == 1:
+        return f"{', '.join(hierarchical)} needs --ranks-per-host 2 or more (hosts of several ranks)"
+    if per_host > 1 and args.model_only:
+        return "--model-only prices one link per rank; for hosts of several ranks: python -m benchmarks nodes"
+    return None
+
+
 def run_launcher(args):
     """Measure every rank count and rate (unless --model-only or no namespaces), then the model and
     the report; the exit status (130 if interrupted)."""
+    problem = layout_problem(args)
+    if problem:
+        print(f"e2e: {problem}", file=sys.stderr)
+        return 2
     os.makedirs(args.out, exist_ok=True)
     info = machine_info()
     shapes = param_shapes(args.width, args.depth)

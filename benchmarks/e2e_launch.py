@@ -48,13 +48,13 @@ def _tail(path, chars=3000):
 
 # ---- rendezvous helper (in the switch namespace) -------------------------------------------------
 def run_rendezvous(args):
-    """Horovod's Gloo rendezvous server for the hosts ``name:1,name:1,...``; prints its port and
-    serves until its standard input closes (the launcher ends or closes it)."""
+    """Horovod's Gloo rendezvous server for the hosts ``name:L,name:L,...`` (L ranks each); prints its
+    port and serves until its standard input closes (the launcher ends or closes it)."""
     from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
     from horovod.runner.http.http_server import RendezvousServer
 
     hosts = parse_hosts(args.rendezvous)
-    plan = get_host_assignments(hosts, len(hosts))
+    plan = get_host_assignments(hosts, sum(h.slots for h in hosts))
     server = RendezvousServer(verbose=0)
     port = server.start()
     server.init(plan)
@@ -70,12 +70,13 @@ def run_rendezvous(args):
 def _worker_argv(args, json_path):
     return ["-m", "benchmarks.e2e", "--worker", "--json", json_path, "--modes", ",".join(args.run_modes),
             "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
-            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed)]
+            "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
+            "--ranks-per-host", str(getattr(args, "ranks_per_host", 1))]
 
 
 def _start_rendezvous(topo, env, log_path):
     """Start the rendezvous server in the switch namespace; its port."""
-    hosts = ",".join(f"{ns}:1" for ns in topo.ranks)
+    hosts = ",".join(f"{ns}:{topo.per_host}" for ns in topo.hosts)
     with open(log_path, "w") as err:
         rdv = subprocess.Popen([netns.IP, "netns", "exec", topo.switch, sys.executable, "-m", "benchmarks.e2e",
                                 "--rendezvous", hosts], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -89,14 +90,14 @@ def _start_rendezvous(topo, env, log_path):
 
 
 def rank_env(topo, env, port, i):
-    """The environment of the Gloo rank in namespace i: a host of its own (local size 1), its rendezvous
-    the server in the switch namespace, its interface the namespace's veth."""
-    n = topo.n
+    """The environment of Gloo rank i: local rank i mod L of its host's L ranks (consecutive ranks
+    share a host), its rendezvous the server in the switch namespace, its interface the host's veth."""
+    n, per_host = topo.n, topo.per_host
     return dict(env, HOROVOD_GLOO_RENDEZVOUS_ADDR=topo.switch_address, HOROVOD_GLOO_RENDEZVOUS_PORT=str(port),
                 HOROVOD_CONTROLLER="gloo", HOROVOD_CPU_OPERATIONS="gloo", HOROVOD_GLOO_IFACE=netns.IFACE,
                 HOROVOD_GLOO_TIMEOUT_SECONDS="120", HOROVOD_HOSTNAME=topo.ranks[i], HOROVOD_RANK=str(i),
-                HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK="0", HOROVOD_LOCAL_SIZE="1",
-                HOROVOD_CROSS_RANK=str(i), HOROVOD_CROSS_SIZE=str(n))
+                HOROVOD_SIZE=str(n), HOROVOD_LOCAL_RANK=str(i % per_host), HOROVOD_LOCAL_SIZE=str(per_host),
+                HOROVOD_CROSS_RANK=str(i // per_host), HOROVOD_CROSS_SIZE=str(n // per_host))
 
 
 def start_ranks(topo, env, port, log_prefix, worker_argv, cwd=None):
@@ -182,7 +183,7 @@ def _run_rate(topo, rate, args, info, log_dir, measured):
 
 def _run_rank_count(n, args, info, log_dir, measured):
     """Make the namespaces of n ranks, run a job at every rate of ``args.rates``, delete them."""
-    topo = netns.Topology(n)
+    topo = netns.Topology(n, per_host=args.ranks_per_host)
     try:
         try:
             topo.create()

@@ -12,8 +12,9 @@ from benchmarks.netns import parse_rate
 CLASSES = 10
 PROJECT_N = 16
 PROJECT_RATES = ("10gbit", "25gbit", "100gbit")
-REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather"}
-MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter))$")
+REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather", "hierarchical": "hierarchical"}
+MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical))$")
+FLAT_MODEL = ("allgather", "scatter_allgather")  # the reductions this module's (flat, one link) model prices
 
 
 # ---- modes and the model's view of them ----------------------------------------------------------

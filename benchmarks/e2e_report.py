@@ -33,31 +33,34 @@ def _ms(s):
     return f"{1e3 * s:.0f}" if s >= 0.1 else f"{1e3 * s:.1f}"
 
 
-MEASURED_HEADER = ("| ranks | link | mode | step ms: median [quartiles] | speedup vs none | tx MB/rank/step | "
-                   "rx MB/rank/step | model MB/rank/step | counted rx / model | compressor MB sent / recv |")
+MEASURED_HEADER = ("| ranks | link | mode | step ms: median [quartiles] | speedup vs none | tx MB/{w}/step | "
+                   "rx MB/{w}/step | model MB/rank/step | counted rx / model | compressor MB sent / recv (per rank) |")
 
 
 def measured_lines(jobs, shapes):
-    lines = [MEASURED_HEADER, "|" + "---|" * 10]
+    """The measured table; with hosts of several ranks the counted bytes are each host link's."""
+    per_host = max([j.get("per_host", 1) for j in jobs] or [1])
+    lines = [MEASURED_HEADER.format(w="host" if per_host > 1 else "rank"), "|" + "---|" * 10]
     for job in jobs:
-        n, rate = job["np"], job["rate"]
+        n, rate, hosts = job["np"], job["rate"], job["np"] // job.get("per_host", 1)
+        ranks = f"{n} ({hosts} hosts x {n // hosts})" if hosts < n else str(n)
         rows = {r["mode"]: r for r in job["rows"]}
         none = rows["none"]["step_s_median"]
         for r in job["rows"]:
             m = r["mode"]
             sp = f"{none / r['step_s_median']:.2f}x"
             if m == "compute":
-                lines.append(f"| {n} | {rate} | compute only (no exchange) | {ms_quartiles(r['step_s_max_over_ranks'])} | "
+                lines.append(f"| {ranks} | {rate} | compute only (no exchange) | {ms_quartiles(r['step_s_max_over_ranks'])} | "
                              f"({sp}: the bound) | {mb(r['tx_bytes_per_step'])} | {mb(r['rx_bytes_per_step'])} | "
                              "0 | - | - |")
                 continue
-            model = model_wire_bytes(m, n, shapes)
+            model = model_wire_bytes(m, n, shapes) if hosts == n else None
             st = r["stats_per_step"]
             comp = (f"{mb(st['bytes_sent'])} / {mb(st['bytes_received'])}" if "bytes_received" in st
                     else f"{mb(st['bytes_sent'])} / -")
-            lines.append(f"| {n} | {rate} | {mode_label(m)} | {ms_quartiles(r['step_s_max_over_ranks'])} | {sp} | "
-                         f"{mb(r['tx_bytes_per_step'])} | {mb(r['rx_bytes_per_step'])} | {mb(model)} | "
-                         f"{r['rx_bytes_per_step'] / model:.3f} | {comp} |")
+            modelled = f"{mb(model)} | {r['rx_bytes_per_step'] / model:.3f}" if model else "- | -"
+            lines.append(f"| {ranks} | {rate} | {mode_label(m)} | {ms_quartiles(r['step_s_max_over_ranks'])} | {sp} | "
+                         f"{mb(r['tx_bytes_per_step'])} | {mb(r['rx_bytes_per_step'])} | {modelled} | {comp} |")
     return lines
 
 
@@ -88,31 +91,7 @@ def projection_lines(rows, unavailable, efficiency):
 
 
 # ---- plot ------------------------------------------------------------------------------------------
-def plot(path, jobs, proj_rows, modes, title):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = 3 if jobs else 1
-    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
-    axes = axes[0]
-    if jobs:
-        width = 0.8 / len(jobs)
-        for k, job in enumerate(jobs):
-            rows = {r["mode"]: r for r in job["rows"]}
-            ms = [m for m in modes if m in rows]
-            xs = [modes.index(m) + (k - (len(jobs) - 1) / 2) * width for m in ms]
-            label = f"{job['np']} ranks, {job['rate']}"
-            axes[0].bar(xs, [1e3 * rows[m]["step_s_median"] for m in ms], width, label=label)
-            axes[1].bar(xs, [rows[m]["rx_bytes_per_step"] / 1e6 for m in ms], width, label=label)
-        for ax, t in ((axes[0], "measured step time (ms, median of max over ranks)"),
-                      (axes[1], "counted rx MB / rank / step (veth)")):
-            ax.set_xticks(range(len(modes)), [mode_label(m).replace(" ", "\n") for m in modes], fontsize=8)
-            ax.set_title(t, fontsize=10)
-            ax.grid(axis="y", alpha=0.3)
-            ax.legend(fontsize=8)
-    ax = axes[-1]
+def _plot_projection(ax, proj_rows, modes):
     for m in modes:
         if m == "none":
             continue
@@ -126,6 +105,35 @@ def plot(path, jobs, proj_rows, modes, title):
     ax.set_title(f"model: speedup over none at {PROJECT_N} ranks", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+def plot(path, jobs, proj_rows, modes, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (2 if jobs else 0) + (1 if proj_rows or not jobs else 0)
+    fig, axes = plt.subplots(1, panels, figsize=(6 * panels, 4.8), squeeze=False)
+    axes = axes[0]
+    if jobs:
+        width = 0.8 / len(jobs)
+        for k, job in enumerate(jobs):
+            rows = {r["mode"]: r for r in job["rows"]}
+            ms = [m for m in modes if m in rows]
+            xs = [modes.index(m) + (k - (len(jobs) - 1) / 2) * width for m in ms]
+            label = f"{job['np']} ranks, {job['rate']}"
+            axes[0].bar(xs, [1e3 * rows[m]["step_s_median"] for m in ms], width, label=label)
+            axes[1].bar(xs, [rows[m]["rx_bytes_per_step"] / 1e6 for m in ms], width, label=label)
+        for ax, t in ((axes[0], "measured step time (ms, median of max over ranks)"),
+                      (axes[1], "counted rx MB / {} / step (veth)".format(
+                          "host" if any(j.get("per_host", 1) > 1 for j in jobs) else "rank"))):
+            ax.set_xticks(range(len(modes)), [mode_label(m).replace(" ", "\n") for m in modes], fontsize=8)
+            ax.set_title(t, fontsize=10)
+            ax.grid(axis="y", alpha=0.3)
+            ax.legend(fontsize=8)
+    if panels > (2 if jobs else 0):
+        _plot_projection(axes[-1], proj_rows, modes)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -145,6 +153,9 @@ def table_lines(jobs, model, unavailable, not_measured, shapes):
     if not_measured:
         lines += [f"- NO MEASUREMENT: {not_measured}; everything below is the cost model (labelled model)"]
     lines.append("")
+    if model["compute"] is None:  # hosts of several ranks: this one-link model does not apply
+        return lines + ["- no model here: it prices one link per rank; the two-link model of hosts of several "
+                        "ranks is `python -m benchmarks nodes` (a projection)", ""]
     if jobs:
         lines += ["## Model vs measured (hvd_qsgd.cost_model; beta = e * link rate / 8 with e fitted on the "
                   f"none row; alpha {1e6 * cost_model.LATENCY_S:.0f} us; compute measured in the job)", ""]
@@ -172,7 +183,10 @@ def measurement_notes(args, jobs):
             "[quartiles] over timed steps; speedup = median(none) / median(mode)",
             "tx/rx: counted on each rank's veth0 (tx_bytes/rx_bytes, barrier to barrier around each step), "
             "mean over ranks and steps: headers, Gloo framing, Horovod's coordination and QSGD's control "
-            "vectors included; the compute row is that background alone",
+            "vectors included; the compute row is that background alone"
+            + ("; with hosts of several ranks every rank of a host reads its host's veth0, so these are the "
+               "host link's bytes (its ranks' traffic to each other stays inside the host)"
+               if args.ranks_per_host > 1 else ""),
             "model MB: what the cost model says a rank receives (ring allreduce 2(n-1)/n S, allgather (n-1) P, "
             "scatter_allgather 2(n-1)/n P); compressor MB: QSGD stats bytes_sent / bytes_received per step, "
             "or the bytes none / fp16 hand to the collective",
@@ -182,9 +196,11 @@ def measurement_notes(args, jobs):
 
 
 def model_notes(args, jobs, model):
-    """What the model fits and assumes."""
+    """What the model fits and assumes (nothing where it was not run)."""
     from hvd_qsgd import cost_model
 
+    if model["compute"] is None:
+        return []
     return [f"alpha: {1e6 * cost_model.LATENCY_S:.0f} us (the cost model's default), not fitted; "
             + ("e: the link efficiency, beta = e * rate / 8, fitted per job on its none point alone: "
                "e = (bytes / (rate/8)) / (measured - compute - messages * alpha), at most 1; the fp16 and QSGD "
@@ -238,8 +254,8 @@ def results(args, info, shapes, run, model, notes, bad, total):
     """Everything of the run, as written to results.json."""
     from hvd_qsgd import cost_model
 
-    config = {k: getattr(args, k) for k in ("np", "rates", "modes", "width", "depth", "batch", "steps", "warmup",
-                                            "seed", "timeout", "model_only")}
+    config = {k: getattr(args, k) for k in ("np", "ranks_per_host", "rates", "modes", "width", "depth", "batch",
+                                            "steps", "warmup", "seed", "timeout", "model_only")}
     return dict(machine=info, config=config, definitions=DEFINITIONS, numel=sum(d for _, d in shapes),
                 parameters=shapes, measured=bool(run["jobs"]), not_measured_reason=run["not_measured"],
                 unavailable_modes=run["unavailable"], failed_jobs=run["failures"], shaping=run["shaping"],

@@ -169,7 +169,8 @@ def run_worker(args):
 
     rows = job_rows(everyone, tmax, order, args.steps)
     shapes = [(nm, p.numel()) for nm, p in runs["compute"]["model"].named_parameters()]
-    result = dict(np=n, rate=args.rate, numel=sum(d for _, d in shapes), parameters=shapes, rows=rows,
+    result = dict(np=n, per_host=hvd.local_size(), rate=args.rate, numel=sum(d for _, d in shapes),
+                  parameters=shapes, rows=rows,
                   compute=compute_parts(everyone, rows[0], args.modes, args.steps, n),
                   torch=torch.__version__, horovod=horovod.__version__,
                   torch_threads=torch.get_num_threads(), codec_threads=codec.get_num_threads())

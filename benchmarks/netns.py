@@ -1,10 +1,15 @@
 """Network namespaces joined by rate-shaped links, for ``python -m benchmarks e2e``.
 
-``Topology(n)`` builds n "hosts" and one "switch" out of Linux network namespaces, all named with
-the prefix ``hq<pid>`` (``hq<pid>s`` the switch, ``hq<pid>r<i>`` rank i):
+``Topology(n, per_host=L)`` builds n / L "hosts" of L ranks each (default L = 1: a host per rank)
+and one "switch" out of Linux network namespaces, all named with the prefix ``hq<pid>``
+(``hq<pid>s`` the switch, ``hq<pid>r<j>`` host j, which holds ranks j L .. j L + L - 1):
 
-    rank i:  lo, and veth0 with address 10.A.B.(i+1)/24
-    switch:  lo, bridge br0 with address 10.A.B.254/24, and port<i>: the other end of rank i's veth0
+    host j:  lo, and veth0 with address 10.A.B.(j+1)/24
+    switch:  lo, bridge br0 with address 10.A.B.254/24, and port<j>: the other end of host j's veth0
+
+The ranks of one host share its namespace and its veth0: what they send each other stays inside
+the namespace (the kernel delivers traffic to its own address locally), and only traffic between
+hosts crosses the shaped link.
 
 Each veth is created directly inside its two namespaces (``ip -n <switch> link add ... peer ...
 netns <rank>``), so nothing of the root namespace (interfaces, addresses, routes) is touched, and
@@ -20,7 +25,7 @@ resolves to. ``ip netns exec`` bind-mounts ``/etc/netns/<namespace>/hosts`` over
 every rank namespace gets such a file naming the host after its own veth0 address (the root
 namespace's ``/etc/hosts`` is not changed; the files go with the namespaces).
 
-Byte counters: ``counters(i)`` reads rank i's veth0 ``tx_bytes`` / ``rx_bytes``. A process run
+Byte counters: ``counters(i)`` reads rank i's host's veth0 ``tx_bytes`` / ``rx_bytes``. A process run
 with ``ip netns exec`` sees its namespace's ``/sys/class/net`` and can read them itself
 (``read_counters``). They count whole frames: Ethernet, IP and TCP headers included, one set of
 headers per (possibly segmentation-offloaded, up to 64 KiB) packet as the veth hands it on.
@@ -142,21 +147,27 @@ def read_counters(iface=IFACE):
 
 
 class Topology:
-    """n rank namespaces and a switch namespace (see the module docstring)."""
+    """n ranks on n / per_host host namespaces, and a switch namespace (see the module docstring).
+    ``hosts``: the host namespaces; ``ranks``: each rank's namespace (its host's)."""
 
-    def __init__(self, n, prefix=None):
+    def __init__(self, n, prefix=None, per_host=1):
+        if per_host < 1 or n % per_host:
+            raise ValueError(f"{n} ranks do not fill hosts of {per_host} ranks")
         self.n = n
+        self.per_host = per_host
         self.prefix = prefix or f"hq{os.getpid()}"
         self.switch = f"{self.prefix}s"
-        self.ranks = [f"{self.prefix}r{i}" for i in range(n)]
+        self.hosts = [f"{self.prefix}r{j}" for j in range(n // per_host)]
+        self.ranks = [self.hosts[i // per_host] for i in range(n)]
         pid = os.getpid()
         self.subnet = f"10.{200 + (pid >> 8) % 50}.{pid % 256}"
         self.created = []
         self.rate = None
         self._made_etc = False  # whether /etc/netns was made here (removed again when left empty)
 
-    def address(self, i):
-        return f"{self.subnet}.{i + 1}"
+    def address(self, j):
+        """Host j's address."""
+        return f"{self.subnet}.{j + 1}"
 
     @property
     def switch_address(self):
@@ -175,7 +186,7 @@ class Topology:
         reason = unavailable_reason()
         if reason:
             raise NetnsError(reason)
-        for ns in [self.switch] + self.ranks:
+        for ns in [self.switch] + self.hosts:
             _run([IP, "netns", "add", ns])
             self.created.append(ns)
             self._no_ipv6(ns)
@@ -183,7 +194,7 @@ class Topology:
         self._ns(self.switch, "link", "add", "br0", "type", "bridge", "stp_state", "0", "forward_delay", "0")
         self._ns(self.switch, "addr", "add", f"{self.switch_address}/24", "dev", "br0")
         self._ns(self.switch, "link", "set", "br0", "up")
-        for i, ns in enumerate(self.ranks):
+        for i, ns in enumerate(self.hosts):
             port = f"port{i}"
             self._ns(self.switch, "link", "add", port, "type", "veth", "peer", "name", IFACE, "netns", ns)
             self._ns(self.switch, "link", "set", port, "master", "br0")
@@ -208,7 +219,7 @@ class Topology:
         """Token-bucket every link end to ``rate`` (a tc rate such as '1gbit')."""
         burst, latency_ms = tbf_params(parse_rate(rate))
         tbf = ["root", "tbf", "rate", rate, "burst", str(burst), "latency", f"{latency_ms}ms"]
-        for i, ns in enumerate(self.ranks):
+        for i, ns in enumerate(self.hosts):
             _run([TC, "-n", ns, "qdisc", "replace", "dev", IFACE] + tbf)
             _run([TC, "-n", self.switch, "qdisc", "replace", "dev", f"port{i}"] + tbf)
         self.rate = rate
@@ -217,14 +228,14 @@ class Topology:
     def qdiscs(self):
         """tc's description of every shaped link end (for the record)."""
         lines = []
-        for i, ns in enumerate(self.ranks):
+        for i, ns in enumerate(self.hosts):
             lines.append(f"{ns} {IFACE}: " + _run([TC, "-n", ns, "qdisc", "show", "dev", IFACE]).strip())
             lines.append(f"{self.switch} port{i}: " +
                          _run([TC, "-n", self.switch, "qdisc", "show", "dev", f"port{i}"]).strip())
         return lines
 
     def counters(self, i):
-        """(tx_bytes, rx_bytes) of rank i's veth0, read from outside."""
+        """(tx_bytes, rx_bytes) of rank i's host's veth0, read from outside."""
         data = json.loads(_run([IP, "-n", self.ranks[i], "-s", "-j", "link", "show", IFACE]))
         stats = data[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]

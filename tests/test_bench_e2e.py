@@ -166,3 +166,39 @@ def test_sigterm_kills_ranks_and_deletes_namespaces(tmp_path):
     assert "interrupted" in out
     assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
     assert _workers_of(out_dir) == []
+
+
+def test_layouts_that_do_not_fit_are_refused_before_anything_runs(tmp_path):
+    for argv, says in ((["--np", "4", "--ranks-per-host", "3"], "not 2 or more hosts"),
+                       (["--np", "4", "--ranks-per-host", "4"], "not 2 or more hosts"),
+                       (["--np", "4", "--modes", "none,qsgd4-hierarchical"], "needs --ranks-per-host 2"),
+                       (["--np", "4", "--ranks-per-host", "2", "--model-only"], "python -m benchmarks nodes")):
+        returncode, out = run_bounded([sys.executable, "-m", "benchmarks", "e2e", "--out", str(tmp_path)] + argv, 60)
+        assert returncode == 2 and says in out, (argv, out[-2000:])
+
+
+def test_hosts_of_two_ranks_share_a_link_and_hierarchical_spares_it(tmp_path):
+    """2 hosts x 2 ranks (one namespace per host), fast links: the ranks of a host report Horovod's
+    local size 2, every mode ends with identical parameters, and the bytes counted on each host's
+    link follow the derivation (hvd_qsgd.cost_model): per node and direction the hierarchical reduction
+    sends about P, flat scatter_allgather L (n-L) P / n + (n-1) P / n = 1.75 P; and the host link carries
+    at least the payload bytes its 2 ranks addressed to the other host (stats' cross_bytes_sent)."""
+    reason = netns.probe()
+    if reason:
+        pytest.skip(f"network namespaces cannot be made here: {reason}")
+    out_dir = tmp_path / "e2e"
+    stdout = _bench(["--np", "4", "--ranks-per-host", "2", "--rates", "10gbit", "--width", "512", "--depth", "2",
+                     "--batch", "8", "--steps", "2", "--warmup", "1", "--modes", "none,qsgd4-scatter,qsgd4-hierarchical",
+                     "--timeout", "150", "--out", str(out_dir)], timeout=240)
+    prefix = re.search(r"namespaces (hq\d+)\*", stdout).group(1)
+    assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
+    r = json.loads((out_dir / "results.json").read_text())
+    assert r["measured"] is True and r["checks_ok"] and r["failed_jobs"] == []
+    (job,) = r["jobs"]
+    assert (job["np"], job["per_host"], r["config"]["ranks_per_host"]) == (4, 2, 2)
+    rows = {row["mode"]: row for row in job["rows"]}
+    sa, hier = rows["qsgd4-scatter"], rows["qsgd4-hierarchical"]
+    for row in (sa, hier):
+        assert row["tx_bytes_per_step"] >= 2 * row["stats_per_step"]["cross_bytes_sent"] > 0
+    assert hier["tx_bytes_per_step"] < 0.8 * sa["tx_bytes_per_step"], (hier["tx_bytes_per_step"], sa["tx_bytes_per_step"])
+    assert "4 (2 hosts x 2)" in stdout and "tx MB/host/step" in stdout and "python -m benchmarks nodes" in stdout
