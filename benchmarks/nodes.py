@@ -51,6 +51,8 @@ size's throughput holds. A decode-sum of k payloads of s elements is one kernel 
                         (the n chunk payloads, the decode-sum of the n received chunks of d/n, the
                         reduced chunk re-encoded, the n reduced chunks decoded; as ``benchmarks.e2e``)
     hierarchical        encode(d/L) + decode(c d/L)                (the shard, the c shard payloads)
+                        encode(d/L) + decode(d/L) + encode(d/(Lc)) + decode(d/L) where the cross stage
+                        is scatter_allgather (``cost_model.cross_stage``)
 
 Not counted: fp16's casts and the hierarchical node sum (float32 additions: memory-bound, about
 0.1 ms for 50M parameters on an H100, in QSGD's disfavour left out), and any overlap: a step is
@@ -174,8 +176,9 @@ def kernel_seconds(points, column, numel):
     return lo[column] + (numel - lo[0]) / (hi[0] - lo[0]) * (hi[column] - lo[column])
 
 
-def codec_seconds(reduction, d, per_node, nodes, points):
-    """Encode and decode time on one rank for one compressed tensor of d elements (module docstring)."""
+def codec_seconds(reduction, d, per_node, nodes, points, cross_scatter=False):
+    """Encode and decode time on one rank for one compressed tensor of d elements (module docstring);
+    ``cross_scatter``: the hierarchical reduction's cross stage is scatter_allgather."""
     n = per_node * nodes
     enc = lambda m: kernel_seconds(points, 1, m)  # noqa: E731
     dec = lambda m: kernel_seconds(points, 2, m)  # noqa: E731
@@ -184,6 +187,8 @@ def codec_seconds(reduction, d, per_node, nodes, points):
     if reduction == "scatter_allgather":
         return enc(d) + dec(d) + enc(-(-d // n)) + dec(d)
     shard = -(-d // per_node)
+    if cross_scatter:
+        return enc(shard) + dec(shard) + enc(-(-shard // nodes)) + dec(shard)
     return enc(shard) + dec(nodes * shard)
 
 
@@ -220,9 +225,12 @@ def project_layout(cfg, shapes, nodes, per_node, rate_gbps):
             parts, codec_s = [], 0.0
         else:
             ar = allreduce_costs(rest, per_node, nodes, False, fusion)
-            parts = [cost_model.node_costs(reduction, per_node, nodes, d, cfg["bits"], cfg["bucket_size"])
+            parts = [cost_model.node_costs(reduction, per_node, nodes, d, cfg["bits"], cfg["bucket_size"], alpha, beta)
                      for d in big]
-            codec_s = sum(codec_seconds(reduction, d, per_node, nodes, cfg["points"]) for d in big)
+            codec_s = sum(codec_seconds(reduction, d, per_node, nodes, cfg["points"],
+                                        cross_scatter=reduction == "hierarchical" and cost_model.cross_stage(
+                                            per_node, nodes, -(-d // per_node), cfg["bits"], cfg["bucket_size"],
+                                            alpha, beta) == "scatter_allgather") for d in big)
         qsgd_s = sum(cost_model.seconds_in_nodes(reduction, per_node, nodes, d, cfg["bits"], cfg["bucket_size"],
                                                  alpha, beta, beta_i) for d in big) if reduction else 0.0
         comm_s = ar[0] * alpha + ar[1] / beta + ar[2] / beta_i + qsgd_s

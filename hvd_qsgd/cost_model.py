@@ -31,13 +31,17 @@ B_i a rank takes from its own node in stages of their own (before or after the c
     allgather (a ring):  m = n-1,            B_x = (n-1) P,                       B_i = 0
     scatter_allgather:   m = 2(n-1),         B_x = L (n-L) P / n + (n-1) P / n,   B_i = 0
     hierarchical:        m = 2(L-1) + (c-1), B_x = L (c-1) P_s,                   B_i = 2 (L-1)/L 4d
+      (cross stage by scatter_allgather:  m = 2(L-1) + 2(c-1), B_x = L (c-1) (2 P_s / c + 8))
 
 The ring allgather's edge out of a node carries every payload but the node's first rank's own;
 scatter_allgather's alltoall sends each of the node's L ranks' P/n-byte chunks to the n-L ranks
 elsewhere, and its allgather of the reduced chunks is a ring again. In both, what moves inside the
 node moves alongside what crosses it, so the node link alone bounds them. The hierarchical
 reduction's float32 node scatter and gather are stages of their own inside the node, and its cross
-stage sends each rank's shard payload P_s (ceil(d/L) elements) to its peer on each other node.
+stage exchanges each rank's shard (P_s: the payload of ceil(d/L) elements) with its peers on the
+other nodes by the flat reduction ``cross_stage`` picks for c ranks on a link shared L ways: sending
+the payload to each of them (allgather), or, for c >= 3 and large shards, its c chunk payloads,
+each peer re-quantizing one chunk and sending it framed to the others (scatter_allgather).
 With L = 1 these are the flat rows above. ``choose_in_nodes`` picks the fastest of the three (of the
 flat two where the hierarchical reduction cannot run: server error feedback, a process set).
 """
@@ -106,10 +110,19 @@ def intra_link(bandwidth_bps: Optional[float] = None) -> float:
     return bandwidth_bps
 
 
-def node_costs(reduction: str, per_node: int, nodes: int, numel: int, bits: int,
-               bucket_size: int) -> Tuple[int, float, float]:
+def cross_stage(per_node: int, nodes: int, shard_numel: int, bits: int, bucket_size: int,
+                latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None) -> str:
+    """The hierarchical reduction's cross stage for a shard of ``shard_numel`` elements: the flat
+    choice among the ``nodes`` ranks holding it, each node's link shared by its ``per_node`` ranks."""
+    alpha, beta = link(latency_s, bandwidth_bps)
+    return choose(nodes, shard_numel, bits, bucket_size, alpha, beta / per_node)
+
+
+def node_costs(reduction: str, per_node: int, nodes: int, numel: int, bits: int, bucket_size: int,
+               latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None) -> Tuple[int, float, float]:
     """(messages, bytes crossing one node's link in each direction, bytes a rank takes from its own
-    node) of one exchange on ``nodes`` nodes of ``per_node`` ranks (the module docstring)."""
+    node) of one exchange on ``nodes`` nodes of ``per_node`` ranks (the module docstring); the link's
+    latency and bandwidth decide the hierarchical reduction's cross stage."""
     L, n = per_node, per_node * nodes
     payload = codec.payload_nbytes(int(numel), bits, bucket_size)
     if reduction == "allgather":
@@ -117,8 +130,12 @@ def node_costs(reduction: str, per_node: int, nodes: int, numel: int, bits: int,
     if reduction == "scatter_allgather":
         return 2 * (n - 1), (L * (n - L) + n - 1) * payload / n, 0.0
     if reduction == "hierarchical":
-        shard = codec.payload_nbytes(-(-int(numel) // L), bits, bucket_size)
-        return 2 * (L - 1) + nodes - 1, L * (nodes - 1) * shard, 2 * (L - 1) / L * 4 * numel
+        shard_numel = -(-int(numel) // L)
+        shard = codec.payload_nbytes(shard_numel, bits, bucket_size)
+        inside = 2 * (L - 1) / L * 4 * numel
+        if cross_stage(L, nodes, shard_numel, bits, bucket_size, latency_s, bandwidth_bps) == "allgather":
+            return 2 * (L - 1) + nodes - 1, L * (nodes - 1) * shard, inside
+        return 2 * (L - 1) + 2 * (nodes - 1), L * (nodes - 1) * (2 * shard / nodes + 8), inside
     raise ValueError(f"unknown reduction {reduction!r}")
 
 
@@ -127,7 +144,7 @@ def seconds_in_nodes(reduction: str, per_node: int, nodes: int, numel: int, bits
                      intra_bps: Optional[float] = None) -> float:
     """Modelled time of one exchange on two links: m alpha + B_x / beta + B_i / beta_i."""
     alpha, beta = link(latency_s, bandwidth_bps)
-    messages, cross, inside = node_costs(reduction, per_node, nodes, numel, bits, bucket_size)
+    messages, cross, inside = node_costs(reduction, per_node, nodes, numel, bits, bucket_size, alpha, beta)
     return messages * alpha + cross / beta + inside / intra_link(intra_bps)
 
 

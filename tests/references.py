@@ -144,35 +144,54 @@ def block_sign(v, block):
 def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32", residuals=None):
     """The hierarchical reduction (``hvd_qsgd.exchange.hierarchical``) of the n ranks' inputs xs in
     one process: nodes of ``per_node`` consecutive ranks; shard i of node k summed in local-rank
-    order and encoded with rank k*per_node+i's step seed; shard i = decode_sum of the nodes' payloads;
-    alpha times the shards back to back. With ``residuals`` (a dict, updated): error feedback of the
-    rank encoding shard i of node k, e <- (sum + e) - decode(payload) where finite, keyed (k, i).
-    Returns (result, [[payload of node k, shard i]])."""
+    order (plus, with ``residuals``, a dict updated in place keyed (k, i), the residual of the rank
+    encoding it: e <- v - decode(what it sent) where finite) and exchanged among the c nodes by the
+    cross stage's reduction (``cross_reduction``):
+      allgather: encoded with rank k*per_node+i's step seed; shard i = decode_sum of the c payloads;
+      scatter_allgather: encoded as c chunk payloads with that seed; chunk q re-quantized by the rank
+      of node q (``reduction.reduce_chunk`` with its step seed); shard i = the decoded reduced chunks.
+    Returns (alpha times the shards back to back, cross) with cross[i][k] the bytes rank
+    k*per_node+i sends to other nodes (payloads, chunks and 8-byte-framed reduced chunks)."""
     import numpy as np
     from hvd_qsgd import codec, reduction
+    from hvd_qsgd.exchange.hierarchical import cross_reduction
     s, n = settings, len(xs)
     nodes = n // per_node
     flat = [np.asarray(x).astype(np.float32).reshape(-1) for x in xs]
-    shards, sent = [], []
+    shards, cross = [], []
     for i, (b, e) in enumerate(reduction.chunk_ranges(flat[0].size, s.bucket_size, per_node)):
         if e == b:
-            sent.append([])
+            cross.append([0] * nodes)
             continue
-        payloads = []
+        scatter = cross_reduction(s, per_node, nodes, e - b) == "scatter_allgather"
+        sent, own = [], []
         for k in range(nodes):
-            total = flat[k * per_node][b:e].copy()
+            v = flat[k * per_node][b:e].copy()
             for j in range(1, per_node):
-                total = total + flat[k * per_node + j][b:e]
+                v = v + flat[k * per_node + j][b:e]
             if residuals is not None and (k, i) in residuals:
-                total = total + residuals[(k, i)]
-            q = codec.encode(total, s.bits, s.bucket_size, s.norm, step_seeds[k * per_node + i], s.coding,
-                             fingerprint, s.checksum, source_dtype=dtype)
+                v = v + residuals[(k, i)]
+            seed = step_seeds[k * per_node + i]
+            if scatter:
+                buf, lens = reduction.encode_chunks(v, s, seed, nodes, fingerprint, dtype)
+                sent.append(reduction.split_by(buf, lens))
+                own.append(reduction.decode_chunks(sent[-1], 1.0, e - b, s.bucket_size))
+            else:
+                sent.append(codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
+                                         source_dtype=dtype))
+                own.append(codec.decode(sent[-1]))
             if residuals is not None:
                 with np.errstate(invalid="ignore", over="ignore"):
-                    d = total - codec.decode(q)
+                    d = v - own[-1]
                 residuals[(k, i)] = np.where(np.isfinite(d), d, residuals.get((k, i), np.float32(0)))
-            payloads.append(q)
-        sent.append(payloads)
-        shards.append(codec.decode_sum(payloads, 1.0))
+        if scatter:
+            reduced = [reduction.reduce_chunk([sent[k][q] for k in range(nodes)], q, s, step_seeds[q * per_node + i],
+                                              fingerprint, dtype) for q in range(nodes)]
+            shards.append(reduction.decode_chunks(reduced, 1.0, e - b, s.bucket_size))
+            cross.append([sum(c.size for c in sent[k]) - sent[k][k].size + (8 + reduced[k].size) * (nodes - 1)
+                          for k in range(nodes)])
+        else:
+            shards.append(codec.decode_sum(sent, 1.0))
+            cross.append([p.size * (nodes - 1) for p in sent])
     out = np.concatenate(shards)
-    return (out * alpha if alpha != 1.0 else out), sent
+    return (out * alpha if alpha != 1.0 else out), cross

@@ -11,6 +11,7 @@ import pytest
 from hvd_qsgd import codec, protocol, reduction
 from hvd_qsgd.exchange.chains import CHAINS
 from hvd_qsgd.exchange.collectives import BlockingCollectives
+from hvd_qsgd.exchange.hierarchical import cross_reduction
 from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import REDUCTIONS, Settings
@@ -140,24 +141,35 @@ def test_scatter_allgather_chain_equals_the_two_phase_simulation(n, numel):
 
 
 @pytest.mark.parametrize("n, per_node, numel", [(4, 2, 20000), (6, 2, 1001), (6, 3, 30001), (4, 4, 5000),
-                                                (4, 1, 5000), (4, 2, 300)])
+                                                (4, 1, 5000), (4, 2, 300), (6, 2, 600_001), (8, 2, 400_000),
+                                                (8, 1, 1_000_000)])
 def test_hierarchical_chain_equals_the_three_stage_reference(n, per_node, numel):
+    """Every layout, the cross stage by allgather and (the last three: 3, 4 and 8 nodes, shards large
+    enough for the cost model) by scatter_allgather."""
     s = Settings.make(bits=4, reduction="hierarchical", min_numel=1)
     xs = inputs(n, numel)
+    shard = reduction.chunk_ranges(numel, s.bucket_size, per_node)[0]
+    assert (cross_reduction(s, per_node, n // per_node, shard[1] - shard[0]) == "scatter_allgather") == (
+        numel > 300_000), "the parameters no longer exercise both cross stages"
     got = reduce_on_threads(xs, s, per_node=per_node)
     ref, sent = references.hierarchical(xs, s, seeds(s, n), per_node, 1.0 / n, fingerprint(xs[0]))
     nodes = n // per_node
     for r, (out, bytes_sent) in enumerate(got):
         assert np.array_equal(out, ref), f"rank {r}"
         b, e = reduction.chunk_ranges(numel, s.bucket_size, per_node)[r % per_node]
-        cross = sent[r % per_node][r // per_node].size * (nodes - 1) if e > b else 0
+        cross = sent[r % per_node][r // per_node]
         assert bytes_sent == 4 * (numel - (e - b)) + cross + 4 * (e - b) * (per_node - 1)
 
 
-@pytest.mark.parametrize("n, per_node", [(4, 2), (6, 3)])
-def test_hierarchical_error_feedback_keeps_the_residual_of_the_shard_each_rank_encodes(n, per_node):
+@pytest.mark.parametrize("n, per_node, numel", [(4, 2, 5001), (6, 3, 5001), (6, 2, 1_000_001)])
+def test_hierarchical_error_feedback_keeps_the_residual_of_the_shard_each_rank_encodes(n, per_node, numel):
+    """Three steps; the last case's cross stage is scatter_allgather (the residual is that of the
+    rank's chunk payloads of its shard)."""
     s = Settings.make(bits=2, reduction="hierarchical", min_numel=1, error_feedback=True)
-    xs = inputs(n, 5001)
+    xs = inputs(n, numel)
+    shard = reduction.chunk_ranges(numel, s.bucket_size, per_node)[0]
+    assert (cross_reduction(s, per_node, n // per_node, shard[1] - shard[0]) == "scatter_allgather") == (
+        numel > 100_000)
     got = reduce_on_threads(xs, s, per_node=per_node, steps=3)
     residuals = {}
     for step in range(3):
@@ -185,7 +197,7 @@ def test_bytes_to_other_nodes_are_counted_for_every_reduction():
             assert sent == [2 * p] * n, (sent, p)
         if red == "hierarchical":
             _, payloads = references.hierarchical(xs, s, seeds(s, n), 2, 1.0 / n, fingerprint(xs[0]))
-            assert sent == [payloads[r % 2][r // 2].size for r in range(n)], sent
+            assert sent == [payloads[r % 2][r // 2] for r in range(n)], sent
             # what leaves a node: (c - 1) P with P the whole tensor's payload, against 2 (c - 1) P
             # for the allgather at 2 ranks a node
             assert sent[0] + sent[1] <= 1.01 * codec.payload_nbytes(numel, 4, s.bucket_size)

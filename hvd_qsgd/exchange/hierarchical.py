@@ -7,13 +7,22 @@ With n ranks in c nodes of L consecutive ranks (node k holds set ranks kL .. kL+
     node scatter   sends shard j of its tensor (float32) to its node's rank j: an alltoall over the
                    set whose splits are zero outside the node (nothing crosses the node link);
     node sum       S_ki = the sum of the L shards i it received, added in local-rank order;
-    cross          encodes S_ki (its own step seed; with error feedback, S_ki + e_ki, keeping
+    cross          the compressed exchange of S_ki among the c ranks holding shard i (its "cross
+                   peers", one a node), by the flat machinery the cost model picks for c ranks
+                   sharing the node link L ways (``cross_reduction``; every peer of a shard picks
+                   alike, since the shard's size, c and the settings are theirs alike):
+      allgather    encodes S_ki (its own step seed; with error feedback, S_ki + e_ki, keeping
                    e_ki <- that minus the decoded payload: the residual of what this rank encodes,
-                   a shard's worth) and sends the payload to the ranks holding shard
-                   i on every node, itself included (splits zero elsewhere: c - 1 payloads of d b/8L
-                   bytes leave the node per rank, (c - 1) P per node);
-    shard result   R_i = decode_sum of the c payloads of shard i, in node order: the same bytes
-                   decoded alike on the c ranks holding shard i;
+                   a shard's worth) and sends the payload to every cross peer, itself included
+                   (splits zero elsewhere: c - 1 payloads of d b/8L bytes leave the node per
+                   rank, (c - 1) P per node); R_i = decode_sum of the c payloads, in node order;
+      scatter_allgather (c >= 3, large shards)
+                   encodes S_ki as c chunk payloads (error feedback likewise) and sends chunk q to
+                   the peer on node q; that peer re-quantizes the sum of the c payloads of its chunk
+                   (its own step seed, as the flat reduction's reducing rank) and sends the framed
+                   result to every peer; R_i = the decoded reduced chunks back to back: about
+                   2 (c - 1)/c P per node;
+                   R_i is the same bytes decoded alike on the c ranks holding shard i;
     node gather    sends R_i (float32) to every rank of its node (inside the node);
     result         alpha * (R_0 .. R_{L-1}), the received shards back to back.
 
@@ -25,7 +34,7 @@ shard; the node's ranks see it and raise, as its cross peers (which checked the 
 import time
 from types import SimpleNamespace
 
-from hvd_qsgd import protocol, reduction
+from hvd_qsgd import cost_model, protocol, reduction
 
 
 class _Empty(Exception):
@@ -40,6 +49,26 @@ def _layout(ex):
 
 def _shard_ranges(ex):
     return reduction.chunk_ranges(ex.expect.numel, ex.settings.bucket_size, ex.layout)
+
+
+def cross_reduction(settings, per_node, nodes, shard_numel):
+    """The cross stage's reduction of a shard of ``shard_numel`` elements among ``nodes`` peers, each
+    node's link shared by its ``per_node`` peers of other shards (``cost_model.cross_stage``); always
+    allgather for the Elias coding, whose chunk steps have no device kernels."""
+    if settings.coding != "fixed":
+        return "allgather"
+    return cost_model.cross_stage(per_node, nodes, shard_numel, settings.bits, settings.bucket_size,
+                                  bandwidth_bps=settings.link_bps())
+
+
+def _peers(ex):
+    """The set ranks of this rank's cross peers (the ranks holding its shard), in node order."""
+    per_node, nodes, _, local = _layout(ex)
+    return [k * per_node + local for k in range(nodes)]
+
+
+def _shard_expect(ex, m):
+    return SimpleNamespace(**{**vars(ex.expect), "numel": m})
 
 
 class HierarchicalChain:
@@ -76,6 +105,8 @@ class HierarchicalChain:
     def advance(run, ex):
         if ex.stage == "node scatter":
             return HierarchicalChain._cross(run, ex)
+        if ex.stage == "cross scatter":
+            return HierarchicalChain._cross_reduce(run, ex)
         return HierarchicalChain._node_gather(run, ex)
 
     @staticmethod
@@ -87,7 +118,8 @@ class HierarchicalChain:
         t0 = time.perf_counter()
         b, e = _shard_ranges(ex)[local]
         m = e - b
-        payload = ex.backend.empty_bytes(received)
+        ex.cross = cross_reduction(ex.settings, per_node, nodes, m)
+        payload, lens = ex.backend.empty_bytes(received), [0] * nodes
         try:
             if len(received) != per_node * m:
                 raise protocol.MismatchError(f"{ex.where}: received {len(received)} elements of shard {local}, "
@@ -96,23 +128,59 @@ class HierarchicalChain:
                 total = ex.backend.float32(received[:m])
                 for k in range(1, per_node):  # in local-rank order: the same bits wherever it is summed
                     total = total + received[k * m:(k + 1) * m]
-                residual, valid = run.worker_residual(ex, total, size=m)
-                payload = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint,
-                                            ex.expect.dtype, f"{ex.where}: shard {local}", residual=residual,
-                                            residual_valid=valid)
-                run.keep_residual(ex, residual)
+                payload, lens = HierarchicalChain._encode_shard(run, ex, total, m, nodes, local)
         except Exception as error:  # the cross peers miss this payload, and they and this node raise
             ex.reduce_error = error
         run.stats.add(encode_s=time.perf_counter() - t0)
         splits = [0] * len(ex.set_ranks)
-        for k in range(nodes):
-            splits[k * per_node + local] = len(payload)
-        ex.sent += len(payload) * (nodes - 1)
-        ex.cross_sent = len(payload) * (nodes - 1)
+        for k, peer in enumerate(_peers(ex)):
+            splits[peer] = lens[k]
+        ex.sent += sum(lens) - lens[node]
+        ex.cross_sent = sum(lens) - lens[node]
+        ex.stage = "cross" if ex.cross == "allgather" else "cross scatter"
+        ex.handle = run.collectives.alltoall(payload, splits, f"{ex.route.exchange}.cross", ex.group)
+        return True
+
+    @staticmethod
+    def _encode_shard(run, ex, total, m, nodes, local):
+        """(what this rank sends its cross peers back to back, the bytes for each peer): the shard's
+        payload once for each node (allgather), or its c chunk payloads (scatter_allgather)."""
+        residual, valid = run.worker_residual(ex, total, size=m)
+        where = f"{ex.where}: shard {local}"
+        if ex.cross == "allgather":
+            one = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype, where,
+                                    residual=residual, residual_valid=valid)
+            out, lens = ex.backend.repeat(one, nodes), [len(one)] * nodes
+        else:
+            out, lens = ex.backend.encode_chunks(total, ex.settings, ex.step_seed, nodes, ex.expect.fingerprint,
+                                                 ex.expect.dtype, where, residual=residual, residual_valid=valid)
+        run.keep_residual(ex, residual)
+        return out, [int(v) for v in lens]
+
+    @staticmethod
+    def _cross_reduce(run, ex):
+        """scatter_allgather across nodes: re-quantize the sum of the peers' payloads of this node's
+        chunk of the shard; its frame to every peer (an empty frame after a failure: they raise)."""
+        per_node, nodes, node, local = _layout(ex)
+        received, rsplits = run.collectives.wait(ex.handle)
+        peers = _peers(ex)
+        lens = [rsplits[p] for p in peers]
+        ex.received += sum(lens) - lens[node]
+        ex.cross_received = sum(lens) - lens[node]
+        b, e = _shard_ranges(ex)[local]
+        t0 = time.perf_counter()
+        frame, error = ex.backend.reduce_received(received, lens, node, ex.settings, ex.step_seed,
+                                                  _shard_expect(ex, e - b), f"{ex.where}: shard {local}")
+        ex.reduce_error = ex.reduce_error or error
+        run.stats.add(decode_s=time.perf_counter() - t0)
+        splits = [0] * len(ex.set_ranks)
+        for peer in peers:
+            splits[peer] = len(frame)
+        ex.sent += len(frame) * (nodes - 1)
+        ex.cross_sent += len(frame) * (nodes - 1)
         ex.stage = "cross"
-        # an alltoall sends each rank its own piece: the payload once for each node, this one's included
-        ex.handle = run.collectives.alltoall(ex.backend.repeat(payload, nodes), splits, f"{ex.route.exchange}.cross",
-                                             ex.group)
+        ex.handle = run.collectives.alltoall(ex.backend.repeat(frame, nodes), splits,
+                                             f"{ex.route.exchange}.cross_gather", ex.group)
         return True
 
     @staticmethod
@@ -121,22 +189,18 @@ class HierarchicalChain:
         per_node, nodes, node, local = _layout(ex)
         received, rsplits = run.collectives.wait(ex.handle)
         ex.handle = None
-        ex.received += sum(rsplits) - rsplits[ex.set_rank]
-        ex.cross_received = sum(rsplits) - rsplits[ex.set_rank]
+        lens = [rsplits[p] for p in _peers(ex)]
+        ex.received += sum(lens) - lens[node]
+        ex.cross_received += sum(lens) - lens[node]
         b, e = _shard_ranges(ex)[local]
         where = f"{ex.where}: shard {local}"
         t0 = time.perf_counter()
         try:
-            if ex.reduce_error is not None:  # this rank could not encode its shard
+            if ex.reduce_error is not None:  # this rank could not encode (or reduce) its shard
                 raise ex.reduce_error
             if e == b:  # an empty shard (a tensor of fewer buckets than the node has ranks)
                 raise _Empty
-            payloads = ex.backend.split_by(received, [v for v in rsplits if v])
-            if len(payloads) != nodes:
-                raise protocol.MismatchError(f"{where}: received {len(payloads)} payloads, expected {nodes}")
-            protocol.check_gathered(ex.backend.read_headers(payloads, where),
-                                    SimpleNamespace(**{**vars(ex.expect), "numel": e - b}), where)
-            shard = ex.backend.decode_sum(payloads, 1.0, where)
+            shard = HierarchicalChain._decode_shard(ex, received, lens, e - b, where)
         except _Empty:
             shard = ex.backend.zeros(0, received)
         except Exception as error:  # this node's ranks see the empty shard and raise
@@ -150,6 +214,21 @@ class HierarchicalChain:
         ex.gather_handle = run.collectives.alltoall(ex.backend.repeat(shard, per_node), splits,
                                                     f"{ex.route.exchange}.node_gather", ex.group)
         return False
+
+    @staticmethod
+    def _decode_shard(ex, received, lens, m, where):
+        """R_i from what the cross stage's last alltoall brought: the decode-sum of the c payloads
+        (allgather), or the c reduced chunks decoded back to back (scatter_allgather)."""
+        b, nodes = ex.backend, len(lens)
+        if ex.cross == "allgather":
+            payloads = b.split_by(received, [v for v in lens if v])
+            if len(payloads) != nodes:
+                raise protocol.MismatchError(f"{where}: received {len(payloads)} payloads, expected {nodes}")
+            protocol.check_gathered(b.read_headers(payloads, where), _shard_expect(ex, m), where)
+            return b.decode_sum(payloads, 1.0, where)
+        # the frames' lengths are read on the host (a copy of the frames where they are on a device)
+        chunks = [b.place_bytes(c, received) for c in reduction.unframe(b.host(received), nodes, where)]
+        return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks")
 
     @staticmethod
     def own_dequantized(ex):

@@ -44,6 +44,10 @@ CONFIGS = {  # name: (settings, dtype)
     # nodes of one rank (HVD_QSGD_RANKS_PER_NODE=1 in this worker): the node scatter and gather go to
     # the rank itself, the cross stage among the 3 "nodes"; every stage's operation on the device
     "hierarchical-fp16": (Settings.make(bits=4, reduction="hierarchical"), torch.float16),
+    # a slow node link (0.1 Gbit/s) makes the cross stage among 3 or more nodes scatter_allgather: the
+    # chunk encode with error feedback, the reduce step and the reduced chunks' decode on the device
+    "hierarchical-cross-scatter-ef": (Settings.make(bits=4, bucket_size=128, reduction="hierarchical", link_gbps=0.1,
+                                                    error_feedback=True), torch.float32),
     # the Elias coding on the device: its encode (error feedback unfused) and decode-sum kernels
     "elias-ef": (Settings.make(bits=4, coding="elias", reduction="allgather", error_feedback=True), torch.float32),
     # the Elias coding has no chunk kernels: scatter_allgather goes through the host, every exchange counted
