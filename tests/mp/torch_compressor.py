@@ -532,7 +532,9 @@ def check_join(red, n, rank):
                 continue
             seed = protocol.payload_seed(SEED, rank, f"hvd_qsgd.{c._creation_index}.p.{k}", step)
             fp = codec.tensor_fingerprint(k, dict(model.named_parameters())[k].shape, "float32")
-            if c.settings.exchange_reduction(n, g.numel()) == "scatter_allgather":
+            if red == "hierarchical":  # while ranks have joined: the float32 tensor itself
+                own[k][step] = g.clone()
+            elif c.settings.exchange_reduction(n, g.numel()) == "scatter_allgather":
                 buf, lens = reduction.encode_chunks(g.numpy(), c.settings, seed, n, fp)
                 own[k][step] = torch.from_numpy(reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, g.numel(), 512))
             else:
