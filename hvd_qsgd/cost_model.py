@@ -21,8 +21,12 @@ every rank, as horovodrun passes its environment to every rank).
 
 Two links, where the ranks sit on c nodes of L consecutive ranks each (n = L c, L > 1, c > 1). The
 node's link to the network (beta, the bandwidth above: ``link_gbps=`` sets it) is shared by its L
-ranks; inside the node the ranks talk over a faster link (beta_i: ``INTRA_BANDWIDTH_BPS``, 200
-Gbit/s by default, the PCIe end of the range; ``HVD_QSGD_INTRA_GBITS`` sets it). A reduction is then
+ranks; inside the node the ranks talk over a faster link (beta_i, ``HVD_QSGD_INTRA_GBITS``; by
+default ``INTRA_BANDWIDTH_BPS``, 200 Gbit/s, the PCIe end of the range, for CUDA tensors, and
+``HOST_INTRA_BANDWIDTH_BPS``, 10 Gbit/s, for host tensors, which Gloo and MPI move between a node's
+processes through the host's memory and network stack on the cores the ranks compute on; measured
+on a 2-core machine, 2 hosts x 2 ranks, that path made the hierarchical reduction slower than the
+flat one, docs/reduction.md). A reduction is then
 priced by its messages m, the bytes B_x that cross one node's link in each direction and the bytes
 B_i a rank takes from its own node in stages of their own (before or after the cross stage):
 
@@ -52,7 +56,8 @@ from hvd_qsgd import codec
 
 LATENCY_S = 50e-6
 BANDWIDTH_BPS = 10e9 / 8
-INTRA_BANDWIDTH_BPS = 200e9 / 8
+INTRA_BANDWIDTH_BPS = 200e9 / 8        # inside a node, CUDA tensors
+HOST_INTRA_BANDWIDTH_BPS = 10e9 / 8    # inside a node, host tensors
 REDUCTIONS = ("allgather", "scatter_allgather")
 NODE_REDUCTIONS = REDUCTIONS + ("hierarchical",)
 
@@ -100,11 +105,12 @@ def choose(n: int, numel: int, bits: int, bucket_size: int, latency_s: Optional[
     return "scatter_allgather" if t_sa < t_ag else "allgather"
 
 
-def intra_link(bandwidth_bps: Optional[float] = None) -> float:
+def intra_link(bandwidth_bps: Optional[float] = None, device: str = "cuda") -> float:
     """beta_i, the link inside a node (bytes/s): the given value, else ``HVD_QSGD_INTRA_GBITS``, else
-    the default."""
+    the default for tensors on ``device`` ("cuda", or "cpu": host tensors)."""
     if bandwidth_bps is None:
-        bandwidth_bps = float(os.environ.get("HVD_QSGD_INTRA_GBITS", INTRA_BANDWIDTH_BPS * 8 / 1e9)) * 1e9 / 8
+        default = INTRA_BANDWIDTH_BPS if device == "cuda" else HOST_INTRA_BANDWIDTH_BPS
+        bandwidth_bps = float(os.environ.get("HVD_QSGD_INTRA_GBITS", default * 8 / 1e9)) * 1e9 / 8
     if not bandwidth_bps > 0:
         raise ValueError(f"the link inside a node needs a bandwidth > 0, got {bandwidth_bps} B/s (HVD_QSGD_INTRA_GBITS)")
     return bandwidth_bps

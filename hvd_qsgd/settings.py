@@ -145,19 +145,21 @@ class Settings:
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
                                    f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}")
 
-    def exchange_reduction(self, n: int, numel: int, per_node: Optional[int] = None) -> str:
+    def exchange_reduction(self, n: int, numel: int, per_node: Optional[int] = None, device: str = "cpu") -> str:
         """The reduction of one exchange of a numel-element tensor among n ranks: the setting, or for
         "auto" the faster by the cost model (the same on every rank: it depends on n, numel, the
         settings and the layout only). ``per_node``: the ranks of each node, where the n ranks are the
         whole job on nodes of that many consecutive ranks; with more than one node of more than one
         rank, "auto" weighs the hierarchical reduction too (``cost_model.choose_in_nodes``; not with
-        server error feedback, which it cannot run)."""
+        server error feedback, which it cannot run), with the link inside a node of the tensors'
+        ``device`` ("cuda" or "cpu": ``cost_model.intra_link``)."""
         if self.reduction != "auto":
             return self.reduction
         if per_node and per_node > 1 and n % per_node == 0 and n > per_node:
             return cost_model.choose_in_nodes(per_node, n // per_node, numel, self.bits, self.bucket_size,
                                               hierarchical=not self.server_error_feedback,
-                                              bandwidth_bps=self.link_bps())
+                                              bandwidth_bps=self.link_bps(),
+                                              intra_bps=cost_model.intra_link(device=device))
         return cost_model.choose(n, numel, self.bits, self.bucket_size, bandwidth_bps=self.link_bps())
 
     def link_bps(self) -> Optional[float]:

@@ -115,20 +115,30 @@ def test_node_link_bytes_at_2_nodes_of_8_are_those_of_the_derivation():
 
 
 def test_auto_weighs_the_hierarchical_reduction_on_nodes_of_several_ranks(monkeypatch):
+    from hvd_qsgd import cost_model
     s = hvd_qsgd.QSGD(4).settings
     flat = s.exchange_reduction(16, 10**6)
     assert flat == "scatter_allgather"
-    assert s.exchange_reduction(16, 10**6, per_node=8) == "hierarchical"          # 2 x 8 at 10 Gbit/s
+    assert s.exchange_reduction(16, 10**6, 8, "cuda") == "hierarchical"          # 2 x 8 GPUs at 10 Gbit/s
     for layout in (None, 0, 1, 16, 5):  # unknown, nodes of one rank, one node, nodes that do not divide 16
-        assert s.exchange_reduction(16, 10**6, per_node=layout) == flat, layout
+        assert s.exchange_reduction(16, 10**6, layout, "cuda") == flat, layout
+    # host tensors: 10 Gbit/s inside the node by default, as fast as this node link, where the 7d bytes
+    # of float32 node stages cost more than the 2d the node link saves: flat; over a 1 Gbit/s node
+    # link the saving pays
+    assert cost_model.intra_link(device="cpu") == cost_model.HOST_INTRA_BANDWIDTH_BPS == 10e9 / 8
+    assert s.exchange_reduction(16, 10**6, 8, "cpu") == flat == s.exchange_reduction(16, 10**6, 8)
+    assert hvd_qsgd.QSGD(4, link_gbps=1).settings.exchange_reduction(16, 10**6, 8, "cpu") == "hierarchical"
     # not where it cannot run, nor where the setting names a reduction
-    assert hvd_qsgd.QSGD(4, server_error_feedback=True).settings.exchange_reduction(16, 10**6, 8) != "hierarchical"
-    assert hvd_qsgd.QSGD(4, reduction="allgather").settings.exchange_reduction(16, 10**6, 8) == "allgather"
+    assert hvd_qsgd.QSGD(4, server_error_feedback=True).settings.exchange_reduction(16, 10**6, 8, "cuda") != \
+        "hierarchical"
+    assert hvd_qsgd.QSGD(4, reduction="allgather").settings.exchange_reduction(16, 10**6, 8, "cuda") == "allgather"
     # a 400 Gbit/s node link with the default 200 Gbit/s inside: the node's float32 stages cost more
     # than the bytes they save on the node link
-    assert hvd_qsgd.QSGD(4, link_gbps=400).settings.exchange_reduction(16, 10**6, 8) == "allgather"
+    assert hvd_qsgd.QSGD(4, link_gbps=400).settings.exchange_reduction(16, 10**6, 8, "cuda") == "allgather"
     monkeypatch.setenv("HVD_QSGD_INTRA_GBITS", "1")  # a slow link inside the node: flat again
-    assert s.exchange_reduction(16, 10**6, per_node=8) == flat
+    assert s.exchange_reduction(16, 10**6, 8, "cuda") == flat
+    monkeypatch.setenv("HVD_QSGD_INTRA_GBITS", "200")  # and fast: hierarchical for host tensors too
+    assert s.exchange_reduction(16, 10**6, 8, "cpu") == "hierarchical"
     monkeypatch.setenv("HVD_QSGD_INTRA_GBITS", "0")
     with pytest.raises(ValueError, match="HVD_QSGD_INTRA_GBITS"):
-        s.exchange_reduction(16, 10**6, per_node=8)
+        s.exchange_reduction(16, 10**6, 8, "cuda")

@@ -103,7 +103,8 @@ class ExchangeRunner:
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
         expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding, numel=numel,
                                  dtype=dtype, fingerprint=codec.tensor_fingerprint(route.param or "", shape, dtype))
-        red = s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world else None)
+        red = s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world else None,
+                                   device_type)
         backend, fallback = backends.choose(device_type, s, red)
         if fallback:
             backends.note_fallback(fallback, self.stats)
