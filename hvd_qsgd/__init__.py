@@ -11,7 +11,8 @@ adapters are thin bindings on top.
 ``hvd_qsgd.torch.PeriodicQuantizedAveraging`` (PQASGD) are optimizers; ``hvd_qsgd.error_feedback``
 states the error-feedback rules they share. docs/algorithms.md says what runs where;
 docs/architecture.md how the package is layered. Every error about payloads and exchanges derives
-from ``hvd_qsgd.Error``.
+from ``hvd_qsgd.Error``. ``hvd_qsgd.diagnose()`` (or ``python -m hvd_qsgd``) says what this installation
+can do: kernels, CUDA, TensorFlow ops, Horovod's build, the reduction ``auto`` picks.
 """
 __version__ = "0.1.0"
 
@@ -29,3 +30,4 @@ from hvd_qsgd.errors import EncodeError, Error, MismatchError, PayloadError  # n
 from hvd_qsgd.settings import Settings  # noqa: F401,E402
 from hvd_qsgd.compressor import DynamicQSGD, QSGD  # noqa: F401,E402
 from hvd_qsgd.block_sign import BlockSign  # noqa: F401,E402
+from hvd_qsgd.install_check import diagnose  # noqa: F401,E402
