@@ -5,7 +5,8 @@ The codec's native libraries are built from ``kernels/`` by calling the compiler
 * ``hvd_qsgd/_lib_cpu*.so``  -- always: the C++ implementation, OpenMP, vectorised (g++ / $CXX);
 * ``hvd_qsgd/_lib_cuda*.so`` -- whenever ``nvcc`` is found (or $HVD_QSGD_NVCC names one); set
   ``HVD_QSGD_WITHOUT_CUDA=1`` to skip it, ``HVD_QSGD_WITH_CUDA=1`` to make its absence an error.
-* ``hvd_qsgd/tensorflow/_qsgd_ops*.so`` -- whenever TensorFlow is importable at build time: the
+* ``hvd_qsgd/tensorflow/_qsgd_ops*.so`` -- whenever TensorFlow is importable at build time, in the
+  build's environment or, under pip's isolated build, in the environment being installed into: the
   TensorFlow ops (``hvd_qsgd/tensorflow/qsgd_ops.cc``) compiled with the same kernel sources against
   the installed TensorFlow's headers and ABI; ``HVD_QSGD_WITHOUT_TENSORFLOW=1`` skips it.
 
@@ -299,19 +300,33 @@ def _write_build_target(directory, cxx, march, source):
     print(f"hvd_qsgd: CPU code built with {' '.join(march) or 'no -march'} ({source})", flush=True)
 
 
+# what pip sets up for an isolated build (``pip install .`` without --no-build-isolation): its own
+# folders on the path, and the environment's own packages hidden from the build
+_ISOLATION_VARIABLES = ("PYTHONPATH", "PYTHONNOUSERSITE")
+
+
 @functools.lru_cache(maxsize=None)
 def _tensorflow_flags():
     """TensorFlow's compile and link flags, or None when TensorFlow is not importable (asked once:
-    importing TensorFlow takes seconds)."""
+    importing TensorFlow takes seconds). Asked of this Python as it runs the build, then, where pip
+    isolates the build, of the same Python without pip's variables: the environment the package is
+    being installed into, whose TensorFlow the ops must be built against."""
     if os.environ.get("HVD_QSGD_WITHOUT_TENSORFLOW") == "1":
         return None
     code = ("import json, tensorflow as tf; "
             "print(json.dumps([tf.sysconfig.get_compile_flags(), tf.sysconfig.get_link_flags()]))")
-    proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
-    if proc.returncode != 0:
-        return None
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    envs = [dict(os.environ)]
+    if any(k in os.environ for k in _ISOLATION_VARIABLES):
+        envs.append({k: v for k, v in os.environ.items() if k not in _ISOLATION_VARIABLES})
+    for i, env in enumerate(envs):
+        proc = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              text=True, env=dict(env, TF_CPP_MIN_LOG_LEVEL="3"))
+        if proc.returncode == 0:
+            if i:
+                print("hvd_qsgd: TensorFlow found in the environment being installed into (outside pip's "
+                      "isolated build): building the TensorFlow ops against it", file=sys.stderr)
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+    return None
 
 
 def _extensions():

@@ -66,10 +66,11 @@ def raised_in(out, scenario):
                                                     flags=re.M) if s == scenario]
 
 
-def run_bounded(cmd, timeout, env=None, stop_signal=signal.SIGKILL):
-    """Run ``cmd`` in its own process group from the repository root; return (exit status, combined
-    output). On timeout the group gets ``stop_signal`` (then SIGKILL after 20 s) and the test fails."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env if env is not None else mp_env(), stdout=subprocess.PIPE,
+def run_bounded(cmd, timeout, env=None, stop_signal=signal.SIGKILL, cwd=None):
+    """Run ``cmd`` in its own process group from ``cwd`` (default: the repository root); return (exit
+    status, combined output). On timeout the group gets ``stop_signal`` (then SIGKILL after 20 s) and
+    the test fails."""
+    proc = subprocess.Popen(cmd, cwd=cwd or ROOT, env=env if env is not None else mp_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
