@@ -33,6 +33,7 @@ MARKERS = {
     "test_bench_reduction": {"multirank", "slow"},                # python -m benchmarks reduction --np 2 3
     "test_bench_e2e::test_real_run_counts_bytes_and_cleans_up": {"multirank", "slow"},
     "test_bench_e2e::test_sigterm_kills_ranks_and_deletes_namespaces": {"multirank"},
+    "test_diagnose::test_horovods_build_matches_horovodruns_check_build": {"slow"},
     "test_install::test_the_sdist_installs_into_an_existing_environment_and_passes_its_self_test": {"slow"},
     "test_bench_e2e::test_hosts_of_two_ranks_share_a_link_and_hierarchical_spares_it": {"multirank"},
     # slow: seconds measured in a full run on 2 shared cores (quiet-machine seconds in brackets)

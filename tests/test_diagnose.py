@@ -138,3 +138,24 @@ def test_importing_the_package_stays_light():
             "if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True)
     assert "torch" not in out.stdout and "tensorflow" not in out.stdout and "horovod" not in out.stdout
+
+
+def test_horovods_build_matches_horovodruns_check_build(command_run):
+    """The frameworks, controllers and NCCL the report names are those ``horovodrun --check-build``
+    lists as available."""
+    if importlib.util.find_spec("horovod") is None or importlib.util.find_spec("torch") is None:
+        pytest.skip("Horovod with PyTorch is not installed")
+    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
+    proc = subprocess.run([horovodrun, "--check-build"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                          text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    marks = {}  # name -> available; MPI and Gloo appear twice (controllers first): the first counts
+    for mark, name in re.findall(r"^\s*\[([X ])\] (\w+)", proc.stdout, re.M):
+        marks.setdefault(name, mark == "X")
+    assert {"PyTorch", "Gloo", "NCCL"} <= set(marks), proc.stdout
+    f = facts(command_run.stdout)
+    frameworks = f["frameworks"].split(", ")
+    assert ("torch" in frameworks) == marks["PyTorch"]
+    assert ("tensorflow" in frameworks) == marks.get("TensorFlow", False)
+    assert f["Gloo controller"] == ("built" if marks["Gloo"] else "not built")
+    assert f["MPI controller"] == ("built" if marks.get("MPI", False) else "not built")
+    assert f["NCCL operations"].startswith("built" if marks["NCCL"] else "not built")
