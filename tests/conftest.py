@@ -54,6 +54,7 @@ MARKERS = {
     "test_dropin::test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_compressor_arguments":
         {"slow"},                                                                            # 25-60 s a launch
     "test_dropin::test_tf_compressor_built_in_the_step_is_one_compressor_across_traces": {"slow"},  # 60-120 s
+    "test_readme_quickstarts::test_the_quickstart_block_runs_as_written_on_two_ranks": {"slow"},  # 25 s + 13 s launches
 }
 # (module, parameter, value): the parametrized cases that run on a CUDA device
 GPU_PARAMS = {("test_cuda", "backend", "gpu"), ("test_cuda", "device", "gpu")}
