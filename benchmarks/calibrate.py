@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import REPO_ROOT, job_env, launch_job, machine_info, nonnegative_int, positive_int
+from benchmarks.common import REPO_ROOT, horovodrun, job_env, launch_job, machine_info, nonnegative_int, positive_int
 
 COLLECTIVES = ("allreduce", "allgather", "alltoall", "scatter_allgather")
 DEFAULT_SIZES = "1K,4K,16K,64K,256K,1M,4M,16M,64M"
@@ -421,7 +421,7 @@ def _horovodrun_job(n, args):
     """One ``horovodrun --gloo`` job of n ranks on ``--hosts`` (default localhost:n); rank 0's points,
     read from the job's output."""
     hosts = args.hosts or f"localhost:{n}"
-    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(n), "-H", hosts,
+    cmd = [horovodrun(), "-np", str(n), "-H", hosts,
            "--gloo", sys.executable] + _worker_argv(args)
     status, out, _ = launch_job(cmd, args.timeout, cwd=REPO_ROOT)
     if status != 0:

@@ -43,7 +43,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks.common import launch_job, machine_info, module_main, positive_int, REPO_ROOT
+from benchmarks.common import horovodrun, launch_job, machine_info, module_main, positive_int, REPO_ROOT
 
 EXAMPLE = os.path.join("examples", "pytorch_digits.py")
 
@@ -98,8 +98,7 @@ def add_arguments(p):
 # ---- launching -----------------------------------------------------------------------------------
 def command(method, args, json_path):
     """The horovodrun command line of one method's job."""
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
+    cmd = [horovodrun(), "-np", str(args.np), "-H", f"localhost:{args.np}", "--gloo", sys.executable,
            EXAMPLE, "--no-progress", "--json", json_path, "--epochs", str(args.epochs), "--seed", str(args.seed)]
     if args.max_steps is not None:
         cmd += ["--max-steps", str(args.max_steps)]

@@ -104,13 +104,19 @@ def time_to_target(curve, target):
     return None
 
 
-def summarize(rows):
-    """Per method: the runs' final bits per byte (mean, spread), bytes, mean time to target, speed-ups;
-    and the target. ``rows``: dicts with method, seed, result (None for a failed run)."""
+def results_by_method(rows):
+    """{method: the results of its runs that finished}, in the rows' order."""
     by = {}
     for r in rows:
         if r["result"] is not None:
             by.setdefault(r["method"], []).append(r["result"])
+    return by
+
+
+def summarize(rows):
+    """Per method: the runs' final bits per byte (mean, spread), bytes, mean time to target, speed-ups;
+    and the target. ``rows``: dicts with method, seed, result (None for a failed run)."""
+    by = results_by_method(rows)
     if "none" not in by:
         return None, {}
     target = statistics.mean(res["final_val_bpb"] for res in by["none"]) * (1 + TARGET_MARGIN)
@@ -203,10 +209,7 @@ def projected_time_to_target(result, target, gbps):
 def projection_lines(rows, target, rates):
     """Per method: the mean projected time to target at each rate (runs that reach it), and its
     speed-up against fp16's at the same rate."""
-    by = {}
-    for r in rows:
-        if r["result"] is not None:
-            by.setdefault(r["method"], []).append(r["result"])
+    by = results_by_method(rows)
     means = {}
     for method, results in by.items():
         for g in rates:

@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import bit_widths, job_env, machine_info, nonnegative_int, positive_int
+from benchmarks.common import bit_widths, horovodrun, job_env, machine_info, nonnegative_int, positive_int
 
 REDUCTIONS = ("allgather", "scatter_allgather")
 DEFAULT_OUT = os.path.join("bench_out", "reduction")
@@ -90,7 +90,7 @@ def run_worker(args):
 
 
 def _launch(n, args, path):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "horovodrun"), "-np", str(n), "-H", f"localhost:{n}",
+    cmd = [horovodrun(), "-np", str(n), "-H", f"localhost:{n}",
            "--gloo", sys.executable, "-m", "benchmarks", "reduction", "--worker", "--json", path,
            "--numel", str(args.numel), "--bits", ",".join(map(str, args.bits)), "--steps", str(args.steps),
            "--warmup", str(args.warmup)]

@@ -60,7 +60,7 @@ import statistics
 import sys
 import time
 
-from benchmarks.common import (bit_widths, launch_job, machine_info, module_main,
+from benchmarks.common import (bit_widths, horovodrun, launch_job, machine_info, module_main,
                                ms_quartiles, nonnegative_int, positive_int)
 
 MODES_FIXED = ("none", "fp16")
@@ -278,8 +278,7 @@ def run_worker(args):
 # ---- launcher ------------------------------------------------------------------------------------
 def _launch(n, args, json_path):
     """Run one horovodrun job of n ranks; (exit status, output, seconds)."""
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    cmd = [horovodrun, "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, "-m",
+    cmd = [horovodrun(), "-np", str(n), "-H", f"localhost:{n}", "--gloo", sys.executable, "-m",
            "benchmarks.torch", "--worker", "--json", json_path, "--bits", ",".join(map(str, args.bits)),
            "--hidden", str(args.hidden), "--batch", str(args.batch), "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--seed", str(args.seed)]

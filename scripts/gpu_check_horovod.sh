@@ -51,9 +51,7 @@ esac
 step build "${build[@]}"
 install_horovod() {
   local wheel
-  # Horovod's PyTorch build needs cffi: from the carried wheels (make gpu-carry) where it is missing
-  $PY -c 'import cffi' 2>/dev/null || $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
-    "$(dirname "$SDIST")"/cffi-*.whl "$(dirname "$SDIST")"/pycparser-*.whl || return 1
+  install_carried_cffi "$SITE" "$(dirname "$SDIST")" || return 1
   # NCCL refuses two ranks on one GPU ("Duplicate GPU detected"), and this check runs its 2 ranks on
   # one: build without NCCL unless told otherwise (HVD_QSGD_HOROVOD_NCCL=auto on a machine of 2+ GPUs)
   wheel=$(HVD_QSGD_HOROVOD_NCCL="${HVD_QSGD_HOROVOD_NCCL:-0}" HVD_QSGD_HOROVOD_FRAMEWORKS=torch HVD_QSGD_HOROVOD_SDIST="$SDIST" HVD_QSGD_CACHE="${HVD_QSGD_CACHE:-$SITE/cache}" \

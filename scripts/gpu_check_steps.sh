@@ -28,6 +28,12 @@ build_for_gpu() {  # build_for_gpu ARCH: the CPU and CUDA libraries, in place, f
   env HVD_QSGD_WITH_CUDA=1 HVD_QSGD_CUDA_ARCHS="$1" $PY setup.py -q build_ext --inplace
 }
 
+install_carried_cffi() {  # install_carried_cffi DIR WHEELS: cffi and pycparser from the carried wheels
+  # in WHEELS (make gpu-carry) into DIR, where $PY lacks cffi (Horovod's PyTorch build needs it)
+  $PY -c 'import cffi' 2>/dev/null && return 0
+  $PY -m pip install -q --no-index --no-deps --no-compile --target "$1" "$2"/cffi-*.whl "$2"/pycparser-*.whl
+}
+
 steps_table_head() {
   echo "| step | result | time |"
   echo "|---|---|---|"

@@ -21,6 +21,9 @@ PY=$(command -v "${PYTHON:-python3}")
 mkdir -p "$RESULTS" "$WORK/out"
 export PYTHONUNBUFFERED=1 HVD_QSGD_WITHOUT_TENSORFLOW=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 export HVD_QSGD_CACHE="$WORK/cache" HVD_QSGD_HOROVOD_SDIST=${HVD_QSGD_HOROVOD_SDIST:-$PWD/.gpu_carry/horovod-0.28.1.tar.gz}
+SITE="$WORK/site"  # what this script installs where $PY's environment is not writable, first on the paths
+export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+. scripts/gpu_check_steps.sh
 log() { echo "[gpu_session $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$WORK/out/session.log"; }
 left() { echo $((DEADLINE - SECONDS)); }
 pack() {
@@ -47,13 +50,8 @@ log "phases $PHASES; $(left) s to the deadline; $(head -1 "$WORK/out/machine.txt
 # Horovod, in the background from the start (the wheel is cached under $HVD_QSGD_CACHE); its PyTorch
 # extension's build needs cffi, carried as wheels (make gpu-carry) where the machine has none
 HVD_LOG="$WORK/out/horovod_build.log"
-if ! $PY -c 'import cffi' 2>/dev/null; then
-  wheels=(.gpu_carry/cffi-*.whl .gpu_carry/pycparser-*.whl)
-  $PY -m pip install -q --no-index --no-deps --no-compile "${wheels[@]}" >>"$HVD_LOG" 2>&1 \
-    || $PY -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "${wheels[@]}" >>"$HVD_LOG" 2>&1
-  log "cffi installed from the carried wheels: $($PY -c 'import cffi; print(cffi.__version__)' 2>&1 | tail -1)"
-fi
-[ -d "$WORK/site" ] && export PATH="$WORK/site/bin:$PATH" PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
+install_carried_cffi "$SITE" "$(dirname "$HVD_QSGD_HOROVOD_SDIST")" >"$WORK/out/cffi.log" 2>&1
+log "cffi: $($PY -c 'import cffi; print(cffi.__version__)' 2>&1 | tail -1)"
 if ! ls "$WORK"/horovod.whl.path >/dev/null 2>&1 && { has horovod || has train; }; then
   ( HVD_QSGD_HOROVOD_NCCL=0 HVD_QSGD_HOROVOD_FRAMEWORKS=torch bash scripts/build_horovod.sh "$PY" \
       >"$WORK/horovod.whl.tmp" 2>"$HVD_LOG" && mv "$WORK/horovod.whl.tmp" "$WORK/horovod.whl.path" ) &
@@ -79,15 +77,14 @@ if { has horovod || has train; } && [ -n "${HVD_PID:-}" ]; then
   wait "$HVD_PID"; log "Horovod build exit $? ($(cat "$WORK/horovod.whl.path" 2>/dev/null || echo 'no wheel'))"
 fi
 if [ -f "$WORK/horovod.whl.path" ] && ! $PY -c 'import horovod.torch' 2>/dev/null; then
-  # beside this Python if its environment is writable, else in a folder of its own on PATH/PYTHONPATH
+  # beside this Python if its environment is writable, else in $SITE (first on PATH and PYTHONPATH)
   if $PY -m pip install -q --no-index --no-deps --no-compile "$(cat "$WORK/horovod.whl.path")" >>"$HVD_LOG" 2>&1; then
     log "Horovod installed beside $PY"
   else
-    $PY -m pip install -q --no-index --no-deps --no-compile --target "$WORK/site" "$(cat "$WORK/horovod.whl.path")" >>"$HVD_LOG" 2>&1
-    log "Horovod installed in $WORK/site: exit $?"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$(cat "$WORK/horovod.whl.path")" >>"$HVD_LOG" 2>&1
+    log "Horovod installed in $SITE: exit $?"
   fi
 fi
-[ -d "$WORK/site" ] && export PATH="$WORK/site/bin:$PATH" PYTHONPATH="$WORK/site${PYTHONPATH:+:$PYTHONPATH}"
 
 if has horovod && [ ! -f "$WORK/horovod.done" ] && [ -f "$WORK/horovod.whl.path" ]; then
   log "make gpu-check-horovod"

@@ -76,22 +76,28 @@ def test_model_only(tmp_path):
     assert rows[(16, "100gbit", "none")]["comm_s"] < rows[(16, "1gbit", "none")]["comm_s"]
 
 
-def test_real_run_counts_bytes_and_cleans_up(tmp_path):
+def _shaped_run(out_dir, argv, timeout):
+    """A measured run over namespaces (skipped where they cannot be made), checked to have deleted
+    them and their /etc/netns files and to have measured every job; (its output, results.json)."""
     reason = netns.probe()
     if reason:
         pytest.skip(f"network namespaces cannot be made here: {reason}")
-    out_dir = tmp_path / "e2e"
-    stdout = _bench(["--np", "2", "--rates", "50mbit", "--width", "512", "--depth", "2", "--batch", "8",
-                     "--steps", "3", "--warmup", "1", "--modes", "none,qsgd4-allgather", "--timeout", "100",
-                     "--out", str(out_dir)], timeout=150)
+    stdout = _bench(argv + ["--out", str(out_dir)], timeout=timeout)
     prefix = re.search(r"namespaces (hq\d+)\*", stdout).group(1)
     left = [ns for ns in netns.list_namespaces() if ns.startswith(prefix)]
     assert left == [], f"namespaces left behind: {left}"
     assert not any(name.startswith(prefix) for name in os.listdir(netns.ETC_NETNS)) \
         if os.path.isdir(netns.ETC_NETNS) else True
-
     r = json.loads((out_dir / "results.json").read_text())
     assert r["measured"] is True and r["checks_ok"] and r["failed_jobs"] == []
+    return stdout, r
+
+
+def test_real_run_counts_bytes_and_cleans_up(tmp_path):
+    out_dir = tmp_path / "e2e"
+    stdout, r = _shaped_run(out_dir, ["--np", "2", "--rates", "50mbit", "--width", "512", "--depth", "2", "--batch",
+                                      "8", "--steps", "3", "--warmup", "1", "--modes", "none,qsgd4-allgather",
+                                      "--timeout", "100"], timeout=150)
     (job,) = r["jobs"]
     assert job["np"] == 2 and job["rate"] == "50mbit"
     assert any("rate 50Mbit" in line for line in r["qdiscs"]["np2_50mbit"])
@@ -183,17 +189,10 @@ def test_hosts_of_two_ranks_share_a_link_and_hierarchical_spares_it(tmp_path):
     link follow the derivation (hvd_qsgd.cost_model): per node and direction the hierarchical reduction
     sends about P, flat scatter_allgather L (n-L) P / n + (n-1) P / n = 1.75 P; and the host link carries
     at least the payload bytes its 2 ranks addressed to the other host (stats' cross_bytes_sent)."""
-    reason = netns.probe()
-    if reason:
-        pytest.skip(f"network namespaces cannot be made here: {reason}")
-    out_dir = tmp_path / "e2e"
-    stdout = _bench(["--np", "4", "--ranks-per-host", "2", "--rates", "10gbit", "--width", "512", "--depth", "2",
-                     "--batch", "8", "--steps", "2", "--warmup", "1", "--modes", "none,qsgd4-scatter,qsgd4-hierarchical",
-                     "--timeout", "150", "--out", str(out_dir)], timeout=240)
-    prefix = re.search(r"namespaces (hq\d+)\*", stdout).group(1)
-    assert [ns for ns in netns.list_namespaces() if ns.startswith(prefix)] == []
-    r = json.loads((out_dir / "results.json").read_text())
-    assert r["measured"] is True and r["checks_ok"] and r["failed_jobs"] == []
+    stdout, r = _shaped_run(tmp_path / "e2e", ["--np", "4", "--ranks-per-host", "2", "--rates", "10gbit", "--width",
+                                               "512", "--depth", "2", "--batch", "8", "--steps", "2", "--warmup", "1",
+                                               "--modes", "none,qsgd4-scatter,qsgd4-hierarchical", "--timeout", "150"],
+                            timeout=240)
     (job,) = r["jobs"]
     assert (job["np"], job["per_host"], r["config"]["ranks_per_host"]) == (4, 2, 2)
     rows = {row["mode"]: row for row in job["rows"]}

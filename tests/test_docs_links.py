@@ -24,8 +24,8 @@ def pages():
     return [os.path.join(ROOT, "README.md")] + sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))
 
 
-def prose_lines(text):
-    """The lines outside fenced code blocks, with inline code spans blanked out."""
+def outside_fences(text):
+    """(line number, line) of the lines outside fenced code blocks, as written."""
     fence = None
     for number, line in enumerate(text.split("\n"), 1):
         m = FENCE.match(line)
@@ -36,6 +36,12 @@ def prose_lines(text):
         if m:
             fence = m.group(1)
             continue
+        yield number, line
+
+
+def prose_lines(text):
+    """The lines outside fenced code blocks, with inline code spans blanked out."""
+    for number, line in outside_fences(text):
         yield number, re.sub(r"(`+)(?:(?!\1).)+?\1", lambda c: " " * len(c.group(0)), line)
 
 
@@ -53,17 +59,7 @@ def slug(heading):
 
 def headings_raw(path):
     """Headings read with code spans kept (prose_lines blanks them, which would change the slug)."""
-    text = open(path, encoding="utf-8").read()
-    fence = None
-    for line in text.split("\n"):
-        m = FENCE.match(line)
-        if fence:
-            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
-                fence = None
-            continue
-        if m:
-            fence = m.group(1)
-            continue
+    for _, line in outside_fences(open(path, encoding="utf-8").read()):
         h = re.match(r"^\s{0,3}(#{1,6})\s+(.*?)\s*#*\s*$", line)
         if h:
             yield h.group(2)
