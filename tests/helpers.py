@@ -44,11 +44,21 @@ def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
     full_env = mp_env()
     full_env.update(env or {})
     returncode, out = run_bounded(cmd, timeout, env=full_env)
+    if controller == "mpi":
+        out = split_tagged_chunks(out)
     if expect_failure and returncode == 0:
         pytest.fail(f"{' '.join(cmd)} succeeded but was expected to fail:\n{out[-5000:]}")
     if not expect_failure and returncode != 0:
         pytest.fail(f"{' '.join(cmd)} exited with {returncode}:\n{out[-5000:]}")
     return out
+
+
+def split_tagged_chunks(out):
+    """Open MPI's ``--tag-output`` tags every chunk a rank writes, not every line: with unbuffered
+    workers, ``print`` writes its text and its newline apart, and another rank's chunk can land between
+    them, mid-line (``[1,0]<stdout>:RAISED ...[1,1]<stdout>:RAISED ...``). Start every tagged chunk
+    on a line of its own, so that line-anchored patterns see one rank's text per line."""
+    return re.sub(r"(?<=[^\n])(\[\d+,\d+\]<std(?:out|err)>:)", r"\n\1", out)
 
 
 @functools.lru_cache(maxsize=None)

@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from tests.helpers import launch, launch_once, raised_in
+from tests.helpers import launch, launch_once, raised_in, split_tagged_chunks
 
 WORKER = "tests/mp/torch_compressor.py"
 EXACT = ["optimizer-named", "optimizer-plain", "allreduce", "predivide", "sum", "groups", "passes", "dtypes"]
@@ -136,4 +136,12 @@ def test_process_set_mismatch_raises_on_every_member():
 
 def test_mismatch_with_mpi_controller():
     out = launch(2, "mpi", [WORKER, "mismatch-bits"], timeout=90)
-    assert len(re.findall(r"<stdout>:RAISED MismatchError: .*compressor settings", out)) == 2, out[-3000:]
+    ranks = re.findall(r"^\[1,(\d+)\]<stdout>:RAISED MismatchError: .*compressor settings", out, flags=re.M)
+    assert sorted(ranks) == ["0", "1"], out[-3000:]
+
+
+def test_mpi_output_chunks_land_on_lines_of_their_own():
+    # seen in CI: rank 1's chunk between rank 0's text and its newline
+    out = "[1,0]<stdout>:RAISED a (s)[1,1]<stdout>:RAISED b (s)[1,1]<stdout>:\n[1,0]<stdout>:\n"
+    assert split_tagged_chunks(out).splitlines() == [
+        "[1,0]<stdout>:RAISED a (s)", "[1,1]<stdout>:RAISED b (s)", "[1,1]<stdout>:", "[1,0]<stdout>:"]
