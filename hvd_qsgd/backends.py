@@ -72,6 +72,19 @@ class CpuBackend:
         """``x`` (flat) ``times`` times back to back."""
         return np.tile(x, times)
 
+    def concat(self, arrays: Sequence) -> np.ndarray:
+        """The arrays (flat, one dtype) back to back."""
+        return np.concatenate([np.reshape(a, -1) for a in arrays])
+
+    def split_fused(self, gathered, count: int, lens: Sequence[int], by_headers: bool, where: str) -> List[np.ndarray]:
+        """The payloads of a fused allgather's result, rank after rank, each rank's ``len(lens)``
+        payloads in order (``hvd_qsgd.exchange.fused``): cut at this rank's lengths (which every
+        rank's share with the fixed coding, unless the ranks' tensors differ), or ``by_headers`` at
+        each header's length."""
+        return _split_fused(self, gathered, count, lens, by_headers, where, gathered.size,
+                            lambda: codec.split_payloads(gathered, count=count * len(lens),
+                                                         where=f"{where}: gathered payloads"))
+
     def empty_bytes(self, like) -> np.ndarray:
         """An empty payload where this backend reads ``like``."""
         return np.zeros(0, dtype=np.uint8)
@@ -176,6 +189,15 @@ class CudaBackend:
     def repeat(self, x, times: int):
         return x.repeat(times)
 
+    def concat(self, arrays: Sequence):
+        import torch
+        return torch.cat([a.reshape(-1) for a in arrays])
+
+    def split_fused(self, gathered, count: int, lens: Sequence[int], by_headers: bool, where: str) -> list:
+        """As CpuBackend.split_fused, on the device (by headers: ``cuda.split_payloads``)."""
+        return _split_fused(self, gathered, count, lens, by_headers, where, gathered.numel(),
+                            lambda: cuda.split_payloads(gathered, count * len(lens), f"{where}: gathered payloads"))
+
     def empty_bytes(self, like):
         import torch
         return torch.zeros(0, dtype=torch.uint8, device=like.device)
@@ -266,6 +288,12 @@ class CudaBackend:
 
 
 CPU, CUDA = CpuBackend(), CudaBackend()
+
+
+def _split_fused(backend, gathered, count, lens, by_headers, where, size, walk):
+    if by_headers or size != count * int(sum(lens)):  # (the ranks' tensors differ: the headers say how)
+        return walk()
+    return backend.split_by(gathered, [int(v) for v in lens] * count)
 
 
 def choose(device_type: str, settings, exchange_reduction: str) -> Tuple[Any, Optional[str]]:

@@ -57,6 +57,10 @@ class QSGD:
                      feedback, as dist-EF-SGDM's server; ``hvd_qsgd.error_feedback``)
     link_gbps:       the bandwidth between ranks, Gbit/s, that "auto" assumes (default None:
                      ``HVD_QSGD_BANDWIDTH_GBITS``, else 10); the same on every rank
+    fusion:          PyTorch: the tensors whose reduction is allgather travel together, in one presence
+                     allreduce and one allgather per step and process set instead of two collectives
+                     each (each keeps its own payload, checks and result, bit for bit;
+                     ``hvd_qsgd.exchange.fused``); the same on every rank (default False)
 
     and, by name only:
 
@@ -101,7 +105,8 @@ class QSGD:
         return (f"hvd_qsgd.{type(self).__name__}(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
                 f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
-                + (f", link_gbps={s.link_gbps:g})" if s.link_gbps is not None else ")"))
+                + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
+                + (", fusion=True)" if s.fusion else ")"))
 
     def _policy(self, framework: str) -> FixedBits:
         """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""

@@ -76,6 +76,9 @@ class QSGDReducer:
         if self.settings.error_feedback or self.settings.server_error_feedback:
             raise ValueError("hvd_qsgd.mpi.QSGDReducer keeps no error feedback: pass error_feedback=False and "
                              "server_error_feedback=False (the Horovod compressors have it)")
+        if self.settings.fusion:
+            raise ValueError("hvd_qsgd.mpi.QSGDReducer reduces one array a call, in call order: fusion=True "
+                             "(the PyTorch compressor's) has nothing to fuse here; pass fusion=False")
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD

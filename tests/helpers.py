@@ -71,8 +71,8 @@ def launch_once(np_, controller, argv, timeout=180, env=()):
 
 def raised_in(out, scenario):
     """[(rank, "<type>: <message>")] of the ranks whose worker printed
-    ``RAISED <type>: <message> (scenario <scenario>)``."""
-    return [(int(r), msg) for r, msg, s in re.findall(r"^\[(\d+)\]<stdout>:RAISED (.*) \(scenario (\S+)\)$", out,
+    ``RAISED <type>: <message> (scenario <scenario>)`` (tagged ``[rank]`` by Gloo, ``[1,rank]`` by MPI)."""
+    return [(int(r), msg) for r, msg, s in re.findall(r"^\[(?:\d+,)?(\d+)\]<stdout>:RAISED (.*) \(scenario (\S+)\)$", out,
                                                     flags=re.M) if s == scenario]
 
 

@@ -35,7 +35,7 @@ LAYERS = [
                                     "hvd_qsgd.install_check", "hvd_qsgd.install_selftest"}),
     ("the exchange, framework-free", {"hvd_qsgd.exchange", "hvd_qsgd.exchange.collectives",
                                       "hvd_qsgd.exchange.chains", "hvd_qsgd.exchange.runner",
-                                      "hvd_qsgd.exchange.hierarchical"}),
+                                      "hvd_qsgd.exchange.hierarchical", "hvd_qsgd.exchange.fused"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
                             "hvd_qsgd.adapters.torch_collectives",
                             "hvd_qsgd.adapters.tensorflow", "hvd_qsgd.adapters.tf_schedule",

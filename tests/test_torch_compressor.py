@@ -19,7 +19,7 @@ def ok_lines(out, scenario):
     return len(re.findall(rf"<stdout>:OK {re.escape(scenario)}(?![\w-])", out))
 
 
-JOIN = ["join-allgather", "join-scatter_allgather", "join-hierarchical"]
+JOIN = ["join-allgather", "join-scatter_allgather", "join-hierarchical", "join-allgather-fused"]
 # At 2 Gloo ranks one launch runs the exact steps, the statistics report and then the joins, last:
 # after a join that ended uneven steps an unnamed collective hangs in Horovod itself, with or without
 # compression (docs/compressor.md), and the exact scenarios make unnamed ones. Other rank counts launch
@@ -58,9 +58,29 @@ def test_scatter_allgather_equals_the_two_phase_simulation_on_every_rank(np_, co
     ranks' tensors with the documented seeds, bit-identically; uneven and empty chunks, Average and Sum,
     fp16, Elias payloads of different lengths per rank through both reductions, error feedback, and
     ranks that start the second phases in different orders."""
-    out = launch(np_, controller, [WORKER] + SCATTER, timeout=400)
+    out = scatter_launch(np_, controller)
     for s in SCATTER:
         assert ok_lines(out, s) == np_, f"{s}:\n{out[-3000:]}"
+
+
+def scatter_launch(np_, controller):
+    return launch_once(np_, controller, (WORKER, *SCATTER, "fusion", "mismatch-fused-shapes"), timeout=460)
+
+
+@pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
+def test_fusion_gives_the_unfused_result_bit_for_bit(np_, controller):
+    """fusion=True: every gradient equals fusion=False's bit for bit, the same payload bytes are
+    counted, and each step's allgather tensors travel in one fused exchange (the fixed and Elias
+    codings, error feedback, float16, "auto" with a tensor it sends by scatter_allgather, op=Sum).
+    At 2 ranks: the join scenario "join-allgather-fused"; mismatches: "fused-shapes", "fusion-setting"."""
+    out = scatter_launch(np_, controller)
+    assert ok_lines(out, "fusion") == np_, out[-3000:]
+    # every rank's first tensor of another size: every rank names the sizes (its cut at this rank's
+    # lengths may succeed by chance on one rank: it cuts again at the headers)
+    raised = raised_in(out, "mismatch-fused-shapes")
+    assert sorted(r for r, _ in raised) == list(range(np_)), out[-3000:]
+    for _, msg in raised:
+        assert re.search(r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100, rank 2: 20200", msg), msg
 
 
 @pytest.mark.parametrize("np_", [8, 16])
@@ -98,6 +118,8 @@ MISMATCHES = {
     "bits-same-settings-tag": (2, r"MismatchError: .*disagree on the compressor settings"),
     "order": (2, r"MismatchError: .*different orders.*named_parameters"),
     "shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
+    "fused-shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
+    "fusion-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
     "no-compression": (2, r"HorovodInternalError: Mismatched data types"),
     "creation-order": (2, r"MismatchError: .*compressor creation order"),
     "reduction": (2, r"MismatchError: .*disagree on the compressor settings"),
@@ -111,8 +133,10 @@ MISMATCHES = {
 # own dtype error ("no-compression") leaves a tensor pending on one rank, which would hang the next
 # collective: it runs in a launch of its own.
 SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order", "op-min", "reducescatter",
-                     "reduction", "shapes", "order")
-assert set(SHARED_MISMATCHES) | {"no-compression"} == set(MISMATCHES)
+                     "reduction", "shapes", "fused-shapes", "order")
+# fusion on one rank only leaves each rank's first collective without a partner (its error is raised
+# all the same): a launch of its own, as for "no-compression"
+assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting"} == set(MISMATCHES)
 
 
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))

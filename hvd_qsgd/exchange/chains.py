@@ -24,7 +24,8 @@ class Exchange:
     __slots__ = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
                  "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
                  "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
-                 "started", "origin", "layout", "nodes", "cross_sent", "cross_received", "cross")
+                 "started", "origin", "layout", "nodes", "cross_sent", "cross_received", "cross", "fused",
+                 "members", "lock", "pending", "gathered", "cut")
 
     def __init__(self, **fields):
         for k in self.__slots__:

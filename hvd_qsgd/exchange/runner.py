@@ -11,6 +11,10 @@ backend's array) from compress to decompress through its reduction's chain of st
     finish      the control vector's verdict; the chain's remaining stages (``hvd_qsgd.driver``);
                 the chain's result, or the joined path's (ranks gone to ``hvd.join``)
 
+With ``Settings.fusion``, start keeps an allgather exchange in its group's open fused exchange
+(``hvd_qsgd.exchange.fused``), whose one presence allreduce and one allgather carry every member;
+finish checks each member's own control vector, then cuts its result from the fused one.
+
 The stages start from decompress and its waits, never from compress: a payload collective started
 from compress on one rank, while another rank's presence allreduce had not completed, stalled
 Horovod's grouped allreduce of the control vectors (with its response cache on).
@@ -30,6 +34,7 @@ from types import SimpleNamespace
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange
+from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore, element_count
 
@@ -88,6 +93,7 @@ class ExchangeRunner:
         self.names = ExchangeNames(creation_index, sep)
         self.residuals = ResidualStore()
         self.driver = StagedDriver(collectives.poll, collectives.wait, self._next_stage)
+        self.fusion = FusedGroups(self.names)
         self._slowdown = report.SlowdownWatch(settings.link_bps())
 
     # -- compress -----------------------------------------------------------------------------
@@ -136,6 +142,9 @@ class ExchangeRunner:
         if ex.set_rank is None:  # not in the set: the control check raises on every rank
             ex.started = threading.Event()
             ex.started.set()
+            return
+        if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
+            self.fusion.add(ex, self.start)
             return
         vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
         ex.handle = self.collectives.allreduce(vector, f"{ex.route.exchange}.present", ex.group)
@@ -209,7 +218,7 @@ class ExchangeRunner:
         ex.handle = None
         if ex.fault is not None:  # the control check raises on every rank; nothing more starts
             return False
-        if len(ex.present) < len(ex.set_ranks):
+        if len(ex.present) < len(ex.set_ranks) and ex.reduction != "fused":  # (fused: once it closes)
             ex.stage = "joined"
             own, ex.payload = ex.chain.own_dequantized(ex), None
             ex.handle = self.collectives.allreduce(own, f"{ex.route.exchange}.joined", ex.group)
@@ -229,27 +238,38 @@ class ExchangeRunner:
     def finish(self, ex, reduced_control):
         """The exchange's result (the backend's float32 array of numel elements), once the reduced
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
+        fused = None if ex.fused is None else self.fusion.close(self, ex)
+        carrier = fused or ex   # the exchange whose collectives carry ex's payload
         try:
-            alpha = self._check_control(ex, reduced_control)
+            alpha = self._check_control(ex, reduced_control, carrier)
         except protocol.MismatchError as e:
-            self.driver.forget(ex)
+            self.driver.forget(carrier)
+            if fused is not None:  # every rank raises here: the step's open fused exchanges are dropped
+                self.fusion.clear()
             raise e from ex.fault  # a numbered slot stays taken: its collectives may never complete
         finally:
             self.names.finish(ex.route)
         try:
             t0 = time.perf_counter()
-            self.driver.finish(ex)  # every rank started its stages (the control check passed)
+            self.driver.finish(carrier)  # every rank started its stages (the control check passed)
             self.stats.add(wait_s=time.perf_counter() - t0)
-            if isinstance(ex.stage_error, self.collectives.interrupts):
+            if isinstance(carrier.stage_error, self.collectives.interrupts):
                 # a collective failed or the hosts changed: the library's own error, unchanged, so that
                 # elastic training (hvd.elastic.run) resets and restores instead of stopping
-                raise ex.stage_error
-            if ex.stage_error is not None:
-                raise protocol.MismatchError(f"{ex.where}: {ex.stage_error}") from ex.stage_error
-            out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
+                raise carrier.stage_error
+            if carrier.stage_error is not None:
+                raise protocol.MismatchError(f"{ex.where}: {carrier.stage_error}") from carrier.stage_error
+            if fused is not None:
+                out = fused.chain.member_finish(self, fused, ex, alpha)
+                if fused.stage == "joined":
+                    self._count_joined(ex)
+            else:
+                out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
         finally:  # every rank waited for this exchange's collectives: its slot may be used again
             self.names.release_slot(ex.route.slot)
-        if ex.stage != "joined":
+            if fused is not None:
+                self.fusion.member_done(ex)
+        if carrier.stage != "joined":
             self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
                                                                      4 * ex.expect.numel))
             self._slowdown.check(self.stats.as_dict(), self.owner)
@@ -266,11 +286,12 @@ class ExchangeRunner:
             again = ex.chain.advance(self, ex)
         return ex.chain.finish(self, ex, alpha)
 
-    def _check_control(self, ex, reduced):
+    def _check_control(self, ex, reduced, carrier):
         """The control vector's verdict (``protocol.check_control``), where ranks of the set may have
         joined (``hvd.join``): then the vector is that of the ranks still stepping, and the exchange's
-        presence allreduce must say the same (``protocol.joined_verdict`` tells a join from a
-        reduction over a smaller process set)."""
+        presence allreduce (that of ``carrier``, the exchange whose collectives carry ex's payload) must
+        say the same (``protocol.joined_verdict`` tells a join from a reduction over a smaller process
+        set)."""
         fault = None if ex.fault is None else f"{ex.where}: {ex.fault}"
         try:
             return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
@@ -279,14 +300,14 @@ class ExchangeRunner:
             if verdict is None or ex.set_rank is None:
                 raise
             present, alpha, certain = verdict
-            if not self._presence_known(ex, None if certain else protocol.JOIN_WAIT_S):
+            if not self._presence_known(carrier, None if certain else protocol.JOIN_WAIT_S):
                 raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "
                                              "of the set joined (hvd.join) but never took part in this "
                                              "exchange's presence allreduce)") from None
-            if ex.present != present:
+            if carrier.present != present:
                 raise protocol.MismatchError(
                     f"{ex.where}: the control vector was reduced over set ranks {present}, but the ranks "
-                    f"still stepping (not joined with hvd.join) are {ex.present}") from None
+                    f"still stepping (not joined with hvd.join) are {carrier.present}") from None
             return alpha
 
     def _presence_known(self, ex, timeout):
@@ -309,9 +330,13 @@ class ExchangeRunner:
         out = self.wait(ex.handle)
         if alpha != 1.0:
             out = out * alpha
-        self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
-        _note_joined(ex.where, len(ex.set_ranks) - len(ex.present))
+        self._count_joined(ex)
         return out
+
+    def _count_joined(self, ex):
+        carrier = ex.fused or ex
+        self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
+        _note_joined(ex.where, len(ex.set_ranks) - len(carrier.present))
 
     # -- elastic training ---------------------------------------------------------------------
 
@@ -320,6 +345,7 @@ class ExchangeRunner:
         the bits policy's state); the exchange counters are kept."""
         self.names.reset()
         self.driver.reset()
+        self.fusion.clear()
         if residuals:
             with self.lock:
                 self.residuals.clear()

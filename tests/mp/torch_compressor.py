@@ -319,6 +319,8 @@ def scenario(s):
         check_join(s[len("join-"):], n, rank)
     elif s == "report":
         check_report(n)
+    elif s == "fusion":
+        check_fusion(n, rank)
     elif s == "default-large":
         # hvd_qsgd.QSGD(4) as the README has it: a 1,000,000-element gradient resolves to
         # scatter_allgather from 3 ranks on; each rank receives <= 1.2 x 2(n-1)/n x d x b/8 bytes of it
@@ -471,6 +473,14 @@ def mismatch(kind, n, rank):
             c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
+    elif kind in ("fused-shapes", "fusion-setting"):
+        # two tensors in one fused exchange, the first of another shape on rank 1; or fusion on rank 0 only
+        c = hvd_qsgd.QSGD(4, fusion=kind == "fused-shapes" or rank == 0)
+        tensors = [torch.randn(20000 + (100 * rank if kind == "fused-shapes" else 0)), torch.randn(30000)]
+        ctxs = [c.compress(x) for x in tensors]
+        handles = [hvd.allreduce_async(ctx[0], name=f"{kind}.{i}") for i, ctx in enumerate(ctxs)]
+        for h, ctx in zip(handles, ctxs):
+            c.decompress(hvd.synchronize(h), ctx[1])
     elif kind == "no-compression":
         optimizer_step(Net(), hvd_qsgd.QSGD(4) if rank == 0 else hvd.Compression.none)
     elif kind == "creation-order":
@@ -511,7 +521,9 @@ def check_join(red, n, rank):
     steps = 3 - rank
     model, plain = Net(), Net()
     plain.load_state_dict(model.state_dict())
-    c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, named_parameters=model.named_parameters())
+    fusion = red.endswith("-fused")   # "<reduction>-fused": with fusion=True
+    red = red[:-len("-fused")] if fusion else red
+    c = hvd_qsgd.QSGD(4, seed=SEED, reduction=red, fusion=fusion, named_parameters=model.named_parameters())
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                    named_parameters=model.named_parameters(), compression=c)
     opt_plain = hvd.DistributedOptimizer(torch.optim.SGD(plain.parameters(), lr=0.1),
@@ -565,6 +577,60 @@ def check_join(red, n, rank):
             assert not torch.allclose(plain_ref, plain_ref * n / len(stepping)) or not plain_ref.any()
     joined_steps = sum(1 for step in range(steps) if any(step >= 3 - r for r in range(n)))
     assert c.stats["joined_exchanges"] == joined_steps * len(big), (c.stats, joined_steps)
+
+
+def check_fusion(n, rank):
+    """fusion=True gives fusion=False's gradients bit for bit, with the same payload bytes counted, on
+    every rank alike: through the optimizer (the fixed and Elias codings, error feedback, 8 bits,
+    float16, "auto" with a tensor it sends by scatter_allgather at 3 ranks, which is not fused) and
+    through hvd.allreduce with op=Sum; each optimizer step's allgather tensors travel in one fused
+    exchange."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+
+    def big_net():
+        torch.manual_seed(3)
+        return nn.Sequential(nn.Linear(64, 1000), nn.ReLU(), nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10))
+
+    configs = [(dict(reduction="allgather"), Net), (dict(reduction="allgather", coding="elias"), Net),
+               (dict(reduction="allgather", error_feedback=True), Net), (dict(bits=8), Net),
+               (dict(reduction="allgather"), lambda: Net(torch.float16)), (dict(error_feedback=True), big_net)]
+    for i, (settings, make) in enumerate(configs):
+        model = make()
+        grads, stats, closed = {}, {}, {}
+        for fusion in (False, True):
+            m = copy.deepcopy(model)
+            c = TorchCompressor(seed=SEED, fusion=fusion, creation_index=1000 + i, **settings)
+            # lr 0: the parameters stay as they are, while the residuals and the batches change step to step
+            # (the uncompressed biases' sums are Horovod's, in an order its fusion buffer decides)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.0), named_parameters=m.named_parameters(),
+                                           compression=c)
+            got = []
+            for step in range(3):
+                x, y = batch(rank, step, next(m.parameters()).dtype)
+                opt.zero_grad()
+                nn.functional.cross_entropy(m(x).float(), y).backward()
+                opt.step()
+                got.append([p.grad.clone() for p in m.parameters()])
+            grads[fusion], stats[fusion], closed[fusion] = got, c.stats, c.runner.fusion.closed
+        for step, (a, b) in enumerate(zip(grads[False], grads[True])):
+            for k, (ga, gb) in enumerate(zip(a, b)):
+                if ga.numel() >= 10000:
+                    assert torch.equal(ga, gb), f"config {i} step {step} parameter {k}: fused differs"
+                else:  # Horovod's own allreduce: its fusion buffer holds other tensors, its sums another order
+                    scale = float(ga.abs().max())   # (float16 sums round at 2^-11 of their size)
+                    assert torch.allclose(ga, gb, rtol=0, atol=4e-3 * scale), f"config {i} step {step} parameter {k}"
+                check_identical(gb, f"config {i} step {step} parameter {k}")
+        for key in ("elements", "tensors", "bytes_sent", "bytes_received", "raw_elements"):
+            assert stats[False][key] == stats[True][key], (i, key, stats)
+        fusible = [p.numel() for p in model.parameters() if p.numel() >= 10000
+                   and Settings.make(**settings).exchange_reduction(n, p.numel()) == "allgather"]
+        assert fusible and closed[True] == 3 and closed[False] == 0, (i, closed, fusible)
+        assert any(Settings.make(**settings).exchange_reduction(n, p.numel()) != "allgather"
+                   for p in model.parameters() if p.numel() >= 10000) == (i == len(configs) - 1 and n > 2)
+    t = torch.randn(30000, generator=torch.Generator().manual_seed(rank))
+    out = {f: hvd.allreduce(t, op=hvd.Sum, name="fused.direct",
+                            compression=TorchCompressor(seed=SEED, fusion=f, creation_index=1100)) for f in (False, True)}
+    assert torch.equal(out[False], out[True])
 
 
 def check_report(n):
