@@ -32,6 +32,8 @@ weights, each under ``hvd.DistributedOptimizer(SGD, named_parameters=..., compre
                         (not run) while hvd_qsgd.settings.REDUCTIONS lacks "scatter_allgather"
     qsgd<b>-hierarchical
                         hvd_qsgd.QSGD(b, reduction="hierarchical"), with --ranks-per-host > 1
+    qsgd<b>-<reduction>-overlap
+                        the same with overlap=True (payload collectives start during backward)
 
 Several ranks per host (``--ranks-per-host L``, default 1): each of the n / L host namespaces holds
 L consecutive ranks (Horovod's local rank and size say so), which share its one shaped link; what

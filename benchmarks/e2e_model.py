@@ -13,7 +13,7 @@ CLASSES = 10
 PROJECT_N = 16
 PROJECT_RATES = ("10gbit", "25gbit", "100gbit")
 REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather", "hierarchical": "hierarchical"}
-MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical))$")
+MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical)(-overlap)?)$")
 FLAT_MODEL = ("allgather", "scatter_allgather")  # the reductions this module's (flat, one link) model prices
 
 
@@ -29,10 +29,16 @@ def mode_reduction(mode):
     return REDUCTION_OF[m.group(3)] if m and m.group(3) else None
 
 
+def mode_overlap(mode):
+    """Whether a QSGD mode runs with ``overlap=True`` (its name ends in "-overlap")."""
+    m = MODE.match(mode)
+    return bool(m and m.group(4))
+
+
 def mode_label(mode):
     if mode_bits(mode) is None:
         return mode
-    return f"QSGD({mode_bits(mode)}) {mode_reduction(mode)}"
+    return f"QSGD({mode_bits(mode)}) {mode_reduction(mode)}" + (", overlap" if mode_overlap(mode) else "")
 
 
 def unavailable_modes(modes):

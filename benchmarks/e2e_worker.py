@@ -8,7 +8,7 @@ import os
 import statistics
 import time
 
-from benchmarks.e2e_model import CLASSES, make_model, mode_bits, mode_reduction, time_codec
+from benchmarks.e2e_model import CLASSES, make_model, mode_bits, mode_overlap, mode_reduction, time_codec
 
 
 def build_runs(args, hvd):
@@ -30,7 +30,7 @@ def build_runs(args, hvd):
             comp = _Counting(hvd.Compression.fp16)
         else:
             comp = hvd_qsgd.QSGD(mode_bits(mode), reduction=mode_reduction(mode), seed=args.seed,
-                                 named_parameters=model.named_parameters())
+                                 overlap=mode_overlap(mode), named_parameters=model.named_parameters())
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                        named_parameters=model.named_parameters(), compression=comp)
         runs[mode] = dict(model=model, opt=opt, comp=comp)

@@ -4,7 +4,7 @@
     python -m benchmarks overhead --trees /path/to/other/checkout,.     # two versions side by side
 
 Each mode (none, QSGD(4) with the "auto" reduction, QSGD(4) allgather, QSGD(4) scatter_allgather,
-QSGD(4) "auto" with ``fusion=True``)
+QSGD(4) "auto" with ``fusion=True``, and with ``overlap=True``)
 trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x) for ``--steps``
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks. The table gives the median step per K and mode,
@@ -23,7 +23,7 @@ import time
 from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info, module_main
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
-         "qsgd4-fused": "auto+fusion"}   # "+fusion": Settings.fusion (hvd_qsgd.exchange.fused)
+         "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap"}   # "+<setting>": that setting on
 
 
 def add_arguments(p):
@@ -53,7 +53,7 @@ def worker(args):
             xs = [torch.randn(args.numel) for _ in range(k)]
             red = MODES[mode]
             compression = hvd.Compression.none if red is None else hvd_qsgd.QSGD(
-                4, reduction=red.split("+")[0], fusion=red.endswith("+fusion"))
+                4, reduction=red.split("+")[0], fusion=red.endswith("+fusion"), overlap=red.endswith("+overlap"))
             opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.01), compression=compression,
                                            named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
             times = []

@@ -61,6 +61,11 @@ class QSGD:
                      allreduce and one allgather per step and process set instead of two collectives
                      each (each keeps its own payload, checks and result, bit for bit;
                      ``hvd_qsgd.exchange.fused``); the same on every rank (default False)
+    overlap:         PyTorch: each tensor's payload collective starts in compress, during the backward
+                     pass, instead of in decompress (allgather, and scatter_allgather's first phase),
+                     and no presence allreduce precedes it; the cost: ``hvd.join()`` cannot be used
+                     (Horovod cannot carry an allgather or alltoall through a join); the same on every
+                     rank (default False; docs/compressor.md, "Overlap")
 
     and, by name only:
 
@@ -106,7 +111,7 @@ class QSGD:
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
                 f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
                 + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
-                + (", fusion=True)" if s.fusion else ")"))
+                + (", fusion=True" if s.fusion else "") + (", overlap=True)" if s.overlap else ")"))
 
     def _policy(self, framework: str) -> FixedBits:
         """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""

@@ -76,9 +76,10 @@ class QSGDReducer:
         if self.settings.error_feedback or self.settings.server_error_feedback:
             raise ValueError("hvd_qsgd.mpi.QSGDReducer keeps no error feedback: pass error_feedback=False and "
                              "server_error_feedback=False (the Horovod compressors have it)")
-        if self.settings.fusion:
-            raise ValueError("hvd_qsgd.mpi.QSGDReducer reduces one array a call, in call order: fusion=True "
-                             "(the PyTorch compressor's) has nothing to fuse here; pass fusion=False")
+        for name in ("fusion", "overlap"):
+            if getattr(self.settings, name):
+                raise ValueError(f"hvd_qsgd.mpi.QSGDReducer reduces one array a call, in call order: {name}=True "
+                                 f"(the PyTorch compressor's) has nothing to act on here; pass {name}=False")
         if comm is None:
             from mpi4py import MPI
             comm = MPI.COMM_WORLD

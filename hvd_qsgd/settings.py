@@ -71,12 +71,13 @@ class Settings:
     server_error_feedback: bool = False
     link_gbps: Optional[float] = None
     fusion: bool = False
+    overlap: bool = False
 
     @classmethod
     def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
              min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
              reduction: str = "auto", server_error_feedback: bool = False,
-             link_gbps: Optional[float] = None, fusion: bool = False) -> "Settings":
+             link_gbps: Optional[float] = None, fusion: bool = False, overlap: bool = False) -> "Settings":
         """Settings with every parameter checked (ValueError naming the parameter).
 
         This signature is the one place the settings parameters are written out: the compressors
@@ -90,7 +91,8 @@ class Settings:
         if not isinstance(reduction, str) or reduction not in REDUCTIONS:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         for name, flag in (("error_feedback", error_feedback), ("checksum", checksum),
-                           ("server_error_feedback", server_error_feedback), ("fusion", fusion)):
+                           ("server_error_feedback", server_error_feedback), ("fusion", fusion),
+                           ("overlap", overlap)):
             if not codec.is_bool(flag):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         if link_gbps is not None:
@@ -102,7 +104,7 @@ class Settings:
             link_gbps = float(link_gbps)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
-                   bool(fusion))
+                   bool(fusion), bool(overlap))
 
     @classmethod
     def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
@@ -144,9 +146,10 @@ class Settings:
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
         reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
         differently are told apart too."""
-        fused = "|fused" if self.fusion else ""   # (absent without fusion: the tags stay as they were)
+        # (fusion and overlap appear only when on: the tags stay as they were without them)
+        extra = ("|fused" if self.fusion else "") + ("|overlap" if self.overlap else "")
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
-                                   f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}{fused}")
+                                   f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}{extra}")
 
     def exchange_reduction(self, n: int, numel: int, per_node: Optional[int] = None, device: str = "cpu") -> str:
         """The reduction of one exchange of a numel-element tensor among n ranks: the setting, or for

@@ -23,6 +23,7 @@ def test_defaults_follow_the_paper():
     (dict(reduction="ring"), "reduction"), (dict(bits=1, coding="elias"), "elias"),
     (dict(link_gbps=0), "link_gbps"), (dict(link_gbps=-1.0), "link_gbps"), (dict(link_gbps=float("inf")), "link_gbps"),
     (dict(link_gbps="10"), "link_gbps"), (dict(link_gbps=True), "link_gbps"), (dict(fusion=1), "fusion"),
+    (dict(overlap="yes"), "overlap"),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -56,7 +57,7 @@ def test_link_gbps_overrides_the_environment(monkeypatch):
 def test_settings_tag_covers_what_ranks_must_share_and_only_that():
     base = Settings.make(4)
     for changed in (dict(bits=8), dict(bucket_size=256), dict(norm="l2"), dict(coding="elias"),
-                    dict(min_numel=5000), dict(fusion=True)):
+                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True)):
         assert Settings.make(**{"bits": 4, **changed}).tag() != base.tag(), changed
     for local in (dict(seed=3), dict(error_feedback=True), dict(checksum=False)):
         assert Settings.make(4, **local).tag() == base.tag(), local
@@ -144,11 +145,12 @@ def test_auto_weighs_the_hierarchical_reduction_on_nodes_of_several_ranks(monkey
         s.exchange_reduction(16, 10**6, 8, "cuda")
 
 
-def test_fusion_is_refused_where_there_is_nothing_it_runs_on():
-    """fusion=True runs in PyTorch; the TensorFlow compressor and the mpi4py reducer say so."""
+def test_fusion_and_overlap_are_refused_where_they_do_not_run():
+    """fusion=True and overlap=True run in PyTorch; the TensorFlow compressor and the mpi4py reducer say so."""
     import hvd_qsgd.mpi
     import hvd_qsgd.tensorflow
-    with pytest.raises(ValueError, match="fusion=True runs in PyTorch"):
-        hvd_qsgd.tensorflow.QSGD(4, fusion=True)
-    with pytest.raises(ValueError, match="fusion=True"):
-        hvd_qsgd.mpi.QSGDReducer(comm=object(), fusion=True)
+    for name in ("fusion", "overlap"):
+        with pytest.raises(ValueError, match=f"{name}=True runs in PyTorch"):
+            hvd_qsgd.tensorflow.QSGD(4, **{name: True})
+        with pytest.raises(ValueError, match=f"{name}=True"):
+            hvd_qsgd.mpi.QSGDReducer(comm=object(), **{name: True})

@@ -64,7 +64,16 @@ def test_scatter_allgather_equals_the_two_phase_simulation_on_every_rank(np_, co
 
 
 def scatter_launch(np_, controller):
-    return launch_once(np_, controller, (WORKER, *SCATTER, "fusion", "mismatch-fused-shapes"), timeout=460)
+    return launch_once(np_, controller, (WORKER, *SCATTER, "fusion", "mismatch-fused-shapes", "overlap"), timeout=520)
+
+
+@pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
+def test_overlap_starts_payloads_during_backward_with_the_same_result(np_, controller):
+    """overlap=True: payload collectives start in the gradients' hooks, before backward() returns (none
+    do without it), results bit for bit those of overlap=False under allgather, scatter_allgather and
+    auto with error feedback, and unnamed Horovod collectives between steps still complete."""
+    out = scatter_launch(np_, controller)
+    assert ok_lines(out, "overlap") == np_, out[-3000:]
 
 
 @pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
@@ -120,6 +129,7 @@ MISMATCHES = {
     "shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "fused-shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "fusion-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
+    "overlap-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
     "no-compression": (2, r"HorovodInternalError: Mismatched data types"),
     "creation-order": (2, r"MismatchError: .*compressor creation order"),
     "reduction": (2, r"MismatchError: .*disagree on the compressor settings"),
@@ -134,9 +144,9 @@ MISMATCHES = {
 # collective: it runs in a launch of its own.
 SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order", "op-min", "reducescatter",
                      "reduction", "shapes", "fused-shapes", "order")
-# fusion on one rank only leaves each rank's first collective without a partner (its error is raised
-# all the same): a launch of its own, as for "no-compression"
-assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting"} == set(MISMATCHES)
+# fusion or overlap on one rank only leaves each rank's first collective without a partner (its error
+# is raised all the same): a launch of its own each, as for "no-compression"
+assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting", "overlap-setting"} == set(MISMATCHES)
 
 
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))

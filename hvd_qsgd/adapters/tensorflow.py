@@ -129,9 +129,10 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             if first is not None:  # a retrace of the step that built it: that step's compressor
                 self.__dict__ = first.__dict__
                 return
-        if settings.fusion:
-            raise ValueError("hvd_qsgd.tensorflow.QSGD: fusion=True runs in PyTorch so far (TensorFlow builds each "
-                             "exchange in the step's graph); pass fusion=False in TensorFlow")
+        for name in ("fusion", "overlap"):
+            if getattr(settings, name):
+                raise ValueError(f"hvd_qsgd.tensorflow.QSGD: {name}=True runs in PyTorch so far (TensorFlow builds "
+                                 f"each exchange in the step's graph); pass {name}=False in TensorFlow")
         if settings.reduction == "hierarchical":
             raise ValueError("hvd_qsgd.tensorflow.QSGD: reduction='hierarchical' runs in PyTorch and hvd_qsgd.mpi "
                              "so far; pass reduction='scatter_allgather' (or 'auto') in TensorFlow")

@@ -15,9 +15,12 @@ With ``Settings.fusion``, start keeps an allgather exchange in its group's open 
 (``hvd_qsgd.exchange.fused``), whose one presence allreduce and one allgather carry every member;
 finish checks each member's own control vector, then cuts its result from the fused one.
 
-The stages start from decompress and its waits, never from compress: a payload collective started
-from compress on one rank, while another rank's presence allreduce had not completed, stalled
-Horovod's grouped allreduce of the control vectors (with its response cache on).
+The stages start from decompress and its waits, never at a moment of a rank's own choosing: Horovod
+names an unnamed collective by its per-process handle count, so a payload collective started where
+one rank happened to see its presence allreduce completed, and another rank did not, gave the
+user's next unnamed collective different names on the two ranks, and it hung (docs/compressor.md,
+"Overlap"). With ``Settings.overlap``, start runs the chain's first collective at once, in compress,
+on every rank alike, and makes no presence allreduce (no ``hvd.join`` then).
 
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
 (Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
@@ -77,6 +80,10 @@ def node_layout(ranks_per_node, set_ranks, world, where):
                              f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "
                              "local_size)")
     return ranks_per_node, None
+
+
+# the reductions whose first collective ``overlap`` starts in compress
+OVERLAPPED = ("allgather", "scatter_allgather")
 
 
 class ExchangeRunner:
@@ -146,9 +153,38 @@ class ExchangeRunner:
         if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
             self.fusion.add(ex, self.start)
             return
+        if ex.settings.overlap and ex.reduction in OVERLAPPED:
+            self._start_now(ex)
+            return
         vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
         ex.handle = self.collectives.allreduce(vector, f"{ex.route.exchange}.present", ex.group)
         self.driver.add(ex)
+
+    def _start_now(self, ex):
+        """``overlap``: the chain's first collective now, in compress, without a presence allreduce (no
+        ``hvd.join`` support): every rank starts it at the same call, so Horovod's per-process handle
+        numbers, which name unnamed collectives, stay aligned across ranks. A rank that could not
+        encode sends nothing in the same collective; its control vector makes every rank raise."""
+        ex.present = list(range(len(ex.set_ranks)))
+        if ex.fault is None:
+            again = ex.chain.start(self, ex)
+        else:
+            empty, again = self._nothing(ex), False
+            ex.handle = (self.collectives.allgather(empty, ex.route.exchange, ex.group) if ex.reduction == "allgather"
+                         else self.collectives.alltoall(empty, [0] * len(ex.set_ranks), f"{ex.route.exchange}.scatter",
+                                                        ex.group))
+            ex.stage = "failed"
+        if again:
+            self.driver.add(ex)
+        else:
+            ex.started = threading.Event()
+            ex.started.set()
+
+    @staticmethod
+    def _nothing(ex):
+        """An empty payload where the exchange's backend reads (``origin``: the adapter's (shape, dtype,
+        device))."""
+        return ex.backend.empty_bytes(SimpleNamespace(device=ex.origin[2] if ex.origin else None))
 
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
@@ -299,6 +335,11 @@ class ExchangeRunner:
             verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
             if verdict is None or ex.set_rank is None:
                 raise
+            if ex.settings.overlap and ex.reduction in OVERLAPPED:
+                raise protocol.MismatchError(
+                    f"{ex.where}: ranks of the set have joined (hvd.join), and with overlap=True its payload "
+                    "collective started before that could be known (Horovod cannot carry an allgather or alltoall "
+                    "through a join): pass overlap=False to use hvd.join()") from None
             present, alpha, certain = verdict
             if not self._presence_known(carrier, None if certain else protocol.JOIN_WAIT_S):
                 raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "

@@ -321,6 +321,8 @@ def scenario(s):
         check_report(n)
     elif s == "fusion":
         check_fusion(n, rank)
+    elif s == "overlap":
+        check_overlap(rank)
     elif s == "default-large":
         # hvd_qsgd.QSGD(4) as the README has it: a 1,000,000-element gradient resolves to
         # scatter_allgather from 3 ranks on; each rank receives <= 1.2 x 2(n-1)/n x d x b/8 bytes of it
@@ -473,6 +475,8 @@ def mismatch(kind, n, rank):
             c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
+    elif kind == "overlap-setting":
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, overlap=rank == 0))
     elif kind in ("fused-shapes", "fusion-setting"):
         # two tensors in one fused exchange, the first of another shape on rank 1; or fusion on rank 0 only
         c = hvd_qsgd.QSGD(4, fusion=kind == "fused-shapes" or rank == 0)
@@ -631,6 +635,44 @@ def check_fusion(n, rank):
     out = {f: hvd.allreduce(t, op=hvd.Sum, name="fused.direct",
                             compression=TorchCompressor(seed=SEED, fusion=f, creation_index=1100)) for f in (False, True)}
     assert torch.equal(out[False], out[True])
+
+
+def check_overlap(rank):
+    """overlap=True: a gradient's payload collective starts in its hook, while backward() is still
+    running (seen from a hook on the input, whose gradient backward computes last), and the results
+    are overlap=False's bit for bit (allgather, scatter_allgather, auto; error feedback); unnamed
+    Horovod collectives between steps, which Horovod names by its per-process handle count, still
+    meet their partners (the payload collectives start at the same call on every rank)."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+    for red in ("allgather", "scatter_allgather", "auto"):
+        grads, started = {}, {}
+        for overlap in (False, True):
+            torch.manual_seed(0)
+            model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 100))
+            c = TorchCompressor(4, seed=SEED, reduction=red, overlap=overlap, error_feedback=True, creation_index=1200)
+            log = []
+            for kind in ("allgather", "alltoall"):
+                inner = getattr(c.runner.collectives, kind)
+                setattr(c.runner.collectives, kind, lambda *a, _inner=inner, **k: log.append(a[-2]) or _inner(*a, **k))
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                           named_parameters=model.named_parameters(), compression=c)
+            g = torch.Generator().manual_seed(rank)
+            grads[overlap], started[overlap] = [], []
+            for step in range(3):
+                x = torch.randn(16, 64, generator=g).requires_grad_(True)
+                x.register_hook(lambda grad, mark=len(log): started[overlap].append(len(log) - mark))
+                opt.zero_grad()
+                model(x).pow(2).sum().backward()
+                opt.step()
+                grads[overlap].append([p.grad.clone() for p in model.parameters() if p.numel() >= 10000])
+                hvd.allreduce(torch.ones(1))
+                hvd.grouped_allreduce([torch.ones(3), torch.ones(2)])
+        # the two later layers' gradients (computed first) are in flight before backward() ends
+        assert started[False] == [0, 0, 0] and all(k >= 2 for k in started[True]), (red, started)
+        for a, b in zip(grads[False], grads[True]):
+            for ga, gb in zip(a, b):
+                assert torch.equal(ga, gb), red
+                check_identical(gb, red)
 
 
 def check_report(n):
