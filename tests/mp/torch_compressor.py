@@ -475,6 +475,13 @@ def mismatch(kind, n, rank):
             c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
+    elif kind == "join-overlap":
+        # overlap=True gives up hvd.join(): rank 1 joins at once while rank 0 steps
+        model = Net()
+        c = hvd_qsgd.QSGD(4, overlap=True, named_parameters=model.named_parameters())
+        if rank == 0:
+            optimizer_step(model, c)
+        hvd.join()
     elif kind == "overlap-setting":
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, overlap=rank == 0))
     elif kind in ("fused-shapes", "fusion-setting"):
