@@ -48,6 +48,11 @@ CONFIGS = {  # name: (settings, dtype)
     # chunk encode with error feedback, the reduce step and the reduced chunks' decode on the device
     "hierarchical-cross-scatter-ef": (Settings.make(bits=4, bucket_size=128, reduction="hierarchical", link_gbps=0.1,
                                                     error_feedback=True), torch.float32),
+    # fusion: the step's allgather tensors in one allgather (the payloads joined and cut on the device)
+    "fused-ef-fp16": (Settings.make(bits=4, reduction="allgather", error_feedback=True, fusion=True), torch.float16),
+    # overlap: the first phase started in compress, the second from decompress
+    "overlap-scatter-ef": (Settings.make(bits=4, bucket_size=128, reduction="scatter_allgather", error_feedback=True,
+                                         overlap=True), torch.float32),
     # the Elias coding on the device: its encode (error feedback unfused) and decode-sum kernels
     "elias-ef": (Settings.make(bits=4, coding="elias", reduction="allgather", error_feedback=True), torch.float32),
     # the Elias coding has no chunk kernels: scatter_allgather goes through the host, every exchange counted
