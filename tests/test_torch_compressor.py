@@ -173,8 +173,10 @@ def test_process_set_mismatch_raises_on_every_member():
 
 def test_mismatch_with_mpi_controller():
     out = launch(2, "mpi", [WORKER, "mismatch-bits"], timeout=90)
-    ranks = re.findall(r"^\[1,(\d+)\]<stdout>:RAISED MismatchError: .*compressor settings", out, flags=re.M)
-    assert sorted(ranks) == ["0", "1"], out[-3000:]
+    raised = raised_in(out, "mismatch-bits")
+    assert sorted(r for r, _ in raised) == [0, 1], out[-3000:]
+    for _, msg in raised:
+        assert re.search(r"^MismatchError: .*compressor settings", msg), msg
 
 
 def test_mpi_output_chunks_land_on_lines_of_their_own():

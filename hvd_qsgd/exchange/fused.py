@@ -46,7 +46,7 @@ class FusedGroups:
     def add(self, ex, start):
         """Keep an encoded allgather exchange in its group's open fused exchange; the first member
         opens one and ``start``s its presence allreduce."""
-        key = (id(ex.group), ex.backend.name, tuple(ex.set_ranks))
+        key = key_of(ex)
         with self._lock:
             fused = self._open.get(key)
             opened = fused is None
@@ -96,6 +96,7 @@ class FusedGroups:
 
 
 def key_of(ex):
+    """The group of an exchange: its process set and backend (a fused exchange's are its members')."""
     return (id(ex.group), ex.backend.name, tuple(ex.set_ranks))
 
 
@@ -149,7 +150,7 @@ class FusedAllgatherChain:
             out = joined[begin:begin + member.expect.numel]
             return out * alpha if alpha != 1.0 else out
         t0 = time.perf_counter()
-        payloads = [FusedAllgatherChain._cut(run, ex)[r * len(ex.members) + k] for r in range(n)]
+        payloads = FusedAllgatherChain._cut(run, ex)[k::len(ex.members)]   # member k's, rank after rank
         try:
             protocol.check_gathered(b.read_headers(payloads, where), member.expect, where)
         except Exception:
@@ -157,8 +158,8 @@ class FusedAllgatherChain:
                 raise
             with ex.lock:
                 ex.cut = "by headers"
-                ex.payload = b.split_fused(ex.gathered, n, [m.own_len or 0 for m in ex.members], True, ex.where)
-            payloads = [ex.payload[r * len(ex.members) + k] for r in range(n)]
+                ex.payload = b.split_fused(ex.gathered, n, _lengths(ex), True, ex.where)
+            payloads = ex.payload[k::len(ex.members)]
             protocol.check_gathered(b.read_headers(payloads, where), member.expect, where)
         out = b.decode_sum(payloads, alpha, where)
         remote = ex.remote_ranks()
@@ -181,10 +182,10 @@ class FusedAllgatherChain:
                     if ex.stage == "joined":
                         ex.payload = result
                     else:
-                        lens = [m.own_len or 0 for m in ex.members]
                         ex.gathered, by_headers = result, ex.settings.coding != "fixed"
                         ex.cut = "by headers" if by_headers else "by lengths"
-                        ex.payload = ex.backend.split_fused(result, len(ex.set_ranks), lens, by_headers, ex.where)
+                        ex.payload = ex.backend.split_fused(result, len(ex.set_ranks), _lengths(ex), by_headers,
+                                                            ex.where)
                 except Exception as e:
                     ex.stage_error = e
             if isinstance(ex.stage_error, run.collectives.interrupts):
@@ -195,3 +196,8 @@ class FusedAllgatherChain:
                     f"{ex.where}: {ex.stage_error}" + (f" (this rank could not encode {mine[0].where}: {mine[0].fault})"
                                                        if mine else "")) from ex.stage_error
             return ex.payload
+
+
+def _lengths(ex):
+    """This rank's payload length of each member (0 for one it could not encode: it sent nothing)."""
+    return [m.own_len or 0 for m in ex.members]
