@@ -58,6 +58,16 @@ def parse_sizes(text):
 parse_bits = bit_widths(2)
 
 
+def parse_encoders(text):
+    try:
+        out = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        out = []
+    if not out or any(v not in codec.ENCODERS for v in out):
+        raise argparse.ArgumentTypeError(f"{text!r}: encoder versions are 1 and 2, e.g. 2 or 2,1")
+    return out
+
+
 def parse_isas(text):
     """'avx2,baseline' -> ['avx2', 'baseline']; 'all' -> every variant this CPU runs."""
     runs = [name for name, ok in codec.cpu_isas().items() if ok]
@@ -94,6 +104,8 @@ def add_arguments(p):
                    help="CPU kernel variants to time side by side, comma-separated, or 'all' (every variant "
                         "this CPU runs); default: the one in use")
     p.add_argument("--no-checksum", action="store_true", help="encode without the payload checksum")
+    p.add_argument("--encoder", type=parse_encoders, default="2,1",
+                   help="encoder versions to time side by side, comma-separated (default 2,1; docs/wire-format.md)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data and of the quantizers")
     p.add_argument("--json", metavar="PATH", help="also write every number to this JSON file")
     p.add_argument("--device", choices=("all", "cpu", "cuda"), default="all",
@@ -208,7 +220,7 @@ def self_check(bits_list, bucket, checksum, seed):
 
 
 # ---- CPU timing ----------------------------------------------------------------------------------
-_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
+_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("enc", 3), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
          ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11), ("enc ns/el", 10),
          ("dec ns/el", 10), ("checksum", 9)]
 
@@ -226,17 +238,17 @@ def kernel_threads(n):
     return codec.get_num_threads() if n >= 1 << 16 else 1
 
 
-def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselines):
-    """Measure one (size, bits) cell with the variant in use; returns the row dict (None where not
-    measured)."""
+def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselines, encoder=codec.DEFAULT_ENCODER):
+    """Measure one (size, bits, encoder) cell with the variant in use; returns the row dict (None where
+    not measured)."""
     threads = kernel_threads(n)
-    row = dict(numel=n, bits=bits, isa=codec.cpu_isa(), threads=threads, memcpy_s=memcpy_s,
+    row = dict(numel=n, bits=bits, isa=codec.cpu_isa(), encoder=encoder, threads=threads, memcpy_s=memcpy_s,
                memcpy_gbps=gbps(n, memcpy_s))
     # encode into a caller-owned buffer, as decode and memcpy write into existing arrays: a fresh
     # array would time the page faults of its first touch, not the codec
     buf = np.empty(codec.max_payload_nbytes(n, bits, bucket), dtype=np.uint8)
     te, payload = median_time(lambda: codec.encode(x, bits=bits, bucket_size=bucket, seed=seed, checksum=checksum,
-                                                   out=buf), repeats)
+                                                   out=buf, encoder=encoder), repeats)
     payload = payload.copy()
     # decode into a caller-owned buffer, as the reduction does (into the gradient) and as memcpy's
     # destination is: a fresh 256 MB array would time the kernel's page faults, not the codec
@@ -281,14 +293,14 @@ def roofline(n, payload_bytes, memcpy_s, encode_s, decode_s):
 
 
 def _print_cpu_row(r):
-    print(_row_text([fmt_size(r["numel"]), r["bits"], r["isa"], _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
+    print(_row_text([fmt_size(r["numel"]), r["bits"], r["isa"], f"v{r['encoder']}", _num(r["memcpy_gbps"]), _num(r["qsgd_encode_gbps"]),
                      _num(r["qsgd_decode_gbps"]), _num(r["qsgd_ed_gbps"]), _num(r["numpy_ed_gbps"]),
                      _num(r["torch_ed_gbps"]), _num(r["ratio_qsgd_torch"], True),
                      _num(r["ratio_qsgd_memcpy"], True), f"{r['encode_ns_per_elem_thread']:.2f}",
                      f"{r['decode_ns_per_elem_thread']:.2f}", f"{100 * r['checksum_cost']:+.1f}%"]), flush=True)
 
 
-_ROOF_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("mem GB/s", 9), ("enc B/el", 9), ("dec B/el", 9),
+_ROOF_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("enc", 3), ("mem GB/s", 9), ("enc B/el", 9), ("dec B/el", 9),
               ("enc floor", 10), ("dec floor", 10), ("enc of floor", 13), ("dec of floor", 13)]
 
 
@@ -298,7 +310,7 @@ def _print_roofline(rows):
     print("  ".join(c.rjust(w) for c, w in _ROOF_COLS))
     for r in rows:
         n = r["numel"]
-        cells = [fmt_size(n), r["bits"], r["isa"], f"{r['memory_gbps']:.1f}", f"{r['encode_bytes'] / n:.2f}",
+        cells = [fmt_size(n), r["bits"], r["isa"], f"v{r['encoder']}", f"{r['memory_gbps']:.1f}", f"{r['encode_bytes'] / n:.2f}",
                  f"{r['decode_bytes'] / n:.2f}", f"{r['encode_floor_s'] / n * 1e9:.3f}",
                  f"{r['decode_floor_s'] / n * 1e9:.3f}", f"{r['encode_of_floor']:.2f}", f"{r['decode_of_floor']:.2f}"]
         print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, _ROOF_COLS)))
@@ -340,13 +352,13 @@ def _check(st, what):
         raise RuntimeError(f"{what}: {_native.status_string(st)}")
 
 
-def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm="max"):
+def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm="max", encoder=codec.DEFAULT_ENCODER):
     """Time qsgd_encode_cuda and qsgd_decode_sum_cuda on device x; the results are checked against
     the CPU codec (bit-identical payload, equal decode) before the row is returned."""
     from hvd_qsgd import cuda
     torch, lib = bl.torch, _native.load_cuda()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    cfg = codec.make_config(bits, bucket, norm, seed, "fixed", 0, checksum)
+    cfg = codec.make_config(bits, bucket, norm, seed, "fixed", 0, checksum, encoder=encoder)
     cap = codec.payload_nbytes(n, bits, bucket)
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
     te = _cuda_median(lambda: _check(lib.qsgd_encode_cuda(x.data_ptr(), n, ctypes.byref(cfg), out.data_ptr(),
@@ -360,26 +372,26 @@ def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm=
                                                               d_status.data_ptr(), stream),
                                      "qsgd_decode_sum_cuda"), repeats)
     _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
-    ref = codec.encode(x_host, bits=bits, bucket_size=bucket, norm=norm, seed=seed, checksum=checksum)
+    ref = codec.encode(x_host, bits=bits, bucket_size=bucket, norm=norm, seed=seed, checksum=checksum, encoder=encoder)
     if not np.array_equal(out.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
-        raise RuntimeError(f"CUDA results differ from the CPU codec (n={n}, bits={bits})")
+        raise RuntimeError(f"CUDA results differ from the CPU codec (n={n}, bits={bits}, encoder {encoder})")
     # effective bandwidth: the bytes a kernel must move (encode reads 4n and writes the payload,
     # decode reads the payload and writes 4n; the copy reads and writes 4n) over its time
     copy_bw = 8 * n / copy_s
     enc_bw, dec_bw = (4 * n + cap) / te, (4 * n + cap) / td
-    return dict(numel=n, bits=bits, norm=norm, payload_bytes=cap, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te,
+    return dict(numel=n, bits=bits, norm=norm, encoder=encoder, payload_bytes=cap, copy_s=copy_s, copy_gbps=gbps(n, copy_s), encode_s=te,
                 decode_s=td, encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td),
                 ratio_ed_copy=gbps(n, te + td) / gbps(n, copy_s), copy_eff_gbps=copy_bw / 1e9,
                 encode_eff_gbps=enc_bw / 1e9, decode_eff_gbps=dec_bw / 1e9,
                 encode_of_copy=enc_bw / copy_bw, decode_of_copy=dec_bw / copy_bw)
 
 
-def time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s):
+def time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s, encoder=codec.DEFAULT_ENCODER):
     """4-bit encode of the fused variants: "ef" (fp32 x with error feedback: reads x and the residual,
     rewrites the residual) or "fp16" (x read as float16). The payload is checked against the CPU codec."""
     torch, lib = bl.torch, _native.load_cuda()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    cfg = codec.make_config(4, bucket, "max", seed, "fixed", 0, checksum)
+    cfg = codec.make_config(4, bucket, "max", seed, "fixed", 0, checksum, encoder=encoder)
     cap = codec.payload_nbytes(n, 4, bucket)
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
     if kind == "ef":
@@ -402,21 +414,21 @@ def time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x
         te -= _cuda_median(lambda: res.copy_(res0), repeats)
     call()
     if not np.array_equal(out.cpu().numpy(), codec.encode(ref_in, bits=4, bucket_size=bucket, seed=seed,
-                                                           checksum=checksum)):
+                                                           checksum=checksum, encoder=encoder)):
         raise RuntimeError(f"CUDA {kind} encode differs from the CPU codec (n={n})")
     copy_bw = 8 * n / copy_s
-    return dict(numel=n, bits=4, norm="max", variant=kind, payload_bytes=cap, copy_s=copy_s, encode_s=te,
+    return dict(numel=n, bits=4, norm="max", variant=kind, encoder=encoder, payload_bytes=cap, copy_s=copy_s, encode_s=te,
                 encode_gbps=gbps(n, te), moved_bytes=moved, encode_eff_gbps=moved / te / 1e9,
                 encode_of_copy=moved / te / copy_bw)
 
 
-def time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s):
+def time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s, encoder=codec.DEFAULT_ENCODER):
     """4-bit Elias encode (which waits once for its length) and decode_sum of one payload; both
     checked against the CPU codec."""
     from hvd_qsgd import cuda
     torch, lib = bl.torch, _native.load_cuda()
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    cfg = codec.make_config(4, bucket, "max", seed, "elias", 0, checksum)
+    cfg = codec.make_config(4, bucket, "max", seed, "elias", 0, checksum, encoder=encoder)
     cap = int(_native.load().qsgd_elias_max_nbytes(n, 4, bucket))
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
     out_len = ctypes.c_uint64()
@@ -432,14 +444,14 @@ def time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s):
                                                               d_status.data_ptr(), stream), "qsgd_decode_sum_cuda"),
                       repeats)
     _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
-    ref = codec.encode(x_host, bits=4, bucket_size=bucket, seed=seed, checksum=checksum, coding="elias")
+    ref = codec.encode(x_host, bits=4, bucket_size=bucket, seed=seed, checksum=checksum, coding="elias", encoder=encoder)
     if not np.array_equal(payload.cpu().numpy(), ref) or not np.array_equal(y.cpu().numpy(), codec.decode(ref)):
         raise RuntimeError(f"CUDA Elias results differ from the CPU codec (n={n})")
-    return dict(numel=n, bits=4, norm="max", variant="elias", payload_bytes=int(out_len.value), copy_s=copy_s,
+    return dict(numel=n, bits=4, norm="max", variant="elias", encoder=encoder, payload_bytes=int(out_len.value), copy_s=copy_s,
                 encode_s=te, decode_s=td, encode_gbps=gbps(n, te), decode_gbps=gbps(n, td), ed_gbps=gbps(n, te + td))
 
 
-def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
+def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum, encoders=(codec.DEFAULT_ENCODER,)):
     torch = bl.torch
     print(f"\nCUDA: {torch.cuda.get_device_name()}; GB/s of fp32 input; decode = qsgd_decode_sum_cuda of "
           "one payload (host header parse not timed); copy = torch .copy_ device to device; enc%/dec% = "
@@ -447,7 +459,7 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
           "rows 4ef: 4-bit encode with error feedback fused (moves 12n + payload: x, the residual read and "
           "rewritten), 4fp16: 4-bit encode of float16 x read natively (2n + payload); 4eli: 4-bit Elias coding (its "
           "encode waits once for the payload's length)")
-    cols = [("size", 6), ("bits", 5), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
+    cols = [("size", 6), ("bits", 5), ("enc", 3), ("d2d copy", 9), ("enc", 9), ("dec", 9), ("e+d", 9), ("e+d/copy", 9),
             ("enc%", 6), ("dec%", 6)]
     print("  ".join(c.rjust(w) for c, w in cols))
     rows = []
@@ -457,23 +469,25 @@ def run_cuda(sizes, bits_list, bucket, repeats, seed, checksum):
         dst = torch.empty_like(x)
         copy_s = _cuda_median(lambda: dst.copy_(x), repeats)
         for bits, norm in [(b, "max") for b in bits_list] + [(1, "sign")]:
-            r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm)
+            for encoder in (encoders if norm == "max" else encoders[:1]):  # the sign norm draws no randomness
+                r = time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm, encoder)
+                rows.append(r)
+                gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
+                cells = [fmt_size(n), bits if norm == "max" else "sign", f"v{encoder}"] + gb + [
+                    f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}", f"{100 * r['decode_of_copy']:.0f}"]
+                print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
+        for encoder in encoders:
+            for kind in ("ef", "fp16"):
+                r = time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s, encoder)
+                rows.append(r)
+                cells = [fmt_size(n), f"4{kind}", f"v{encoder}", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}",
+                         "-", "-", "-", f"{100 * r['encode_of_copy']:.0f}", "-"]
+                print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
+            r = time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s, encoder)
             rows.append(r)
-            gb = [f"{r[k]:.1f}" for k in ("copy_gbps", "encode_gbps", "decode_gbps", "ed_gbps")]
-            cells = [fmt_size(n), bits if norm == "max" else "sign"] + gb + [f"{r['ratio_ed_copy']:.2f}x", f"{100 * r['encode_of_copy']:.0f}",
-                                                f"{100 * r['decode_of_copy']:.0f}"]
+            cells = [fmt_size(n), "4eli", f"v{encoder}", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}",
+                     f"{r['decode_gbps']:.1f}", f"{r['ed_gbps']:.1f}", "-", "-", "-"]
             print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
-        for kind in ("ef", "fp16"):
-            r = time_cuda_encode_variant(n, kind, bucket, repeats, seed, checksum, x_host, x, copy_s)
-            rows.append(r)
-            cells = [fmt_size(n), f"4{kind}", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}",
-                     "-", "-", "-", f"{100 * r['encode_of_copy']:.0f}", "-"]
-            print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
-        r = time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s)
-        rows.append(r)
-        cells = [fmt_size(n), "4eli", f"{gbps(n, copy_s):.1f}", f"{r['encode_gbps']:.1f}", f"{r['decode_gbps']:.1f}",
-                 f"{r['ed_gbps']:.1f}", "-", "-", "-"]
-        print("  ".join(str(c).rjust(w) for c, (_, w) in zip(cells, cols)), flush=True)
         del x, dst
     return rows
 
@@ -499,14 +513,16 @@ def run_cpu(args, isas, in_use, checksum):
         del dst
         for bits in args.bits:
             for isa in isas:
-                codec.set_cpu_isa(isa)
-                try:
-                    r = time_cpu(n, bits, args.bucket_size, args.repeats, args.seed, checksum, x, memcpy_s,
-                                 n <= args.baseline_max and isa == isas[0])
-                finally:
-                    codec.set_cpu_isa(in_use)
-                rows.append(r)
-                _print_cpu_row(r)
+                for encoder in args.encoder:
+                    codec.set_cpu_isa(isa)
+                    try:
+                        r = time_cpu(n, bits, args.bucket_size, args.repeats, args.seed, checksum, x, memcpy_s,
+                                     n <= args.baseline_max and isa == isas[0] and encoder == args.encoder[0],
+                                     encoder)
+                    finally:
+                        codec.set_cpu_isa(in_use)
+                    rows.append(r)
+                    _print_cpu_row(r)
         del x
     print("memcpy = np.copyto into an existing array (counts the 4 * numel bytes read; it also writes as "
           "many); qsgd enc = encode into an existing buffer, including the checksum; qsgd dec = decode_sum "
@@ -550,13 +566,13 @@ def run(args):
     else:
         try:
             cuda.update(measured=True, rows=run_cuda(args.sizes, args.bits, args.bucket_size, args.repeats,
-                                                     args.seed, checksum))
+                                                     args.seed, checksum, args.encoder))
         except Exception as e:  # report, keep the CPU numbers, and fail the command
             cuda.update(measured=False, reason=f"failed: {e}")
             print(f"CUDA: not measured (failed: {e})")
             status = 1
     if args.json:
-        config = dict(sizes=args.sizes, bits=args.bits, isa=isas, bucket_size=args.bucket_size, repeats=args.repeats,
+        config = dict(sizes=args.sizes, bits=args.bits, isa=isas, encoder=args.encoder, bucket_size=args.bucket_size, repeats=args.repeats,
                       baseline_max=args.baseline_max, checksum=checksum, seed=args.seed, gb=1e9)
         result = dict(machine=info, config=config, cpu=rows, cuda=cuda, load_avg_1min_end=os.getloadavg()[0])
         with open(args.json, "w") as f:

@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 7  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 8  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0

@@ -52,10 +52,10 @@ class CpuBackend:
         s = settings
         if residual is None:
             return codec.encode(x32, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
-                                name=where, source_dtype=source_dtype)
+                                name=where, source_dtype=source_dtype, encoder=s.encoder)
         v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
         q = codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum, name=where,
-                         source_dtype=source_dtype)
+                         source_dtype=source_dtype, encoder=s.encoder)
         with np.errstate(invalid="ignore", over="ignore"):
             d = v - codec.decode(q, where)
         residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
@@ -177,7 +177,7 @@ class CudaBackend:
         s = settings
         return cuda.encode(x32, s.bits, s.bucket_size, s.norm, seed, fingerprint, s.checksum, name=where,
                            source_dtype=source_dtype, residual=residual, residual_valid=residual_valid,
-                           coding=s.coding)
+                           coding=s.coding, encoder=s.encoder)
 
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)
@@ -242,11 +242,11 @@ class CudaBackend:
         s = settings
         if residual is None:
             return cuda.encode_chunks(x32, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                      source_dtype, name=where)
+                                      source_dtype, name=where, encoder=s.encoder)
         v = x32.detach().reshape(-1).float()
         v = v + residual if residual_valid else v.clone()
         buf, lens = cuda.encode_chunks(v, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                       source_dtype, name=where)
+                                       source_dtype, name=where, encoder=s.encoder)
         d = v - self.decode_chunks(self.split_by(buf, lens), 1.0, v.numel(), s.bucket_size, where)
         residual.copy_(torch.where(torch.isfinite(d), d, residual if residual_valid else torch.zeros_like(d)))
         return buf, lens
@@ -261,7 +261,7 @@ class CudaBackend:
                      source_dtype: str, where: str, residual=None):
         s = settings
         return cuda.reduce_chunk(payloads, j, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                 source_dtype, residual=residual, where=where)
+                                 source_dtype, residual=residual, where=where, encoder=s.encoder)
 
     def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
                         server_residual=None):

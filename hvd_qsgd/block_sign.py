@@ -27,6 +27,7 @@ compression) is ``hvd_qsgd.torch.EFSGDM`` (PyTorch) or ``hvd_qsgd.tensorflow.ker
 """
 from typing import Any, Dict, Iterable, Optional, Tuple
 
+from hvd_qsgd import codec
 from hvd_qsgd.compressor import QSGD
 
 
@@ -57,18 +58,19 @@ class BlockSign(QSGD):
     server_error_feedback: residuals of the reducing rank (default True; scatter_allgather only)
     reduction:         "scatter_allgather" (default: two-way compression), "allgather" (one-way:
                        every rank decodes every rank's payload) or "auto"
-    min_numel, checksum, named_parameters, process_set: as for ``hvd_qsgd.QSGD``
+    min_numel, checksum, encoder, named_parameters, process_set: as for ``hvd_qsgd.QSGD``
     """
 
     PER_TENSOR = 0x7FFFFFFF
 
     def __init__(self, block_size: int = 512, min_numel: int = 10000, error_feedback: bool = True,
                  server_error_feedback: bool = True, reduction: str = "scatter_allgather", checksum: bool = True,
-                 named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, process_set: Any = None):
+                 named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, process_set: Any = None,
+                 encoder: int = codec.DEFAULT_ENCODER):
         super().__init__(bits=1, bucket_size=block_size, norm="sign", coding="fixed", min_numel=min_numel, seed=0,
                          error_feedback=error_feedback, checksum=checksum, reduction=reduction,
                          named_parameters=named_parameters, process_set=process_set,
-                         server_error_feedback=server_error_feedback)
+                         server_error_feedback=server_error_feedback, encoder=encoder)
 
     def __repr__(self) -> str:
         s = self.settings

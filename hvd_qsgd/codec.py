@@ -60,6 +60,9 @@ MAX_BUCKET = 0x7FFFFFFF
 MAX_SEED = 2**64 - 1
 HEADER_BYTES = _native.HEADER_BYTES
 FLAG_CHECKSUM = 1
+FLAG_ENCODER2 = 2
+ENCODERS = (1, 2)   # encoder versions (docs/wire-format.md, "Encoders"); 2 is the default
+DEFAULT_ENCODER = 2
 
 
 @dataclass(frozen=True)
@@ -72,6 +75,7 @@ class Header:
     norm: str
     dtype: str
     checksum_flag: bool
+    encoder: int
     bucket_size: int
     numel: int
     payload_len: int
@@ -112,6 +116,13 @@ def _check_u64(name, v):
     return int(v)
 
 
+def check_encoder(encoder):
+    """The encoder version, 1 or 2 (ValueError otherwise)."""
+    if not is_integer(encoder) or int(encoder) not in ENCODERS:
+        raise ValueError(f"encoder must be 1 or 2 (the encoder version, docs/wire-format.md), got {encoder!r}")
+    return int(encoder)
+
+
 def _check_choice(name, v, choices):
     if not isinstance(v, str) or v not in choices:
         raise ValueError(f"{name} must be one of {sorted(choices)}, got {v!r}")
@@ -119,12 +130,15 @@ def _check_choice(name, v, choices):
 
 
 def make_config(bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
-                fingerprint: int = 0, checksum: bool = True, dtype: str = "float32") -> "_native.Config":
+                fingerprint: int = 0, checksum: bool = True, dtype: str = "float32",
+                encoder: int = DEFAULT_ENCODER) -> "_native.Config":
     """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
+    encoder = check_encoder(encoder)
     cfg = _native.Config(
         bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
         norm=_check_choice("norm", norm, NORMS), dtype=_check_choice("dtype", dtype, DTYPES),
-        bucket_size=_check_bucket(bucket_size), flags=FLAG_CHECKSUM if checksum else 0,
+        bucket_size=_check_bucket(bucket_size),
+        flags=(FLAG_CHECKSUM if checksum else 0) | (FLAG_ENCODER2 if encoder == 2 else 0),
         seed=_check_u64("seed", seed), fingerprint=_check_u64("fingerprint", fingerprint))
     if norm == "sign" and cfg.bits != 1:
         raise ValueError(f"norm='sign' needs bits=1 (the scaled sign is one bit per coordinate), got bits={bits!r}")
@@ -186,7 +200,8 @@ def _as_bytes(payload, what):
 
 def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
            fingerprint: int = 0, checksum: bool = True, name: str = "tensor",
-           source_dtype: Optional[str] = None, out: Optional[np.ndarray] = None) -> np.ndarray:
+           source_dtype: Optional[str] = None, out: Optional[np.ndarray] = None,
+           encoder: int = DEFAULT_ENCODER) -> np.ndarray:
     """Quantize ``x`` (float32, float16 or bfloat16; any shape; flattened) into a payload.
 
     ``norm``: the bucket scale, "max" or "l2" (QSGD), or "sign" (with ``bits=1`` and the fixed coding:
@@ -198,8 +213,10 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     error messages. ``out``: a caller-owned contiguous 1-D uint8 array of at least
     ``max_payload_nbytes(...)`` bytes to encode into (the result is then a view of its first bytes),
     which spares a fresh allocation's page faults when the same tensor is encoded every step.
+    ``encoder``: the encoder version (2, the default, or 1 to reproduce payloads of earlier releases;
+    docs/wire-format.md, "Encoders"); decoders read both.
     """
-    cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum)
+    cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum, encoder=encoder)
     flat, cfg.dtype = _as_float32(x, name)
     if source_dtype is not None:
         cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
@@ -246,8 +263,8 @@ def _raw_fields(p):
 def _header_from_c(h):
     return Header(
         version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
-        norm=NORM_NAMES[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & 1),
-        bucket_size=h.bucket_size, numel=h.numel, payload_len=h.payload_len,
+        norm=NORM_NAMES[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & FLAG_CHECKSUM),
+        encoder=2 if h.flags & FLAG_ENCODER2 else 1, bucket_size=h.bucket_size, numel=h.numel, payload_len=h.payload_len,
         fingerprint=h.fingerprint, segment_buckets=h.segment_buckets, checksum=h.checksum)
 
 

@@ -10,7 +10,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from hvd_qsgd import report, step_built
+from hvd_qsgd import codec, report, step_built
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
@@ -66,6 +66,8 @@ class QSGD:
                      and no presence allreduce precedes it; the cost: ``hvd.join()`` cannot be used
                      (Horovod cannot carry an allgather or alltoall through a join); the same on every
                      rank (default False; docs/compressor.md, "Overlap")
+    encoder:         the encoder version, 2 (default) or 1 (the payload bytes of earlier releases;
+                     docs/wire-format.md, "Encoders"); receivers decode both; the same on every rank
 
     and, by name only:
 
@@ -111,7 +113,8 @@ class QSGD:
                 f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
                 f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
                 + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
-                + (", fusion=True" if s.fusion else "") + (", overlap=True)" if s.overlap else ")"))
+                + (", fusion=True" if s.fusion else "") + (", overlap=True" if s.overlap else "")
+                + (f", encoder={s.encoder})" if s.encoder != codec.DEFAULT_ENCODER else ")"))
 
     def _policy(self, framework: str) -> FixedBits:
         """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""

@@ -52,7 +52,7 @@ _DTYPES = {"float32": 0, "float16": 1, "bfloat16": 2}  # qsgd_dtype
 
 
 def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, name="tensor",
-           source_dtype=None, residual=None, residual_valid=True, coding="fixed"):
+           source_dtype=None, residual=None, residual_valid=True, coding="fixed", encoder=codec.DEFAULT_ENCODER):
     """Encode a CUDA tensor (float32, float16 or bfloat16, read natively: no fp32 copy) into a uint8
     CUDA tensor holding the payload. ``source_dtype`` overrides the dtype recorded in the header.
 
@@ -66,7 +66,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     import torch
     if coding == "elias":
         return _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype, residual,
-                             residual_valid)
+                             residual_valid, encoder)
     if coding != "fixed":
         raise ValueError(f"{name}: coding must be 'fixed' or 'elias', got {coding!r}")
     if not _is_device(x):
@@ -75,7 +75,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     if dtype_name is None:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
     cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum,
-                            source_dtype or dtype_name)
+                            source_dtype or dtype_name, encoder=encoder)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
     if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
@@ -93,7 +93,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
 
 
 def _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype, residual,
-                  residual_valid):
+                  residual_valid, encoder):
     import torch
     if not _is_device(x):
         raise ValueError(f"{name}: hvd_qsgd.cuda.encode needs a CUDA tensor, got device {x.device}")
@@ -104,12 +104,13 @@ def _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name,
     if residual is not None:  # the unfused steps of error feedback, each on the device
         v = flat.float() + residual if residual_valid else flat.float()
         q = _encode_elias(v, bits, bucket_size, norm, seed, fingerprint, checksum, name, source_dtype or dtype_name,
-                          None, True)
+                          None, True, encoder)
         d = v - decode_sum([q], where=name)
         keep = residual if residual_valid else torch.zeros((), dtype=torch.float32, device=v.device)
         residual.copy_(torch.where(torch.isfinite(d), d, keep))
         return q
-    cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum, source_dtype or dtype_name)
+    cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum, source_dtype or dtype_name,
+                            encoder=encoder)
     n = flat.numel()
     cap = int(_native.load().qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size))
     out = torch.empty(cap, dtype=torch.uint8, device=x.device)
@@ -144,8 +145,8 @@ def split_payloads(gathered, count, where="gathered payloads"):
     return out
 
 
-def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype):
-    cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype)
+def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype, encoder):
+    cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype, encoder=encoder)
     cfg.seed = int(seed) & (2 ** 64 - 1)
     return cfg
 
@@ -168,12 +169,12 @@ def _verdict(st, status, where):
 
 
 def encode_chunks(x, n, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
-                  source_dtype="float32", name="tensor"):
+                  source_dtype="float32", name="tensor", encoder=codec.DEFAULT_ENCODER):
     """(buffer, lens): the n chunk payloads of the CUDA tensor x back to back in one uint8 CUDA tensor
     and their lengths; bit-identical to ``hvd_qsgd.reduction.encode_chunks``."""
     import torch
     flat = _flat32(x, name)
-    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype)
+    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype, encoder)
     total = int(_native.load().qsgd_chunks_max_nbytes(flat.numel(), int(bits), int(bucket_size), 0, int(n)))
     if total == 0:
         raise ValueError(f"{name}: no chunk layout for n={n}, bits={bits}, bucket_size={bucket_size}")
@@ -194,7 +195,7 @@ def aligned(payloads):
 
 
 def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
-                 source_dtype="float32", residual=None, where="reduce_chunk"):
+                 source_dtype="float32", residual=None, where="reduce_chunk", encoder=codec.DEFAULT_ENCODER):
     """Chunk j's reduce step on the device (``hvd_qsgd.reduction.reduce_chunk``): the sum of the
     ranks' payloads (uint8 CUDA tensors, rank order) re-quantized with the chunk's phase-1 seed; with
     ``residual`` (a contiguous float32 CUDA tensor of the chunk's numel elements) error feedback on
@@ -206,7 +207,7 @@ def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, 
     if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
                                  or not residual.is_contiguous() or residual.device != device):
         raise ValueError(f"{where}: residual must be a contiguous float32 tensor of {n} elements on {device}")
-    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype)
+    cfg = _config(bits, bucket_size, norm, step_seed, fingerprint, checksum, source_dtype, encoder)
     cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
     out = torch.empty(cap, dtype=torch.uint8, device=device)
     scratch = torch.empty(n, dtype=torch.float32, device=device)

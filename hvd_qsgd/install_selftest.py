@@ -47,7 +47,7 @@ def _reference(x, settings, fingerprint):
         if ref_variant != before:
             codec.set_cpu_isa(ref_variant)
         payload = codec.encode(x, settings.bits, settings.bucket_size, settings.norm, SEED, settings.coding,
-                               fingerprint, settings.checksum, name=WHERE)
+                               fingerprint, settings.checksum, name=WHERE, encoder=settings.encoder)
         return np.array(payload, dtype=np.uint8), codec.decode(payload, WHERE), ref_variant
     finally:
         if codec.cpu_isa() != before:

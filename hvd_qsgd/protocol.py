@@ -227,7 +227,7 @@ def _tag_message(where, name):
         "compressor creation order": "ranks created their compressors in different orders or used "
                                      "different compressor objects for this tensor",
         "compressor settings": "ranks use different compressor settings (bits, bucket_size, norm, "
-                               "coding, min_numel or reduction)",
+                               "coding, min_numel, reduction, fusion, overlap or encoder)",
     }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
                 "parameters without gradients on some ranks); pass named_parameters= to the "
                 "compressor so payloads are matched by name")

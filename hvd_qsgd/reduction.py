@@ -65,7 +65,7 @@ def chunk_seed(step_seed, j, phase):
 
 def _config(settings, step_seed, fingerprint, source_dtype):
     cfg = codec.make_config(settings.bits, settings.bucket_size, settings.norm, 0, settings.coding, fingerprint,
-                            settings.checksum, dtype=source_dtype)
+                            settings.checksum, dtype=source_dtype, encoder=settings.encoder)
     cfg.seed = int(step_seed) & (2 ** 64 - 1)
     return cfg
 

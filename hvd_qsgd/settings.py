@@ -72,12 +72,14 @@ class Settings:
     link_gbps: Optional[float] = None
     fusion: bool = False
     overlap: bool = False
+    encoder: int = codec.DEFAULT_ENCODER
 
     @classmethod
     def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
              min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
              reduction: str = "auto", server_error_feedback: bool = False,
-             link_gbps: Optional[float] = None, fusion: bool = False, overlap: bool = False) -> "Settings":
+             link_gbps: Optional[float] = None, fusion: bool = False, overlap: bool = False,
+             encoder: int = codec.DEFAULT_ENCODER) -> "Settings":
         """Settings with every parameter checked (ValueError naming the parameter).
 
         This signature is the one place the settings parameters are written out: the compressors
@@ -86,6 +88,7 @@ class Settings:
         if bucket_size is None:
             bucket_size = default_bucket_size(codec._check_bits(bits))
         codec.make_config(bits, bucket_size, norm, seed, coding)  # checks bits, bucket, norm, coding, seed
+        encoder = codec.check_encoder(encoder)  # 1 or 2 (ValueError naming encoder)
         if not codec.is_integer(min_numel) or min_numel < 1:
             raise ValueError(f"min_numel must be a positive integer, got {min_numel!r}")
         if not isinstance(reduction, str) or reduction not in REDUCTIONS:
@@ -104,7 +107,7 @@ class Settings:
             link_gbps = float(link_gbps)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
-                   bool(fusion), bool(overlap))
+                   bool(fusion), bool(overlap), encoder)
 
     @classmethod
     def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
@@ -146,8 +149,10 @@ class Settings:
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
         reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
         differently are told apart too."""
-        # (fusion and overlap appear only when on: the tags stay as they were without them)
-        extra = ("|fused" if self.fusion else "") + ("|overlap" if self.overlap else "")
+        # (fusion, overlap and encoder version 2 appear only when on: without them the tags stay those
+        # of earlier releases, whose payloads encoder=1 reproduces; ranks on different encoders differ)
+        extra = (("|fused" if self.fusion else "") + ("|overlap" if self.overlap else "")
+                 + ("|encoder2" if self.encoder == 2 else ""))
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
                                    f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}{extra}")
 

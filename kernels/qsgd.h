@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 7
+#define QSGD_ABI_VERSION 8
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -39,7 +39,9 @@ extern "C" {
 enum qsgd_coding { QSGD_CODING_FIXED = 0, QSGD_CODING_ELIAS = 1 };
 enum qsgd_norm { QSGD_NORM_MAX = 0, QSGD_NORM_L2 = 1, QSGD_NORM_SIGN = 2 /* bits 1, fixed coding */ };
 enum qsgd_dtype { QSGD_DTYPE_F32 = 0, QSGD_DTYPE_F16 = 1, QSGD_DTYPE_BF16 = 2 };
-enum qsgd_flags { QSGD_FLAG_CHECKSUM = 1 };
+/* QSGD_FLAG_ENCODER2: encode with encoder version 2 (qsgd_math.h; the header's flags record it, decoders
+ * read either); without it, version 1. */
+enum qsgd_flags { QSGD_FLAG_CHECKSUM = 1, QSGD_FLAG_ENCODER2 = 2 };
 
 typedef enum qsgd_status {
   QSGD_OK = 0,
@@ -75,7 +77,7 @@ typedef struct qsgd_config {
   int32_t dtype;         /* qsgd_dtype of the source tensor (recorded; input is always fp32) */
   uint32_t bucket_size;  /* 1..QSGD_MAX_BUCKET elements per scale */
   uint32_t flags;        /* qsgd_flags */
-  uint64_t seed;         /* randomness: element i uses qsgd_uniform24(seed, i) */
+  uint64_t seed;         /* randomness: element i draws from the stream of seed (qsgd_math.h, per encoder) */
   uint64_t fingerprint;  /* identity of the tensor, checked by decode_sum */
 } qsgd_config;
 

@@ -123,7 +123,7 @@ const Kernels& active_kernels() {
 float bucket_scale(const float* x, uint64_t n, int norm) { return active_kernels().bucket_scale(x, n, norm); }
 
 static void quantize_run_with(const Kernels& K, const float* x, uint64_t n, uint64_t i0, uint64_t seed,
-                              float scale, int bits, uint8_t* codes) {
+                              float scale, int bits, int encoder, uint8_t* codes) {
   if (!qsgd_scale_quantizes(scale)) {
     memset(codes, 0, n);
     return;
@@ -132,14 +132,14 @@ static void quantize_run_with(const Kernels& K, const float* x, uint64_t n, uint
     /* the random stream is keyed per page of 2^32 elements: never cross a page in one call */
     const uint64_t page_end = ((i0 >> 32) + 1) << 32;
     const uint64_t m = std::min<uint64_t>(n, page_end - i0);
-    K.quantize(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, codes);
+    K.quantize(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, encoder, codes);
     x += m, codes += m, i0 += m, n -= m;
   }
 }
 
-void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
+void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits, int encoder,
                   uint8_t* codes) {
-  quantize_run_with(active_kernels(), x, n, i0, seed, scale, bits, codes);
+  quantize_run_with(active_kernels(), x, n, i0, seed, scale, bits, encoder, codes);
 }
 
 static void sign_run_with(const Kernels& K, const float* x, uint64_t n, float scale, uint8_t* codes) {
@@ -230,7 +230,7 @@ extern "C" int32_t qsgd_parse_header(const uint8_t* p, uint64_t len, qsgd_header
   if (h->magic != QSGD_MAGIC) return QSGD_E_MAGIC;
   if (h->version != QSGD_WIRE_VERSION) return QSGD_E_VERSION;
   if (h->coding > QSGD_CODING_ELIAS || h->bits < 1 || h->bits > 8 || h->norm > QSGD_NORM_SIGN ||
-      h->dtype > QSGD_DTYPE_BF16 || (h->flags & ~QSGD_FLAG_CHECKSUM) || h->reserved0 ||
+      h->dtype > QSGD_DTYPE_BF16 || (h->flags & ~(QSGD_FLAG_CHECKSUM | QSGD_FLAG_ENCODER2)) || h->reserved0 ||
       h->reserved1 || h->bucket_size < 1 || h->bucket_size > QSGD_MAX_BUCKET ||
       h->numel > (1ull << 56) || !qsgd_combination_ok(h->bits, h->coding, h->norm))
     return QSGD_E_HEADER;
@@ -298,6 +298,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   const uint64_t data_off = (uint64_t)(data - out);
   const int bits = cfg->bits;
   const bool checksum = (cfg->flags & QSGD_FLAG_CHECKSUM) != 0;
+  const int encoder = qsgd_encoder_of(cfg->flags);
   /* chunks of whole buckets starting at multiples of 8 elements */
   uint64_t g = 1; /* g = 8 / gcd(B, 8): the fewest buckets spanning a multiple of 8 elements */
   while ((g * B) % 8) g *= 2;
@@ -324,13 +325,13 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       const float scale = K.bucket_scale(x + lo, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
       if (bits == 8) { /* 8-bit codes are their own packing: straight into the payload */
-        quantize_run_with(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, data + lo);
+        quantize_run_with(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, encoder, data + lo);
         continue;
       }
       for (uint64_t i = lo; i < hi;) {
         const uint64_t take = std::min(hi - i, kStage - staged);
         if (cfg->norm == QSGD_NORM_SIGN) sign_run_with(K, x + i, take, scale, stage + staged);
-        else quantize_run_with(K, x + i, take, i, cfg->seed, scale, bits, stage + staged);
+        else quantize_run_with(K, x + i, take, i, cfg->seed, scale, bits, encoder, stage + staged);
         staged += take, i += take;
         if (staged == kStage) {
           K.pack(bits, stage, kStage, data + pos / 8 * bits);

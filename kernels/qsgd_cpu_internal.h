@@ -67,9 +67,11 @@ struct Kernels {
   const char* name;
   /* the bucket's stored scale (qsgd_math.h: max, L2 or the sign norm's mean |x|) */
   float (*bucket_scale)(const float* x, uint64_t n, int norm);
-  /* codes[k] = qsgd_quantize(x[k], scale, s, qsgd_u24(key, lo + k), bits) for k < n, within one
-   * page of 2^32 elements (lo + n <= 2^32) and a scale that quantizes */
-  void (*quantize)(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits,
+  /* codes[k] = the code of x[k], element lo + k, for k < n, within one page of 2^32 elements
+   * (lo + n <= 2^32) and a scale that quantizes: encoder 1 qsgd_quantize(x[k], scale, s,
+   * qsgd_u24(key, lo + k), bits), encoder 2 qsgd_quantize2(x[k], pre, rs, s, qsgd_u16(key, lo + k),
+   * bits) with the bucket's pre and rs (qsgd_math.h) */
+  void (*quantize)(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, int encoder,
                    uint8_t* codes);
   /* codes[k] = qsgd_sign_code(x[k]) */
   void (*sign)(const float* x, uint64_t n, uint8_t* codes);
@@ -96,8 +98,8 @@ const Kernels& active_kernels();
 /* The bucket's stored scale, with the active variant (the Elias encoder's entry). */
 float bucket_scale(const float* x, uint64_t n, int norm);
 
-/* codes[k] = quantized code of x[k], element index i0 + k, for one bucket's scale. */
-void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits,
+/* codes[k] = quantized code of x[k], element index i0 + k, for one bucket's scale, by encoder 1 or 2. */
+void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits, int encoder,
                   uint8_t* codes);
 
 /* Scales are stored little-endian fp32 right after the header. */

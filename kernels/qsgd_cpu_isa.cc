@@ -33,7 +33,7 @@
  * vectorisation of the C++ loops, the code -march=native builds had before there were variants, so
  * that an AVX-512 CPU is never slower than it was; `python -m benchmarks kernels --isa all` on such
  * a CPU shows whether the avx2 variant (which it also runs) is faster there. */
-#if defined(__AVX2__) && !defined(__AVX512F__)
+#if defined(__AVX2__)
 #define QSGD_HAND_AVX2 1
 #include <immintrin.h>
 #else
@@ -121,6 +121,18 @@ inline __m256i hash32x8(__m256i x) {
   return x;
 }
 
+/* qsgd_triple32 on 8 lanes */
+inline __m256i triple32x8(__m256i x) {
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 17));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0xED5AD4BBu));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 11));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0xAC4C1B51u));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 15));
+  x = _mm256_mullo_epi32(x, _mm256_set1_epi32((int)0x31848BABu));
+  x = _mm256_xor_si256(x, _mm256_srli_epi32(x, 14));
+  return x;
+}
+
 /* (float)qsgd_u24(key, idx) on 8 lanes (exact: u24 < 2^24) */
 inline __m256 u24x8(__m256i idx, __m256i key_lo, __m256i key_hi) {
   __m256i y = hash32x8(_mm256_xor_si256(idx, key_lo));
@@ -148,6 +160,26 @@ inline __m256i quantize8(__m256 x, __m256 scale, __m256 s, __m256 r) {
   const __m256 up = _mm256_cmp_ps(r, _mm256_mul_ps(frac, two24), _CMP_LT_OQ);
   l = _mm256_sub_epi32(l, _mm256_castps_si256(up)); /* + 1 where up (all ones = -1) */
   const __m256i xneg = _mm256_castps_si256(_mm256_cmp_ps(x, zero, _CMP_LT_OQ));
+  const __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(l, _mm256_setzero_si256()), xneg);
+  return _mm256_or_si256(l, _mm256_and_si256(neg, _mm256_set1_epi32(1 << (BITS - 1))));
+}
+
+/* Encoder 2's quantizer on 8 lanes (qsgd_quantize2): the same operations in the same order; the
+ * multiplication by pre is done always (by 1 it is exact). cap = s * 2^16, u the uniforms (int32). */
+template <int BITS>
+inline __m256i quantize8_v2(__m256 x, __m256 pre, __m256 rq, __m256 cap, __m256i u) {
+  const __m256i rbits = _mm256_set1_epi32((int)QSGD_V2_ROUND_BITS);
+  if (BITS == 1) {
+    const __m256 p = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(x, pre), rq), _mm256_set1_ps(QSGD_V2_ROUND_HALF));
+    const __m256i t = _mm256_sub_epi32(_mm256_castps_si256(p), rbits);
+    return _mm256_andnot_si256(_mm256_cmpgt_epi32(t, u), _mm256_set1_epi32(1)); /* u < T: 0 */
+  }
+  const __m256 ax = _mm256_and_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  const __m256 t = _mm256_min_ps(_mm256_mul_ps(_mm256_mul_ps(ax, pre), rq), cap);
+  const __m256i r = _mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(QSGD_V2_ROUND)));
+  const __m256i l = _mm256_srli_epi32(_mm256_add_epi32(_mm256_sub_epi32(r, rbits), u), 16);
+  /* the sign bit where x < 0 (its bit pattern's sign: -0 has l == 0) and l != 0 */
+  const __m256i xneg = _mm256_srai_epi32(_mm256_castps_si256(x), 31);
   const __m256i neg = _mm256_andnot_si256(_mm256_cmpeq_epi32(l, _mm256_setzero_si256()), xneg);
   return _mm256_or_si256(l, _mm256_and_si256(neg, _mm256_set1_epi32(1 << (BITS - 1))));
 }
@@ -186,8 +218,68 @@ void quantize_page(const float* __restrict x, uint64_t n, uint64_t key, uint32_t
     codes[k] = (uint8_t)qsgd_quantize(x[k], scale, s, qsgd_u24(key, lo + (uint32_t)k), BITS);
 }
 
-void quantize(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, uint8_t* codes) {
-  dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, n, key, lo, scale, codes); });
+/* Encoder 2: one hash per pair of elements (qsgd_pair_hash, triple32), its low half for the even
+ * element and its high half for the odd one. The AVX2 loop hashes 16 pairs (32 elements) as two vectors of 8
+ * whose lanes hold the pairs 0, 1, 4, 5 | 2, 3, 6, 7 of each 8, so that interleaving each vector's
+ * 16-bit halves with zeros (within the 128-bit halves, as unpack does) puts the uniforms of elements
+ * 0..7 in one vector and 8..15 in the other, in element order. */
+template <int BITS>
+void quantize_page_v2(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo, float scale,
+                      uint8_t* __restrict codes) {
+  const float s = (float)qsgd_levels_of(BITS);
+  const float pre = qsgd_v2_pre(scale), rq = qsgd_v2_recip(scale, pre, s, BITS);
+  uint64_t k = 0;
+  if (n && (lo & 1u)) { /* an odd first element: the high half of its pair's hash */
+    codes[0] = (uint8_t)qsgd_quantize2(x[0], pre, rq, s, qsgd_u16(key, lo), BITS);
+    k = 1;
+  }
+#if QSGD_HAND_AVX2
+  const __m256i key_lo = _mm256_set1_epi32((int)(uint32_t)key);
+  const __m256i key_hi = _mm256_set1_epi32((int)(uint32_t)(key >> 32));
+  const __m256 vpre = _mm256_set1_ps(pre), vrq = _mm256_set1_ps(rq), vcap = _mm256_set1_ps(s * 65536.0f);
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i pair = _mm256_add_epi32(_mm256_set1_epi32((int)((lo + (uint32_t)k) >> 1)),
+                                  _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  const __m256i step8 = _mm256_set1_epi32(8);
+  for (; k + 32 <= n; k += 32) {
+    __m256i c[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m256i y = triple32x8(_mm256_add_epi32(_mm256_xor_si256(pair, key_lo), key_hi));
+      pair = _mm256_add_epi32(pair, step8);
+      c[2 * h] = quantize8_v2<BITS>(_mm256_loadu_ps(x + k + 16 * h), vpre, vrq, vcap, _mm256_unpacklo_epi16(y, zero));
+      c[2 * h + 1] = quantize8_v2<BITS>(_mm256_loadu_ps(x + k + 16 * h + 8), vpre, vrq, vcap,
+                                        _mm256_unpackhi_epi16(y, zero));
+    }
+    _mm256_storeu_si256((__m256i*)(codes + k), codes_to_bytes(c[0], c[1], c[2], c[3]));
+  }
+#endif
+  /* blocks of 2 * kPairs elements: the pairs' hashes first (a loop the compiler vectorizes), then
+   * the quantizer reading them as 16-bit halves -- little-endian, so half k is element k's u16 */
+  static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "u16 halves read in memory order");
+  constexpr uint64_t kPairs = 64;
+  uint32_t y[kPairs];
+  const uint32_t klo = (uint32_t)key, khi = (uint32_t)(key >> 32);
+  for (; k + 2 * kPairs <= n; k += 2 * kPairs) {
+    const uint32_t p0 = (lo + (uint32_t)k) >> 1;
+    for (uint32_t j = 0; j < kPairs; ++j) y[j] = qsgd_pair_hash_of(p0 + j, klo, khi);
+    uint16_t u[2 * kPairs];
+    memcpy(u, y, sizeof(y));
+    for (uint64_t j = 0; j < 2 * kPairs; ++j) codes[k + j] = (uint8_t)qsgd_quantize2(x[k + j], pre, rq, s, u[j], BITS);
+  }
+  for (; k + 2 <= n; k += 2) {
+    const uint32_t h = qsgd_pair_hash(key, lo + (uint32_t)k);
+    codes[k] = (uint8_t)qsgd_quantize2(x[k], pre, rq, s, h & 0xFFFFu, BITS);
+    codes[k + 1] = (uint8_t)qsgd_quantize2(x[k + 1], pre, rq, s, h >> 16, BITS);
+  }
+  if (k < n) codes[k] = (uint8_t)qsgd_quantize2(x[k], pre, rq, s, qsgd_u16(key, lo + (uint32_t)k), BITS);
+}
+
+void quantize(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, int encoder,
+              uint8_t* codes) {
+  if (encoder == 2)
+    dispatch_bits(bits, [&](auto b) { quantize_page_v2<b.value>(x, n, key, lo, scale, codes); });
+  else
+    dispatch_bits(bits, [&](auto b) { quantize_page<b.value>(x, n, key, lo, scale, codes); });
 }
 
 void sign(const float* __restrict x, uint64_t n, uint8_t* __restrict codes) {

@@ -187,6 +187,37 @@ __host__ __device__ __forceinline__ uint32_t quantize_dev(float x, float scale, 
   return (x < 0.0f && l != 0u) ? l | (1u << (bits - 1)) : l;
 }
 
+/* Encoder 2's quantizer (qsgd_quantize2), b >= 2, with fabsf as above; the codes are the same. PRE:
+ * the bucket's pre is not 1 (a scale below 2^-96); otherwise the multiplication by 1 is left out
+ * (it is exact). The rounding add, the integer add of u and the removal of 2^23's bits fold into
+ * one three-input integer add. */
+template <bool PRE>
+__host__ __device__ __forceinline__ uint32_t quantize2_dev(float x, float pre, float rq, float s, uint32_t u16,
+                                                           int bits) {
+  if (bits == 1) return qsgd_quantize2(x, pre, rq, s, u16, bits);
+  const float cap = s * 65536.0f;
+  float t = (PRE ? fabsf(x) * pre : fabsf(x)) * rq;
+  t = t < cap ? t : cap;
+  const uint32_t l = (qsgd_f2u(t + QSGD_V2_ROUND) + u16 - QSGD_V2_ROUND_BITS) >> 16;
+  return (x < 0.0f && l != 0u) ? l | (1u << (bits - 1)) : l;
+}
+
+/* A bucket's quantizer: its scale, and for encoder 2 its pre and reciprocal (qsgd_math.h), computed
+ * once per bucket. */
+struct Quant {
+  float scale, pre, rq;
+  bool v2;
+  __host__ __device__ __forceinline__ Quant(float scale_, float s, int bits, bool v2_) : scale(scale_), v2(v2_) {
+    pre = v2 ? qsgd_v2_pre(scale) : 1.0f;
+    rq = v2 ? qsgd_v2_recip(scale, pre, s, bits) : 0.0f;
+  }
+  /* the code of element i (low 32 bits i_lo) of the page whose key is key */
+  __host__ __device__ __forceinline__ uint32_t code(float x, float s, uint64_t key, uint32_t i_lo, int bits) const {
+    return v2 ? quantize2_dev<true>(x, pre, rq, s, qsgd_u16(key, i_lo), bits)
+              : quantize_dev(x, scale, s, qsgd_u24(key, i_lo), bits);
+  }
+};
+
 /* qsgd_dequantize: the negation as a flip of the sign bit (which is what -v is). */
 template <int BITS>
 __host__ __device__ __forceinline__ float dequantize_dev(uint32_t code, float step) {
@@ -195,22 +226,38 @@ __host__ __device__ __forceinline__ float dequantize_dev(uint32_t code, float st
   return qsgd_u2f(qsgd_f2u(v) ^ ((code >> (BITS - 1)) << 31));
 }
 
-/* The codes of a group of n elements starting at element index i0 (low 32 bits i_lo), all in one
- * bucket whose scale quantizes, packed little-endian. A whole group is unrolled. */
-template <int BITS, bool SIGN>
-__device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint32_t i_lo, float scale, uint64_t key) {
+/* The codes of a group of n <= 8 elements starting at element index i0 (low 32 bits i_lo, a multiple
+ * of 8), all in one bucket whose scale quantizes, packed little-endian. A whole group is unrolled;
+ * encoder 2 hashes once per pair. */
+template <int BITS, bool SIGN, bool V2>
+__device__ __forceinline__ uint64_t quantize_group(const float* v, int n, uint32_t i_lo, const Quant& q, uint64_t key) {
+  constexpr int N = 8;
   const float s = (float)qsgd_levels_of(BITS);
   typedef typename std::conditional<(BITS <= 4), uint32_t, uint64_t>::type Codes;
   Codes codes = 0;
-  if (n == 8) {
+  if (n == N) {
+    if (SIGN) {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      const uint32_t c = SIGN ? qsgd_sign_code(v[j]) : quantize_dev(v[j], scale, s, qsgd_u24(key, i_lo + j), BITS);
-      codes |= (Codes)c << (j * BITS);
+      for (int j = 0; j < N; ++j) codes |= (Codes)qsgd_sign_code(v[j]) << (j * BITS);
+    } else if (V2) {
+      const bool pre = q.pre != 1.0f; /* the same for the whole bucket */
+#pragma unroll
+      for (int j = 0; j < N; j += 2) {
+        const uint32_t y = qsgd_pair_hash(key, i_lo + j);
+        const uint32_t c0 = pre ? quantize2_dev<true>(v[j], q.pre, q.rq, s, y & 0xFFFFu, BITS)
+                                : quantize2_dev<false>(v[j], q.pre, q.rq, s, y & 0xFFFFu, BITS);
+        const uint32_t c1 = pre ? quantize2_dev<true>(v[j + 1], q.pre, q.rq, s, y >> 16, BITS)
+                                : quantize2_dev<false>(v[j + 1], q.pre, q.rq, s, y >> 16, BITS);
+        codes |= (Codes)c0 << (j * BITS) | (Codes)c1 << ((j + 1) * BITS);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < N; ++j)
+        codes |= (Codes)quantize_dev(v[j], q.scale, s, qsgd_u24(key, i_lo + j), BITS) << (j * BITS);
     }
   } else {
     for (int j = 0; j < n; ++j) {
-      const uint32_t c = SIGN ? qsgd_sign_code(v[j]) : quantize_dev(v[j], scale, s, qsgd_u24(key, i_lo + j), BITS);
+      const uint32_t c = SIGN ? qsgd_sign_code(v[j]) : q.code(v[j], s, key, i_lo + j, BITS);
       codes |= (Codes)c << (j * BITS);
     }
   }
@@ -229,14 +276,16 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
  * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
  * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. The max norm reads
  * the bucket in the groups' 16-byte loads (a maximum is the same in any order); the L2 and sign
- * norms keep the lane order of warp_bucket_scale. With error feedback (EF) each element's new
+ * norms keep the lane order of warp_bucket_scale. (Measured on an H200: lanes taking quads of 4, so
+ * that a warp's loads cover whole sectors, ran 1.6x slower: the kernel is bound by its instructions,
+ * and quads double the per-group work; docs/gpu.md.) With error feedback (EF) each element's new
  * residual is written in the same pass: v - 1 * (0 + decode(code)), exactly what decode_sum of the
  * payload gives, where that is finite (else the residual keeps its value; 0 where none was valid).
  * Grid-stride over the buckets; warps stay whole, as the shuffles need. */
 template <int BITS, bool SIGN, typename T, bool EF>
 __global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
-    encode_buckets_kernel(const Source<T, EF> src, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
-                          float* __restrict__ scales, uint8_t* __restrict__ data) {
+    encode_buckets_kernel(const Source<T, EF> src, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
+                          uint64_t nb, float* __restrict__ scales, uint8_t* __restrict__ data) {
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
   const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
@@ -260,6 +309,7 @@ __global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
     if (lane == 0) scales[b] = scale;
     const bool q = qsgd_scale_quantizes(scale); /* else all-zero codes */
     const float step = qsgd_step_of(scale, s);  /* EF: the decoder's step */
+    const Quant quant(scale, s, BITS, v2 != 0);
     for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
       const int n = (int)umin64(8, hi - i0);
       uint64_t codes = 0;
@@ -267,7 +317,8 @@ __global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
       if (q || EF) src.load8(i0, n, v);
       if (q) {
         const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
-        codes = quantize_group<BITS, SIGN>(v, n, (uint32_t)i0, scale, key);
+        codes = quant.v2 ? quantize_group<BITS, SIGN, true>(v, n, (uint32_t)i0, quant, key)
+                         : quantize_group<BITS, SIGN, false>(v, n, (uint32_t)i0, quant, key);
       }
       store_codes<BITS>(data, i0, n, codes);
       if (EF) {
@@ -292,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
  * buckets when the bucket size is not a multiple of 8. data is 4-byte aligned (56 + 4 * nb bytes from
  * a 4-byte aligned payload), so the group stores of 1, 2, 4 and 8 bits are aligned. */
 template <int BITS>
-__global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed, int norm,
+__global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
                             const float* __restrict__ scales, uint8_t* __restrict__ data) {
   const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t i0 = 8 * g;
@@ -302,15 +353,14 @@ __global__ void pack_kernel(const float* __restrict__ x, uint64_t numel, uint32_
   const int n = (int)umin64(8, numel - i0);
   uint64_t b = div_bucket(i0, B);
   uint32_t r = (uint32_t)(i0 - b * B); /* position of element i0 + j in its bucket */
-  float scale = scales[b];
+  Quant q(scales[b], s, BITS, v2 != 0);
   uint64_t v = 0;
   for (int j = 0; j < n; ++j, ++r) {
-    if (r == B) scale = scales[++b], r = 0;
+    if (r == B) q = Quant(scales[++b], s, BITS, v2 != 0), r = 0;
     const uint64_t i = i0 + j;
     uint32_t code = 0u;
-    if (qsgd_scale_quantizes(scale))
-      code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(x[i])
-                                    : quantize_dev(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS);
+    if (qsgd_scale_quantizes(q.scale))
+      code = norm == QSGD_NORM_SIGN ? qsgd_sign_code(x[i]) : q.code(x[i], s, key, (uint32_t)i, BITS);
     v |= (uint64_t)code << (j * BITS);
   }
   store_codes<BITS>(data, i0, n, v);
@@ -479,7 +529,7 @@ __global__ void keep_finite_kernel(const float* __restrict__ d, float* __restric
 /* The codes of elements [8g, 8g + 8), one byte each (any bucket size: the bucket is tracked per
  * element, as in pack_kernel). */
 template <int BITS>
-__global__ void codes_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed,
+__global__ void codes_kernel(const float* __restrict__ x, uint64_t numel, uint32_t B, uint64_t seed, int v2,
                              const float* __restrict__ scales, uint8_t* __restrict__ codes) {
   const uint64_t g = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const uint64_t i0 = 8 * g;
@@ -489,11 +539,11 @@ __global__ void codes_kernel(const float* __restrict__ x, uint64_t numel, uint32
   const int n = (int)umin64(8, numel - i0);
   uint64_t b = div_bucket(i0, B);
   uint32_t r = (uint32_t)(i0 - b * B);
-  float scale = scales[b];
+  Quant q(scales[b], s, BITS, v2 != 0);
   for (int j = 0; j < n; ++j, ++r) {
-    if (r == B) scale = scales[++b], r = 0;
+    if (r == B) q = Quant(scales[++b], s, BITS, v2 != 0), r = 0;
     const uint64_t i = i0 + j;
-    codes[i] = qsgd_scale_quantizes(scale) ? (uint8_t)quantize_dev(x[i], scale, s, qsgd_u24(key, (uint32_t)i), BITS) : 0;
+    codes[i] = qsgd_scale_quantizes(q.scale) ? (uint8_t)q.code(x[i], s, key, (uint32_t)i, BITS) : 0;
   }
 }
 
@@ -690,23 +740,23 @@ inline unsigned blocks_for(uint64_t threads) {
 }
 
 template <int BITS>
-void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int norm, const float* scales,
+void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm, const float* scales,
                  uint8_t* data, cudaStream_t st) {
   const uint64_t groups = (numel + 7) / 8;
-  if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, norm, scales, data);
+  if (groups) QSGD_LAUNCH(pack_kernel<BITS>, blocks_for(groups), kThreads, st)(x, numel, B, seed, v2, norm, scales, data);
 }
 
 template <int BITS, typename T, bool EF>
-void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B, uint64_t seed, int norm, uint64_t nb,
-                           float* scales, uint8_t* data, cudaStream_t st) {
+void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
+                           uint64_t nb, float* scales, uint8_t* data, cudaStream_t st) {
   if (!nb) return;
   const unsigned blocks = (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks);
   if (BITS == 1 && norm == QSGD_NORM_SIGN)
-    QSGD_LAUNCH((encode_buckets_kernel<BITS, true, T, EF>), blocks, kThreads, st)(src, numel, B, seed, norm, nb, scales,
-                                                                                 data);
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, true, T, EF>), blocks, kThreads, st)(src, numel, B, seed, v2, norm, nb,
+                                                                                 scales, data);
   else
-    QSGD_LAUNCH((encode_buckets_kernel<BITS, false, T, EF>), blocks, kThreads, st)(src, numel, B, seed, norm, nb, scales,
-                                                                                  data);
+    QSGD_LAUNCH((encode_buckets_kernel<BITS, false, T, EF>), blocks, kThreads, st)(src, numel, B, seed, v2, norm, nb,
+                                                                                  scales, data);
 }
 
 #define QSGD_BITS_DISPATCH(bits, fn, ...)   \
@@ -723,9 +773,9 @@ void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B,
 
 /* The Elias encoder's codes kernel for BITS (QSGD_BITS_DISPATCH calls it). */
 template <int BITS>
-void launch_codes(const float* x, uint64_t numel, uint32_t B, uint64_t seed, const float* scales, uint8_t* codes,
-                  cudaStream_t st) {
-  QSGD_LAUNCH(codes_kernel<BITS>, blocks_for((numel + 7) / 8), kThreads, st)(x, numel, B, seed, scales, codes);
+void launch_codes(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int v2, const float* scales,
+                  uint8_t* codes, cudaStream_t st) {
+  QSGD_LAUNCH(codes_kernel<BITS>, blocks_for((numel + 7) / 8), kThreads, st)(x, numel, B, seed, v2, scales, codes);
 }
 
 /* The fused encoder on x of element type T, with (EF) or without error feedback. */
@@ -733,8 +783,8 @@ template <typename T, bool EF>
 void launch_fused(const void* x, float* residual, bool valid, bool vec, uint64_t numel, const qsgd_config* cfg,
                   uint64_t nb, float* scales, uint8_t* data, cudaStream_t st) {
   const Source<T, EF> src{static_cast<const T*>(x), residual, valid, vec};
-  QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, src, numel, cfg->bucket_size, cfg->seed, cfg->norm, nb, scales,
-                     data, st);
+  QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, src, numel, cfg->bucket_size, cfg->seed,
+                     qsgd_encoder_of(cfg->flags) == 2, cfg->norm, nb, scales, data, st);
 }
 
 /* out[i] = to_f32(x[i]) (+ r[i] when r is not null): the general path's fp32 input. */
@@ -825,7 +875,8 @@ static int32_t encode_core(const void* x, int32_t x_dtype, uint64_t numel, const
       x32 = v;
     }
     if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x32, numel, cfg->bucket_size, cfg->norm, nb, scales);
-    QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x32, numel, cfg->bucket_size, cfg->seed, cfg->norm, scales, data, s);
+    QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x32, numel, cfg->bucket_size, cfg->seed,
+                       qsgd_encoder_of(cfg->flags) == 2, cfg->norm, scales, data, s);
   }
   if (cfg->flags & QSGD_FLAG_CHECKSUM) {
     unsigned long long* sum = nullptr;
@@ -995,7 +1046,8 @@ extern "C" int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64
   uint8_t* streams = table + 8 * nseg;
   if (nb) QSGD_LAUNCH(scales_kernel, blocks_for(nb * 32), kThreads, s)(x32, numel, B, cfg->norm, nb, scales);
   if (numel) {
-    QSGD_BITS_DISPATCH(cfg->bits, launch_codes, x32, numel, B, cfg->seed, scales, codes, s);
+    QSGD_BITS_DISPATCH(cfg->bits, launch_codes, x32, numel, B, cfg->seed, qsgd_encoder_of(cfg->flags) == 2, scales,
+                       codes, s);
   }
   if (nseg)
     QSGD_LAUNCH(elias_write_kernel, blocks_for(nseg), kThreads, s)(codes, numel, B, cfg->bits, seg_buckets, nb, nseg,

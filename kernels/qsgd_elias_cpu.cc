@@ -161,7 +161,7 @@ int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uin
       BucketCounter cnt;
       for (uint64_t i = lo; i < hi; i += kStage) {
         const uint64_t m = std::min(kStage, hi - i);
-        quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
+        quantize_run(x + i, m, i, cfg->seed, scale, bits, qsgd_encoder_of(cfg->flags), stage);
         cnt.add(stage, m, i - lo, bits);
       }
       nnz[b] = (uint32_t)cnt.nnz;
@@ -197,7 +197,7 @@ int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uin
       int64_t prev = -1;
       for (uint64_t i = lo; i < hi; i += kStage) {
         const uint64_t m = std::min(kStage, hi - i);
-        quantize_run(x + i, m, i, cfg->seed, scale, bits, stage);
+        quantize_run(x + i, m, i, cfg->seed, scale, bits, qsgd_encoder_of(cfg->flags), stage);
         for (uint64_t k = 0; k < m; ++k) {
           const uint32_t l = stage[k] & lmask;
           if (!l) continue;

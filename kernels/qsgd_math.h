@@ -55,6 +55,38 @@ QSGD_HD uint32_t qsgd_u24(uint64_t key, uint32_t i_lo) {
   return y >> 8;
 }
 
+/* ---- encoder version 2's stream (docs/wire-format.md, "Encoders") ----------------------------
+ * One hash per pair of elements, two 16-bit uniforms from it: element i of a tensor, in the page
+ * of 2^32 elements whose key is qsgd_page_key(seed, i) (as version 1), draws
+ *   y   = triple32(((lo32(i) >> 1) XOR lo32(key)) + hi32(key))   (mod 2^32)
+ *   u16 = y AND 0xFFFF for even i, y >> 16 for odd i                uniform on 0 .. 2^16 - 1
+ * triple32 is Wellons' three-round 32-bit hash (a bijection; one round of lowbias32 was measured to
+ * leave the halves of neighbouring pairs' hashes dependent at byte resolution). The input is a
+ * bijection of the pair index for each key, so no two pairs of a page share a hash; a page holds
+ * whole pairs (2^32 is even). Both halves of the 64-bit key select the stream. */
+QSGD_HD uint32_t qsgd_triple32(uint32_t x) {
+  x ^= x >> 17;
+  x *= 0xED5AD4BBu;
+  x ^= x >> 11;
+  x *= 0xAC4C1B51u;
+  x ^= x >> 15;
+  x *= 0x31848BABu;
+  x ^= x >> 14;
+  return x;
+}
+
+QSGD_HD uint32_t qsgd_pair_hash_of(uint32_t pair, uint32_t key_lo, uint32_t key_hi) {
+  return qsgd_triple32((pair ^ key_lo) + key_hi);
+}
+
+QSGD_HD uint32_t qsgd_pair_hash(uint64_t key, uint32_t i_lo) {
+  return qsgd_pair_hash_of(i_lo >> 1, (uint32_t)key, (uint32_t)(key >> 32));
+}
+
+QSGD_HD uint32_t qsgd_u16_of_pair(uint32_t y, uint32_t i_lo) { return (i_lo & 1u) ? y >> 16 : y & 0xFFFFu; }
+
+QSGD_HD uint32_t qsgd_u16(uint64_t key, uint32_t i_lo) { return qsgd_u16_of_pair(qsgd_pair_hash(key, i_lo), i_lo); }
+
 /* ---- levels and codes ----------------------------------------------------------------------
  * A b-bit code holds the sign in its top bit (1 = negative) and the level l in the b-1 bits
  * below; the sign bit is 0 whenever l == 0. For b == 1 the code is the sign alone, level 1. */
@@ -143,6 +175,45 @@ QSGD_HD uint32_t qsgd_quantize(float x, float scale, float s, uint32_t u24, int 
   const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
   return (neg << (bits - 1)) | l;
 }
+
+/* ---- encoder version 2's quantizer -----------------------------------------------------------
+ * In integers of 2^-16 of a level. Per bucket, once: pre = 2^96 if scale < 2^-96 else 1 (so that the
+ * reciprocal below is finite for every scale that quantizes, subnormal ones included; |x| * pre and
+ * scale * pre are exact), and the reciprocal, a single IEEE division rounded to float:
+ *   rq = (s * 2^16) / (scale * pre)      (b >= 2)        rq = 2^15 / (scale * pre)      (b == 1)
+ * Per element, with u = u16 and R(f) = bits(f) - 0x4B000000 (f a float in [2^23, 2^24): the integer
+ * f - 2^23, so R(t + 2^23) is t rounded to the nearest integer, ties to even):
+ * b >= 2:  T = R(min((|x| * pre) * rq, s * 2^16) + 2^23)        (an integer, 0 .. s * 2^16)
+ *          l = (T + u) >> 16                 P(l = floor(T / 2^16) + 1) = (T mod 2^16) / 2^16
+ * b == 1:  T = R((x * pre) * rq + (2^23 + 2^15));   positive iff u < T
+ * Single IEEE operations in that order, no FMA. E[l] = T / 2^16, within 2^-17 of a level of the
+ * t = (|x| * pre) * rq / 2^16 that the roundings of rq and of the products give (2^-23 relative
+ * each); for b == 1, P(positive) = T / 2^16, within 2^-17 of 1/2 + x / (2 scale). docs/wire-format.md
+ * states the bound. Requires qsgd_scale_quantizes(scale). */
+#define QSGD_V2_TINY 0x1p-96f
+#define QSGD_V2_PRE 0x1p96f
+#define QSGD_V2_ROUND 8388608.0f          /* 2^23 */
+#define QSGD_V2_ROUND_HALF 8421376.0f     /* 2^23 + 2^15 */
+#define QSGD_V2_ROUND_BITS 0x4B000000u    /* bits of 2^23 */
+
+QSGD_HD float qsgd_v2_pre(float scale) { return scale < QSGD_V2_TINY ? QSGD_V2_PRE : 1.0f; }
+
+QSGD_HD float qsgd_v2_recip(float scale, float pre, float s, int bits) {
+  return (bits == 1 ? 32768.0f : s * 65536.0f) / (scale * pre);
+}
+
+QSGD_HD uint32_t qsgd_quantize2(float x, float pre, float rq, float s, uint32_t u16, int bits) {
+  if (bits == 1) return u16 < qsgd_f2u((x * pre) * rq + QSGD_V2_ROUND_HALF) - QSGD_V2_ROUND_BITS ? 0u : 1u;
+  const float cap = s * 65536.0f; /* exact */
+  float t = ((x < 0.0f ? -x : x) * pre) * rq;
+  t = t < cap ? t : cap;
+  const uint32_t l = (qsgd_f2u(t + QSGD_V2_ROUND) - QSGD_V2_ROUND_BITS + u16) >> 16;
+  const uint32_t neg = (x < 0.0f && l != 0u) ? 1u : 0u;
+  return (neg << (bits - 1)) | l;
+}
+
+/* The encoder version a configuration asks for (QSGD_FLAG_ENCODER2: 2, else 1). */
+QSGD_HD int qsgd_encoder_of(uint32_t flags) { return (flags & QSGD_FLAG_ENCODER2) ? 2 : 1; }
 
 /* The sign norm's code of x: the sign alone, deterministic: 1 (decodes to -scale) iff x < 0, so
  * +0 and -0 both give 0 (+scale). Like every code, only used where qsgd_scale_quantizes(scale);
@@ -286,7 +357,7 @@ QSGD_HD int32_t qsgd_check_config(const qsgd_config* cfg) {
   if (cfg->coding != QSGD_CODING_FIXED && cfg->coding != QSGD_CODING_ELIAS) return QSGD_E_ARG;
   if (!qsgd_combination_ok(cfg->bits, cfg->coding, cfg->norm)) return QSGD_E_ARG;
   if (cfg->dtype < QSGD_DTYPE_F32 || cfg->dtype > QSGD_DTYPE_BF16) return QSGD_E_ARG;
-  if (cfg->flags & ~(uint32_t)QSGD_FLAG_CHECKSUM) return QSGD_E_ARG;
+  if (cfg->flags & ~(uint32_t)(QSGD_FLAG_CHECKSUM | QSGD_FLAG_ENCODER2)) return QSGD_E_ARG;
   return QSGD_OK;
 }
 

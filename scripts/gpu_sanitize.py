@@ -19,8 +19,9 @@ def main():
         for bits in range(1, 9):
             for norm in ("max", "l2", "sign") if bits == 1 else ("max", "l2"):
                 for bucket in (1, 100, 512):
-                    for checksum in (True, False) if bucket == 100 else (True,):
-                        kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=n + bits, checksum=checksum)
+                    for checksum, encoder in ((True, 2), (False, 2), (True, 1)) if bucket == 100 else ((True, 2),):
+                        kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=n + bits, checksum=checksum,
+                                  encoder=encoder)
                         dev = cuda.encode(torch.from_numpy(x).cuda(), **kw)
                         cpu = codec.encode(x, **kw)
                         if not np.array_equal(dev.cpu().numpy(), cpu):

@@ -178,7 +178,7 @@ def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype
                 own.append(reduction.decode_chunks(sent[-1], 1.0, e - b, s.bucket_size))
             else:
                 sent.append(codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
-                                         source_dtype=dtype))
+                                         source_dtype=dtype, encoder=s.encoder))
                 own.append(codec.decode(sent[-1]))
             if residuals is not None:
                 with np.errstate(invalid="ignore", over="ignore"):

@@ -81,3 +81,43 @@ def test_the_cpu_backend_gives_the_codec_bytes():
     payloads = backends.CPU.split(np.concatenate([p, p]), 2, p.size, "x")
     assert [h.numel for h in backends.CPU.read_headers(payloads, "x")] == [3000, 3000]
     assert np.array_equal(backends.CPU.decode_sum(payloads, 0.5, "x"), codec.decode_sum([p, p], 0.5))
+
+
+@pytest.mark.parametrize("encoder", [None, 1, 2])
+def test_the_cpu_backend_encodes_with_the_encoder_of_the_settings(encoder):
+    """Settings(encoder=...) reaches every encode of the CPU backend (encode, encode_chunks and the
+    reduce step, with and without error feedback): each payload's header records it (2 by default),
+    and the bytes are the codec's with that encoder."""
+    want = 2 if encoder is None else encoder
+    s = Settings.make(bits=4, bucket_size=128, **({} if encoder is None else {"encoder": encoder}))
+    assert s.encoder == want
+    x = np.random.default_rng(1).standard_normal(3000).astype(np.float32)
+    p = backends.CPU.encode(x, s, 42, 7, "float32", "x")
+    assert codec.read_header(p).encoder == want
+    assert np.array_equal(p, codec.encode(x, 4, 128, "max", 42, "fixed", 7, True, encoder=want))
+    residual = np.zeros_like(x)
+    p_ef = backends.CPU.encode(x, s, 42, 7, "float32", "x", residual=residual)
+    assert codec.read_header(p_ef).encoder == want and np.array_equal(p_ef, p)
+    assert np.array_equal(residual, x - codec.decode(p))   # the error-feedback path decodes it too
+    for res in (None, np.zeros(3000, np.float32)):
+        buf, lens = backends.CPU.encode_chunks(x, s, 42, 3, 7, "float32", "x", residual=res)
+        chunks = backends.CPU.split_by(buf, lens)
+        assert [codec.read_header(c).encoder for c in chunks] == [want] * 3
+        for j in range(3):
+            q = backends.CPU.reduce_chunk([chunks[j]] * 2, j, s, 9, 7, "float32", "x",
+                                          residual=None if res is None else np.zeros(codec.read_header(
+                                              chunks[j]).numel, np.float32))
+            assert codec.read_header(q).encoder == want
+
+
+def test_the_two_encoders_give_different_payloads_of_one_layout():
+    """What the setting changes: the encoder version, in the header, and the quantized bytes; not the
+    payload's length. The codec decodes both within QSGD's bound."""
+    x = np.random.default_rng(2).standard_normal(5000).astype(np.float32)
+    one, two = (backends.CPU.encode(x, Settings.make(bits=4, encoder=e), 42, 7, "float32", "x") for e in (1, 2))
+    assert one.size == two.size == codec.payload_nbytes(5000, 4, 512)
+    assert (codec.read_header(one).encoder, codec.read_header(two).encoder) == (1, 2)
+    assert not np.array_equal(one[codec.HEADER_BYTES:], two[codec.HEADER_BYTES:])
+    for p in (one, two):   # both decode within QSGD's bound: at most scale / s per coordinate
+        scale = np.abs(np.pad(x, (0, -x.size % 512))).reshape(-1, 512).max(axis=1)
+        assert np.all(np.abs(codec.decode(p) - x) <= np.repeat(scale / codec.levels(4), 512)[:x.size] * (1 + 1e-5))

@@ -18,8 +18,9 @@ def test_kernel_benchmark_writes_every_measurement(tmp_path):
     assert f"variant in use {codec.cpu_isa()}" in proc.stdout
     rows = json.loads(out.read_text())["cpu"]
     runnable = [name for name, runs in codec.cpu_isas().items() if runs]
-    assert sorted((r["numel"], r["bits"], r["isa"]) for r in rows) == sorted(
-        (65536, b, isa) for b in (2, 4) for isa in runnable)
+    # every variant with both encoders, side by side (the default --encoder 2,1)
+    assert sorted((r["numel"], r["bits"], r["isa"], r["encoder"]) for r in rows) == sorted(
+        (65536, b, isa, e) for b in (2, 4) for isa in runnable for e in (1, 2))
     for r in rows:
         payload = codec.payload_nbytes(65536, r["bits"], 512)
         assert r["payload_bytes"] == payload
@@ -41,3 +42,6 @@ def test_kernel_benchmark_rejects_bad_arguments():
     proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--isa", "avx9000"], cwd=ROOT,
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--isa: avx9000 not among the variants this CPU runs" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "kernels", "--encoder", "3"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "encoder versions are 1 and 2" in proc.stderr

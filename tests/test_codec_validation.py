@@ -88,7 +88,8 @@ def test_trailing_bytes_are_refused():
     (7, 1, 2, "header"),          # norm: sign is only for bits 1 (this payload has 4)
     (7, 1, 3, "header"),          # norm: no such norm
     (8, 1, 3, "header"),          # dtype
-    (9, 1, 2, "header"),          # unknown flag
+    (9, 1, 4, "header"),          # unknown flag (bit 0: checksum, bit 1: encoder version 2)
+    (9, 1, 0x83, "header"),       # the known flags with an unknown one
     (10, 2, 1, "header"),         # reserved
     (12, 4, 0, "header"),         # bucket size 0
     (16, 8, 900, "length"),       # numel disagrees with the length

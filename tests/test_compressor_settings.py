@@ -23,7 +23,8 @@ def test_defaults_follow_the_paper():
     (dict(reduction="ring"), "reduction"), (dict(bits=1, coding="elias"), "elias"),
     (dict(link_gbps=0), "link_gbps"), (dict(link_gbps=-1.0), "link_gbps"), (dict(link_gbps=float("inf")), "link_gbps"),
     (dict(link_gbps="10"), "link_gbps"), (dict(link_gbps=True), "link_gbps"), (dict(fusion=1), "fusion"),
-    (dict(overlap="yes"), "overlap"),
+    (dict(overlap="yes"), "overlap"), (dict(encoder=0), "encoder"), (dict(encoder=3), "encoder"),
+    (dict(encoder="2"), "encoder"), (dict(encoder=True), "encoder"), (dict(encoder=2.0), "encoder"),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -57,10 +58,45 @@ def test_link_gbps_overrides_the_environment(monkeypatch):
 def test_settings_tag_covers_what_ranks_must_share_and_only_that():
     base = Settings.make(4)
     for changed in (dict(bits=8), dict(bucket_size=256), dict(norm="l2"), dict(coding="elias"),
-                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True)):
+                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1)):
         assert Settings.make(**{"bits": 4, **changed}).tag() != base.tag(), changed
     for local in (dict(seed=3), dict(error_feedback=True), dict(checksum=False)):
         assert Settings.make(4, **local).tag() == base.tag(), local
+
+
+def test_encoder_is_a_shared_setting_2_by_default_1_with_the_tag_of_earlier_releases():
+    """encoder (1 or 2, default 2) is accepted by every compressor that takes the settings, and is in
+    the tag: ranks on different encoders fail the control-vector check. With encoder=1 the tag is the
+    one earlier releases computed (their string, without an encoder term), as their payloads are."""
+    import hvd_qsgd.mpi
+    import hvd_qsgd.tensorflow
+    import hvd_qsgd.torch
+    from hvd_qsgd import protocol
+    assert Settings().encoder == Settings.make().encoder == hvd_qsgd.QSGD(4).settings.encoder == 2
+    makers = {
+        "QSGD": lambda **kw: hvd_qsgd.QSGD(4, **kw).settings,
+        "DynamicQSGD": lambda **kw: hvd_qsgd.DynamicQSGD(3.0, **kw).settings,
+        "BlockSign": lambda **kw: hvd_qsgd.BlockSign(**kw).settings,
+        "torch.QSGD": lambda **kw: hvd_qsgd.torch.QSGD(4, **kw).settings,
+        "tensorflow.QSGD": lambda **kw: hvd_qsgd.tensorflow.QSGD(4, **kw).settings,
+        "mpi.QSGDReducer": lambda **kw: hvd_qsgd.mpi.QSGDReducer(comm=object(), **kw).settings,
+    }
+    for name, make in makers.items():
+        assert make().encoder == 2, name
+        for encoder in (1, 2, np.int64(1)):
+            made = make(encoder=encoder)
+            assert made.encoder == encoder and type(made.encoder) is int, name
+        with pytest.raises(ValueError, match="encoder must be 1 or 2"):
+            make(encoder=3)
+    assert hvd_qsgd.QSGD(4, 64, "max", "fixed", 1, 0, False, True, "auto", False, None, False, False,
+                         1).settings == Settings.make(4, 64, min_numel=1, encoder=1)   # the last, by position
+    one, two = Settings.make(4, encoder=1), Settings.make(4)
+    assert one.tag() != two.tag() and one.tag("allgather") != two.tag("allgather")
+    assert one.tag() == protocol.small_hash("4|512|max|fixed|10000|auto|auto")
+    assert one.replace(bits=8).encoder == 1 and one.as_dict()["encoder"] == 1
+    dqsgd = hvd_qsgd.DynamicQSGD(3.0, encoder=1)._policy("torch")   # the settings of each step's bits
+    assert [dqsgd.settings_of_bits(b).encoder for b in dqsgd.bits_range()] == [1] * len(dqsgd.bits_range())
+    assert "encoder=1" in repr(hvd_qsgd.QSGD(4, encoder=1)) and "encoder" not in repr(hvd_qsgd.QSGD(4))
 
 
 def test_stats_have_the_same_keys_before_and_after_use():

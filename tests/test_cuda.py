@@ -82,8 +82,8 @@ class EmulatedBackend:
     def __init__(self, lib):
         self.lib = lib
 
-    def encode(self, x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True):
-        cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum)
+    def encode(self, x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, encoder=2):
+        cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum, encoder=encoder)
         x = np.ascontiguousarray(x, dtype=np.float32)
         cap = codec.payload_nbytes(x.size, bits, bucket_size)
         out = np.zeros(cap + 8, np.uint8)[:cap]  # a 4-byte aligned buffer
@@ -121,14 +121,14 @@ class EmulatedBackend:
         return payloads, heads, (ctypes.c_void_p * len(payloads))(*[p.ctypes.data for p in payloads])
 
     @staticmethod
-    def _cfg(bits, bucket_size, norm="max", step_seed=0, fingerprint=0, checksum=True):
-        cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum)
+    def _cfg(bits, bucket_size, norm="max", step_seed=0, fingerprint=0, checksum=True, encoder=2):
+        cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, encoder=encoder)
         cfg.seed = step_seed
         return cfg
 
     def encode_ex(self, x, dtype, residual=None, valid=True, bits=4, bucket_size=512, norm="max", seed=0,
-                  source_dtype=None):
-        cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", 0, True, source_dtype or dtype)
+                  source_dtype=None, encoder=2):
+        cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", 0, True, source_dtype or dtype, encoder=encoder)
         cap = codec.payload_nbytes(x.size, bits, bucket_size)
         out = np.zeros(cap + 8, np.uint8)[:cap]
         st = self.lib.qsgd_encode_ex_cuda(x.ctypes.data, {"float32": 0, "float16": 1, "bfloat16": 2}[dtype], x.size,
@@ -137,8 +137,8 @@ class EmulatedBackend:
         assert st == 0, _native.status_string(st)
         return out
 
-    def encode_elias(self, x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True):
-        cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum)
+    def encode_elias(self, x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checksum=True, encoder=2):
+        cfg = codec.make_config(bits, bucket_size, norm, seed, "elias", fingerprint, checksum, encoder=encoder)
         x = np.ascontiguousarray(x, dtype=np.float32)
         cap = int(_native.load().qsgd_elias_max_nbytes(x.size, bits, bucket_size))
         out, out_len = np.zeros(cap + 8, np.uint8)[:cap], ctypes.c_uint64()
@@ -223,7 +223,8 @@ def _inputs(small):
     return cases
 
 
-def test_encode_is_byte_identical_to_cpu(backend):
+@pytest.mark.parametrize("encoder", [1, 2])
+def test_encode_is_byte_identical_to_cpu(backend, encoder):
     emulated = isinstance(backend, EmulatedBackend)
     for bits in range(1, 9):
         for norm in ("max", "l2", "sign") if bits == 1 else ("max", "l2"):
@@ -231,9 +232,11 @@ def test_encode_is_byte_identical_to_cpu(backend):
                 for i, x in enumerate(_inputs(small=emulated)):
                     if emulated and bucket < 128 and x.size > 1000:
                         x = x[:600]  # one warp per bucket: keep the emulation's warp count small
-                    cpu = codec.encode(x, bits=bits, bucket_size=bucket, norm=norm, seed=1234 + i, fingerprint=99)
-                    dev = backend.encode(x, bits=bits, bucket_size=bucket, norm=norm, seed=1234 + i, fingerprint=99)
-                    np.testing.assert_array_equal(dev, cpu, err_msg=f"bits={bits} norm={norm} bucket={bucket} case={i}")
+                    kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=1234 + i, fingerprint=99, encoder=encoder)
+                    cpu = codec.encode(x, **kw)
+                    dev = backend.encode(x, **kw)
+                    np.testing.assert_array_equal(dev, cpu, err_msg=f"bits={bits} norm={norm} bucket={bucket} case={i} "
+                                                                    f"encoder={encoder}")
 
 
 def test_l2_scale_summation_order_matches_cpu(backend):
@@ -321,7 +324,7 @@ CHUNK_CASES = [(4, 512, 4, 3001, "max"), (2, 128, 3, 2000, "max"), (8, 100, 5, 1
 
 
 def _settings(bits, bucket, norm="max"):
-    return SimpleNamespace(bits=bits, bucket_size=bucket, norm=norm, coding="fixed", checksum=True)
+    return SimpleNamespace(bits=bits, bucket_size=bucket, norm=norm, coding="fixed", checksum=True, encoder=2)
 
 
 @pytest.mark.parametrize("bits,bucket,n,numel,norm", CHUNK_CASES)
@@ -397,7 +400,7 @@ def test_cuda_backend_runs_scatter_allgather_bit_identical_to_the_cpu_backend(de
     from hvd_qsgd import backends
     cpu, gpu = backends.CPU, backends.CUDA
     s = SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", checksum=True,
-                        server_error_feedback=False)
+                        server_error_feedback=False, encoder=2)
     assert gpu.missing(s, "scatter_allgather") is None
     expect = SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", coding="fixed", numel=numel,
                              dtype="float32", fingerprint=11)
@@ -509,7 +512,8 @@ def _ef_reference(x32, residual, valid, **kw):
 
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bucket", [512, 100])
-def test_error_feedback_fused_into_encode_equals_the_unfused_steps(backend, dtype, bucket):
+@pytest.mark.parametrize("encoder", [1, 2])
+def test_error_feedback_fused_into_encode_equals_the_unfused_steps(backend, dtype, bucket, encoder):
     rng = np.random.default_rng(8)
     n = 5003
     x = _half_inputs(dtype, n, rng)
@@ -519,13 +523,13 @@ def test_error_feedback_fused_into_encode_equals_the_unfused_steps(backend, dtyp
         x32 = x
     for valid in (True, False):
         for bits, norm in ((4, "max"), (2, "l2"), (8, "max"), (1, "sign")):
-            kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=3)
+            kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=3, encoder=encoder)
             r0 = (rng.standard_normal(n) * 1e-2).astype(np.float32)
             r0[::50] = -0.0
             want_q, want_r = _ef_reference(x32, r0, valid, source_dtype=dtype, **kw)
             r = r0.copy() if valid else np.full(n, 7.0, np.float32)  # not valid: never read
             got_q = backend.encode_ex(x, dtype, residual=r, valid=valid, **kw)
-            where = f"{dtype} bits={bits} {norm} valid={valid}"
+            where = f"{dtype} bits={bits} {norm} valid={valid} encoder={encoder}"
             np.testing.assert_array_equal(got_q, want_q, err_msg=where)
             np.testing.assert_array_equal(r.view(np.uint32), want_r.view(np.uint32), err_msg=where)
             assert np.any(want_r != r0), "the residual never changed: the comparison proves nothing"
@@ -556,7 +560,8 @@ def test_cuda_backend_encodes_half_precision_and_fuses_error_feedback_as_the_cpu
 
 
 # ---- the Elias coding ------------------------------------------------------------------------------------
-def test_elias_encode_and_decode_sum_are_identical_to_cpu(backend):
+@pytest.mark.parametrize("encoder", [1, 2])
+def test_elias_encode_and_decode_sum_are_identical_to_cpu(backend, encoder):
     """Elias payloads byte for byte (scales, segment table, streams, checksum) and their decode-sums
     bit for bit: widths 2-8, max and L2 norms, bucket sizes giving many, one and partial segments
     (and one bucket per segment above 32768), sparse and dense levels, NaN/Inf buckets, empty tensors."""
@@ -576,7 +581,7 @@ def test_elias_encode_and_decode_sum_are_identical_to_cpu(backend):
             for bucket in (7, 128, 512, 40_000):
                 payloads = []
                 for i, x in enumerate(cases):
-                    kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=50 + i, fingerprint=3)
+                    kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=50 + i, fingerprint=3, encoder=encoder)
                     want = codec.encode(x, coding="elias", **kw)
                     got = backend.encode_elias(x, **kw)
                     np.testing.assert_array_equal(got, want, err_msg=f"bits={bits} {norm} bucket={bucket} case={i}")

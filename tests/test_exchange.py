@@ -203,6 +203,29 @@ def test_bytes_to_other_nodes_are_counted_for_every_reduction():
             assert sent[0] + sent[1] <= 1.01 * codec.payload_nbytes(numel, 4, s.bucket_size)
 
 
+@pytest.mark.parametrize("red", ["allgather", "scatter_allgather", "hierarchical"])
+def test_every_chain_encodes_with_the_encoder_setting(red):
+    """encoder=1 and the default, 2: each chain equals its reference made with that encoder bit for
+    bit on every rank (scatter_allgather's reduce step and the hierarchical cross stage included), and
+    the two encoders' results differ (the random streams differ), so no step kept the default."""
+    n, per_node = 4, (2 if red == "hierarchical" else None)
+    xs = inputs(n, 20011)
+    results = {}
+    for encoder in (1, 2):
+        s = Settings.make(bits=4, bucket_size=128, reduction=red, min_numel=1, encoder=encoder)
+        if red == "allgather":
+            ref = codec.decode_sum([codec.encode(x, 4, 128, s.norm, seed, s.coding, fingerprint(x), s.checksum,
+                                                 encoder=encoder) for x, seed in zip(xs, seeds(s, n))], 1.0 / n)
+        elif red == "scatter_allgather":
+            ref = reduction.simulate(xs, s, seeds(s, n), 1.0 / n, fingerprint(xs[0]))[0]
+        else:
+            ref = references.hierarchical(xs, s, seeds(s, n), per_node, 1.0 / n, fingerprint(xs[0]))[0]
+        for r, (out, _) in enumerate(reduce_on_threads(xs, s, per_node=per_node)):
+            assert np.array_equal(out, ref), f"encoder {encoder}, rank {r}"
+        results[encoder] = ref
+    assert not np.array_equal(results[1], results[2])
+
+
 def test_every_reduction_has_a_chain():
     assert set(CHAINS) == set(REDUCTIONS) - {"auto"}
 

@@ -32,6 +32,7 @@ MIRRORS = {
     "QSGD_HEADER_BYTES": lambda: _native.HEADER_BYTES,
     "QSGD_MAX_BUCKET": lambda: codec.MAX_BUCKET,
     "QSGD_FLAG_CHECKSUM": lambda: codec.FLAG_CHECKSUM,
+    "QSGD_FLAG_ENCODER2": lambda: codec.FLAG_ENCODER2,
     "QSGD_CODING_FIXED": lambda: codec.CODINGS["fixed"],
     "QSGD_CODING_ELIAS": lambda: codec.CODINGS["elias"],
     "QSGD_NORM_MAX": lambda: codec.NORMS["max"],

@@ -250,3 +250,63 @@ def test_chunk_ops_equal_the_reduction_module_and_report_failures_without_raisin
 def test_the_tensorflow_op_library_was_built():
     here = os.path.join(ROOT, "hvd_qsgd", "tensorflow")
     assert any(f.startswith("_qsgd_ops") and f.endswith(".so") for f in os.listdir(here))
+
+
+ENCODER = r'''
+import json
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+import hvd_qsgd
+import hvd_qsgd.tensorflow
+from hvd_qsgd import codec
+from hvd_qsgd.tensorflow import ops
+hvd.init()   # one process: the exchange runs its ops on this rank's payloads alone
+o = ops.load()
+reduced = []   # (what the adapter passed as encoder=, the reduced payload) of every eager reduce step
+real_reduce = o.qsgd_reduce_chunk
+def recording_reduce(*args, **kwargs):
+    out = real_reduce(*args, **kwargs)
+    reduced.append(out[0].numpy())
+    return out
+o.qsgd_reduce_chunk = recording_reduce
+x = tf.constant(np.random.default_rng(0).standard_normal(20000).astype(np.float32))
+cases = []
+for kw in ({}, {"encoder": 1}, {"encoder": 2}):
+    for red in ("allgather", "scatter_allgather"):
+        reduced.clear()
+        c = hvd_qsgd.tensorflow.QSGD(4, reduction=red, **kw)
+        ctrl, ctx = c.compress(x)   # eager: the encode op's payload(s)
+        sent = ([ctx.payload.numpy()] if red == "allgather" else
+                codec.split_payloads(ctx.payload.numpy(), count=1))
+        c.decompress(hvd.allreduce(ctrl, op=hvd.Average), ctx)
+        cases.append(dict(setting=kw, reduction=red, sent=[codec.read_header(p).encoder for p in sent],
+                          reduced=[codec.read_header(p).encoder for p in reduced]))
+    # in a traced step with both error feedbacks: the attr of every encoding op of the graph
+    c = hvd_qsgd.tensorflow.QSGD(4, reduction="scatter_allgather", error_feedback=True,
+                                 server_error_feedback=True, **kw)
+    def traced(v):
+        ctrl, ctx = c.compress(v)
+        return c.decompress(hvd.allreduce(ctrl, op=hvd.Average), ctx)
+    graph = tf.function(traced).get_concrete_function(tf.TensorSpec([20000], tf.float32)).graph
+    attrs = sorted((op.type, op.get_attr("encoder")) for op in graph.get_operations()
+                   if op.type in ("QsgdEncode", "QsgdEncodeChunks", "QsgdReduceChunk", "QsgdReduceChunkEf"))
+    cases.append(dict(setting=kw, reduction="traced", ops=attrs))
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_the_encoder_setting_reaches_the_tensorflow_ops():
+    """hvd_qsgd.tensorflow.QSGD(encoder=...) hands the setting to every encoding op: the payloads of
+    the encode ops and of the reduce step (eager, allgather and scatter_allgather) record it in their
+    header (2 by default), and in a traced step with both error feedbacks every QsgdEncodeChunks and
+    QsgdReduceChunkEf op carries it as its attr."""
+    cases = snippet_cases(ENCODER)
+    assert len(cases) == 9
+    for c in cases:
+        want = c["setting"].get("encoder", 2)
+        if c["reduction"] == "traced":
+            assert c["ops"] == [["QsgdEncodeChunks", want], ["QsgdReduceChunkEf", want]], c
+        else:
+            assert c["sent"] == [want], c
+            assert c["reduced"] == ([want] if c["reduction"] == "scatter_allgather" else []), c

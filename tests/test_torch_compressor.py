@@ -130,6 +130,7 @@ MISMATCHES = {
     "fused-shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "fusion-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
     "overlap-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
+    "encoder-setting": (2, r"MismatchError: .*disagree on the compressor settings: .*, overlap or encoder\)"),
     # the stepping rank says why; Horovod stops the joined one
     "join-overlap": (2, r"MismatchError: .*ranks of the set have joined.*pass overlap=False to use hvd.join\(\)"
                         r"|HorovodInternalError: Horovod has been shut down"),
@@ -145,8 +146,8 @@ MISMATCHES = {
 # Horovod is whole for the next ("order" last: its ranks leave different tensors behind). Horovod's
 # own dtype error ("no-compression") leaves a tensor pending on one rank, which would hang the next
 # collective: it runs in a launch of its own.
-SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order", "op-min", "reducescatter",
-                     "reduction", "shapes", "fused-shapes", "order")
+SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order", "encoder-setting", "op-min",
+                     "reducescatter", "reduction", "shapes", "fused-shapes", "order")
 # fusion or overlap on one rank only leaves each rank's first collective without a partner (its error
 # is raised all the same): a launch of its own each, as for "no-compression"
 assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting", "overlap-setting", "join-overlap"} == set(MISMATCHES)

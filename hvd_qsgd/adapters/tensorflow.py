@@ -280,10 +280,11 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             """The payload(s) with settings v; ``uniform``: (payload, splits) for every reduction."""
             attrs = self._codec_attrs(ctx, v)
             if self._reduction(ctx, v) == "scatter_allgather":
-                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, checksum=v.checksum, seed=ctx.seed,
-                                                            **attrs))
+                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, checksum=v.checksum, encoder=v.encoder,
+                                                            seed=ctx.seed, **attrs))
             attrs.pop("world")
-            payload = qops.load().qsgd_encode(x, occurrence, checksum=v.checksum, seed=ctx.seed, **attrs)
+            payload = qops.load().qsgd_encode(x, occurrence, checksum=v.checksum, encoder=v.encoder, seed=ctx.seed,
+                                              **attrs)
             return payload, (tf.zeros([len(set_ranks)], tf.int32) if uniform else None)
 
         if ctx.index is None:
@@ -390,13 +391,14 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             def reduce_step():
                 reduced, error, new = ops.qsgd_reduce_chunk_ef(received, received_splits, ctx.occurrence, server,
                                                                chunk=j, numel=ctx.numel, checksum=v.checksum,
-                                                               seed=ctx.seed, **attrs)
+                                                               encoder=v.encoder, seed=ctx.seed, **attrs)
                 with tf.control_dependencies([server.assign(new)]):
                     return tf.identity(reduced), tf.identity(error)
         else:
             def reduce_step():
                 return tuple(ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j,
-                                                   numel=ctx.numel, checksum=v.checksum, seed=ctx.seed, **attrs))
+                                                   numel=ctx.numel, checksum=v.checksum, encoder=v.encoder,
+                                                   seed=ctx.seed, **attrs))
         (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], reduce_step)
 
         def gather_both():

@@ -106,9 +106,9 @@ std::string SplitBySplits(const Tensor& buf, const Tensor& splits, int64_t world
 }
 
 // The encoder settings of an op's attrs (bits, bucket_size, norm, coding, dtype_code, checksum,
-// fingerprint) and its base seed; where.
+// encoder, fingerprint) and its base seed; where.
 Status ReadConfig(OpKernelConstruction* ctx, qsgd_config* cfg, uint64_t* base_seed, std::string* where) {
-  int64_t bits, bucket, norm, coding, dtype_code, seed, fingerprint;
+  int64_t bits, bucket, norm, coding, dtype_code, seed, fingerprint, encoder;
   bool checksum;
   TF_RETURN_IF_ERROR(ctx->GetAttr("bits", &bits));
   TF_RETURN_IF_ERROR(ctx->GetAttr("bucket_size", &bucket));
@@ -116,6 +116,7 @@ Status ReadConfig(OpKernelConstruction* ctx, qsgd_config* cfg, uint64_t* base_se
   TF_RETURN_IF_ERROR(ctx->GetAttr("coding", &coding));
   TF_RETURN_IF_ERROR(ctx->GetAttr("dtype_code", &dtype_code));
   TF_RETURN_IF_ERROR(ctx->GetAttr("checksum", &checksum));
+  TF_RETURN_IF_ERROR(ctx->GetAttr("encoder", &encoder));
   TF_RETURN_IF_ERROR(ctx->GetAttr("seed", &seed));
   TF_RETURN_IF_ERROR(ctx->GetAttr("fingerprint", &fingerprint));
   TF_RETURN_IF_ERROR(ctx->GetAttr("where", where));
@@ -125,7 +126,8 @@ Status ReadConfig(OpKernelConstruction* ctx, qsgd_config* cfg, uint64_t* base_se
   cfg->norm = int32_t(norm);
   cfg->dtype = int32_t(dtype_code);
   cfg->bucket_size = uint32_t(bucket);
-  cfg->flags = checksum ? QSGD_FLAG_CHECKSUM : 0;
+  if (encoder != 1 && encoder != 2) return errors::InvalidArgument("encoder must be 1 or 2, got ", encoder);
+  cfg->flags = (checksum ? QSGD_FLAG_CHECKSUM : 0) | (encoder == 2 ? QSGD_FLAG_ENCODER2 : 0);
   cfg->seed = 0;
   cfg->fingerprint = as_u64(fingerprint);
   *base_seed = as_u64(seed);
@@ -156,6 +158,7 @@ REGISTER_OP("QsgdEncode")
     .Attr("coding: int = 0")
     .Attr("dtype_code: int = 0")
     .Attr("checksum: bool = true")
+    .Attr("encoder: int = 2")
     .Attr("seed: int")
     .Attr("fingerprint: int = 0")
     .Attr("where: string = 'tensor'")
@@ -372,6 +375,7 @@ REGISTER_KERNEL_BUILDER(Name("QsgdCheckControl").Device(DEVICE_CPU), QsgdCheckCo
       .Attr("coding: int = 0")              \
       .Attr("dtype_code: int = 0")          \
       .Attr("checksum: bool = true")        \
+      .Attr("encoder: int = 2")             \
       .Attr("seed: int = 0")                \
       .Attr("fingerprint: int = 0")         \
       .Attr("world: int")                   \

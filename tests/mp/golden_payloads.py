@@ -1,17 +1,24 @@
 """The bytes hvd_qsgd puts on the wire for a fixed set of inputs, as SHA-256 digests.
 
 ``golden_payloads.py torch|tensorflow`` under ``horovodrun -np 2`` prints one line
-``GOLDEN <json>`` per rank: for every case, the digest of every payload this rank handed to
+``GOLDEN <rank> <json>`` per rank: for every case, the digest of every payload this rank handed to
 Horovod's collectives (allgather and alltoall, sorted: the order in which a rank starts the
 collectives of several exchanges in flight depends on when their presence allreduces complete, the
 bytes do not) and of the results it decoded (in order). Rank 0
 adds the codec's own payloads (``codec.encode``, ``reduction.encode_chunks``/``reduce_chunk``) over a
-grid of settings. tests/test_golden_payloads.py compares them with digests recorded before the
-package was restructured (tests/data/golden_payloads.json): the restructuring keeps every byte.
+grid of settings. These cases run with ``encoder=1``, the encoder of earlier releases:
+tests/test_golden_payloads.py compares them with digests recorded before the package was restructured
+(tests/data/golden_payloads.json): the restructuring keeps every byte, and encoder=1 is that encoder.
 
-Only public entry points are used (``hvd_qsgd.QSGD``, ``DynamicQSGD``, ``BlockSign``, the codec), so
-the same script ran on the code before and after.
+Then the same cases run again with ``encoder=2`` (the default) and each rank prints
+``GOLDEN-ENCODER2 <rank> <json>``, compared with the set recorded when encoder version 2 came
+(the file's "encoder2" key). They run after the encoder-1 cases in the same job, so their
+compressors are numbered after those (the number is part of their exchange names, hence seeds).
+
+Only public entry points are used (``hvd_qsgd.QSGD``, ``DynamicQSGD``, ``BlockSign``, the codec); with
+``encoder=`` left out, the encoder-1 cases are the script that ran on the code before.
 """
+import functools
 import hashlib
 import json
 import sys
@@ -47,7 +54,7 @@ def record(module, functions, sent, as_bytes):
         setattr(module, name, recording(getattr(module, name)))
 
 
-def codec_cases():
+def codec_cases(encoder):
     from hvd_qsgd import codec, reduction
     from hvd_qsgd import Settings
     out = {}
@@ -62,10 +69,11 @@ def codec_cases():
                         continue
                     for dtype in ("float32", "float16", "bfloat16"):
                         p = codec.encode(x, bits, bucket, norm, seed=12345 + bits, coding=coding,
-                                         fingerprint=77, checksum=(bits % 2 == 0), source_dtype=dtype)
+                                         fingerprint=77, checksum=(bits % 2 == 0), source_dtype=dtype,
+                                         encoder=encoder)
                         out[f"encode/{bits}/{norm}/{coding}/{bucket}/{dtype}"] = digest([p.tobytes()])
     for bits, norm, coding in ((4, "max", "fixed"), (2, "l2", "elias"), (1, "sign", "fixed"), (8, "max", "fixed")):
-        s = Settings.make(bits=bits, bucket_size=128, norm=norm, coding=coding)
+        s = Settings.make(bits=bits, bucket_size=128, norm=norm, coding=coding, encoder=encoder)
         xs = [rank_input(r, 1, 3000) for r in range(3)]
         sent = [reduction.split_by(*reduction.encode_chunks(x, s, 99 + r, 3, fingerprint=5)) for r, x in enumerate(xs)]
         reduced = []
@@ -80,35 +88,40 @@ def codec_cases():
     return out
 
 
-def torch_cases():
+def compressors(encoder):
+    """hvd_qsgd's QSGD, DynamicQSGD and BlockSign, made with ``encoder``."""
+    import hvd_qsgd
+    return tuple(functools.partial(make, encoder=encoder)
+                 for make in (hvd_qsgd.QSGD, hvd_qsgd.DynamicQSGD, hvd_qsgd.BlockSign))
+
+
+def torch_cases(encoder, sent):
     import torch
     import horovod.torch as hvd
-    import hvd_qsgd
 
-    sent = []
-    record(hvd, ("allgather_async", "alltoall_async"), sent, lambda t: t.detach().cpu().contiguous().numpy().tobytes())
     rank = hvd.rank()
+    QSGD, DynamicQSGD, BlockSign = compressors(encoder)
     cases = {
-        "qsgd4-named": (lambda named: hvd_qsgd.QSGD(4, named_parameters=named), 2, torch.float32, hvd.Average),
-        "qsgd2-unnamed": (lambda named: hvd_qsgd.QSGD(2), 2, torch.float32, hvd.Average),
-        "qsgd8-l2-nochecksum-sum": (lambda named: hvd_qsgd.QSGD(8, norm="l2", checksum=False), 1, torch.float32, hvd.Sum),
-        "qsgd4-elias": (lambda named: hvd_qsgd.QSGD(4, coding="elias", named_parameters=named), 2, torch.float32,
+        "qsgd4-named": (lambda named: QSGD(4, named_parameters=named), 2, torch.float32, hvd.Average),
+        "qsgd2-unnamed": (lambda named: QSGD(2), 2, torch.float32, hvd.Average),
+        "qsgd8-l2-nochecksum-sum": (lambda named: QSGD(8, norm="l2", checksum=False), 1, torch.float32, hvd.Sum),
+        "qsgd4-elias": (lambda named: QSGD(4, coding="elias", named_parameters=named), 2, torch.float32,
                         hvd.Average),
-        "qsgd3-ef": (lambda named: hvd_qsgd.QSGD(3, error_feedback=True, named_parameters=named), 3, torch.float32,
+        "qsgd3-ef": (lambda named: QSGD(3, error_feedback=True, named_parameters=named), 3, torch.float32,
                      hvd.Average),
-        "qsgd4-fp16": (lambda named: hvd_qsgd.QSGD(4), 1, torch.float16, hvd.Average),
-        "qsgd4-bf16-ef": (lambda named: hvd_qsgd.QSGD(4, error_feedback=True), 2, torch.bfloat16, hvd.Average),
-        "qsgd4-scatter": (lambda named: hvd_qsgd.QSGD(4, reduction="scatter_allgather"), 2, torch.float32, hvd.Average),
-        "qsgd4-scatter-elias": (lambda named: hvd_qsgd.QSGD(4, coding="elias", reduction="scatter_allgather",
-                                                      named_parameters=named), 2, torch.float32, hvd.Average),
-        "qsgd4-scatter-ef-server": (lambda named: hvd_qsgd.QSGD(4, reduction="scatter_allgather", error_feedback=True,
-                                                          server_error_feedback=True, named_parameters=named),
+        "qsgd4-fp16": (lambda named: QSGD(4), 1, torch.float16, hvd.Average),
+        "qsgd4-bf16-ef": (lambda named: QSGD(4, error_feedback=True), 2, torch.bfloat16, hvd.Average),
+        "qsgd4-scatter": (lambda named: QSGD(4, reduction="scatter_allgather"), 2, torch.float32, hvd.Average),
+        "qsgd4-scatter-elias": (lambda named: QSGD(4, coding="elias", reduction="scatter_allgather",
+                                                   named_parameters=named), 2, torch.float32, hvd.Average),
+        "qsgd4-scatter-ef-server": (lambda named: QSGD(4, reduction="scatter_allgather", error_feedback=True,
+                                                       server_error_feedback=True, named_parameters=named),
                                     3, torch.float32, hvd.Average),
-        "dqsgd": (lambda named: hvd_qsgd.DynamicQSGD(3.0, named_parameters=named), 4, torch.float32, hvd.Average),
-        "dqsgd-horizon-ef": (lambda named: hvd_qsgd.DynamicQSGD(3.0, discount=0.9, total_steps=4, error_feedback=True),
+        "dqsgd": (lambda named: DynamicQSGD(3.0, named_parameters=named), 4, torch.float32, hvd.Average),
+        "dqsgd-horizon-ef": (lambda named: DynamicQSGD(3.0, discount=0.9, total_steps=4, error_feedback=True),
                              4, torch.float32, hvd.Average),
-        "blocksign": (lambda named: hvd_qsgd.BlockSign(named_parameters=named), 3, torch.float32, hvd.Average),
-        "blocksign-allgather": (lambda named: hvd_qsgd.BlockSign(reduction="allgather"), 2, torch.float32, hvd.Average),
+        "blocksign": (lambda named: BlockSign(named_parameters=named), 3, torch.float32, hvd.Average),
+        "blocksign-allgather": (lambda named: BlockSign(reduction="allgather"), 2, torch.float32, hvd.Average),
     }
     out = {}
     for case, (make, steps, dtype, op) in cases.items():
@@ -131,20 +144,18 @@ def torch_cases():
     return out
 
 
-def tensorflow_cases():
+def tensorflow_cases(encoder, sent):
     import tensorflow as tf
     import horovod.tensorflow as hvd
-    import hvd_qsgd
 
-    sent = []
-    record(hvd, ("allgather", "alltoall"), sent, lambda t: t.numpy().tobytes())
     rank = hvd.rank()
+    QSGD, _, BlockSign = compressors(encoder)
     cases = {
-        "tf-qsgd4": (lambda: hvd_qsgd.QSGD(4), 2, tf.float32),
-        "tf-qsgd2-elias": (lambda: hvd_qsgd.QSGD(2, coding="elias"), 1, tf.float32),
-        "tf-qsgd8-l2-fp16": (lambda: hvd_qsgd.QSGD(8, norm="l2"), 1, tf.float16),
-        "tf-qsgd4-scatter": (lambda: hvd_qsgd.QSGD(4, reduction="scatter_allgather"), 2, tf.float32),
-        "tf-blocksign": (lambda: hvd_qsgd.BlockSign(server_error_feedback=False, error_feedback=False), 1,
+        "tf-qsgd4": (lambda: QSGD(4), 2, tf.float32),
+        "tf-qsgd2-elias": (lambda: QSGD(2, coding="elias"), 1, tf.float32),
+        "tf-qsgd8-l2-fp16": (lambda: QSGD(8, norm="l2"), 1, tf.float16),
+        "tf-qsgd4-scatter": (lambda: QSGD(4, reduction="scatter_allgather"), 2, tf.float32),
+        "tf-blocksign": (lambda: BlockSign(server_error_feedback=False, error_feedback=False), 1,
                          tf.float32),
     }
     out = {}
@@ -165,17 +176,23 @@ def tensorflow_cases():
 
 def main():
     framework = sys.argv[1]
+    sent = []
     if framework == "torch":
         import horovod.torch as hvd
         hvd.init()
-        result = torch_cases()
+        record(hvd, ("allgather_async", "alltoall_async"), sent,
+               lambda t: t.detach().cpu().contiguous().numpy().tobytes())
+        cases = torch_cases
     else:
         import horovod.tensorflow as hvd
         hvd.init()
-        result = tensorflow_cases()
-    if hvd.rank() == 0 and framework == "torch":
-        result.update(codec_cases())
-    print(f"GOLDEN {hvd.rank()} {json.dumps(result, sort_keys=True)}", flush=True)
+        record(hvd, ("allgather", "alltoall"), sent, lambda t: t.numpy().tobytes())
+        cases = tensorflow_cases
+    for encoder, label in ((1, "GOLDEN"), (2, "GOLDEN-ENCODER2")):
+        result = cases(encoder, sent)
+        if hvd.rank() == 0 and framework == "torch":
+            result.update(codec_cases(encoder))
+        print(f"{label} {hvd.rank()} {json.dumps(result, sort_keys=True)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -484,6 +484,8 @@ def mismatch(kind, n, rank):
         hvd.join()
     elif kind == "overlap-setting":
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, overlap=rank == 0))
+    elif kind == "encoder-setting":   # encoder version 1 on rank 0 only: payloads of one length, the tag differs
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, encoder=1 if rank == 0 else 2))
     elif kind in ("fused-shapes", "fusion-setting"):
         # two tensors in one fused exchange, the first of another shape on rank 1; or fusion on rank 0 only
         c = hvd_qsgd.QSGD(4, fusion=kind == "fused-shapes" or rank == 0)
