@@ -17,7 +17,8 @@
  *   avx2      -march=x86-64-v3: the same loops plus hand-written AVX2 for the hot ones (the
  *             quantizer with its counter hash 8 lanes wide in 32-bit multiplies, the packing of
  *             byte codes into bits, the fused unpack-dequantize-add);
- *   avx512    -march=x86-64-v4: the C++ loops vectorised by the compiler for AVX-512;
+ *   avx512    -march=x86-64-v4: the avx2 variant's loops (compiled for AVX-512) plus a 16-lane loop
+ *             for encoder version 2's hash and quantizer;
  *   generic   (other architectures) the C++ loops for the compiler's default target.
  */
 #include <math.h>
@@ -29,15 +30,22 @@
 #include "qsgd_cpu_internal.h"
 #include "qsgd_math.h"
 
-/* The hand-written AVX2 loops are the avx2 variant's. The avx512 variant keeps the compiler's AVX-512
- * vectorisation of the C++ loops, the code -march=native builds had before there were variants, so
- * that an AVX-512 CPU is never slower than it was; `python -m benchmarks kernels --isa all` on such
- * a CPU shows whether the avx2 variant (which it also runs) is faster there. */
+/* The hand-written AVX2 loops are the avx2 and the avx512 variants'; the avx512 variant adds its own
+ * 16-lane loop for encoder version 2's quantizer (the hash, the quantizer and the narrowing to byte
+ * codes). `python -m benchmarks kernels --isa all` times every variant side by side. */
 #if defined(__AVX2__)
 #define QSGD_HAND_AVX2 1
 #include <immintrin.h>
 #else
 #define QSGD_HAND_AVX2 0
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define QSGD_HAND_AVX512 1
+/* gcc 12's AVX-512 intrinsics pass an undefined vector as the unused merge source of their masked
+ * builtins, which -Wmaybe-uninitialized reports at every use: a known false positive */
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#else
+#define QSGD_HAND_AVX512 0
 #endif
 
 #ifndef QSGD_ISA
@@ -184,6 +192,38 @@ inline __m256i quantize8_v2(__m256 x, __m256 pre, __m256 rq, __m256 cap, __m256i
   return _mm256_or_si256(l, _mm256_and_si256(neg, _mm256_set1_epi32(1 << (BITS - 1))));
 }
 
+#if QSGD_HAND_AVX512
+/* qsgd_triple32 on 16 lanes */
+inline __m512i triple32x16(__m512i x) {
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 17));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0xED5AD4BBu));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 11));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0xAC4C1B51u));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 15));
+  x = _mm512_mullo_epi32(x, _mm512_set1_epi32((int)0x31848BABu));
+  x = _mm512_xor_si512(x, _mm512_srli_epi32(x, 14));
+  return x;
+}
+
+/* Encoder 2's quantizer on 16 lanes, as quantize8_v2 */
+template <int BITS>
+inline __m512i quantize16_v2(__m512 x, __m512 pre, __m512 rq, __m512 cap, __m512i u) {
+  const __m512i rbits = _mm512_set1_epi32((int)QSGD_V2_ROUND_BITS);
+  if (BITS == 1) {
+    const __m512 p = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(x, pre), rq), _mm512_set1_ps(QSGD_V2_ROUND_HALF));
+    const __mmask16 positive = _mm512_cmplt_epi32_mask(u, _mm512_sub_epi32(_mm512_castps_si512(p), rbits));
+    return _mm512_maskz_mov_epi32((__mmask16)~positive, _mm512_set1_epi32(1));
+  }
+  const __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF)));
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(_mm512_mul_ps(ax, pre), rq), cap);
+  const __m512i r = _mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(QSGD_V2_ROUND)));
+  const __m512i l = _mm512_srli_epi32(_mm512_add_epi32(_mm512_sub_epi32(r, rbits), u), 16);
+  /* the sign bit where x's sign bit is set (-0 has l == 0) and l != 0 */
+  const __mmask16 neg = _mm512_mask_test_epi32_mask(_mm512_movepi32_mask(_mm512_castps_si512(x)), l, l);
+  return _mm512_mask_or_epi32(l, neg, l, _mm512_set1_epi32(1 << (BITS - 1)));
+}
+#endif
+
 /* four vectors of 8 codes (32-bit lanes, values < 256) -> 32 bytes in element order */
 inline __m256i codes_to_bytes(__m256i c0, __m256i c1, __m256i c2, __m256i c3) {
   const __m256i a = _mm256_packus_epi32(c0, c1);
@@ -233,6 +273,29 @@ void quantize_page_v2(const float* __restrict x, uint64_t n, uint64_t key, uint3
     codes[0] = (uint8_t)qsgd_quantize2(x[0], pre, rq, s, qsgd_u16(key, lo), BITS);
     k = 1;
   }
+#if QSGD_HAND_AVX512
+  {
+    /* 16 pairs (32 elements) a vector; lanes 4b..4b+3 of 128-bit block b hold pairs 2b, 2b+1, 8+2b, 9+2b,
+     * so that interleaving each block's 16-bit halves with zeros gives elements 0..15 (low halves of
+     * lanes 4b, 4b+1) and 16..31 (high: lanes 4b+2, 4b+3) in element order */
+    const __m512i key_lo = _mm512_set1_epi32((int)(uint32_t)key);
+    const __m512i key_hi = _mm512_set1_epi32((int)(uint32_t)(key >> 32));
+    const __m512 vpre = _mm512_set1_ps(pre), vrq = _mm512_set1_ps(rq), vcap = _mm512_set1_ps(s * 65536.0f);
+    const __m512i zero = _mm512_setzero_si512();
+    __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)((lo + (uint32_t)k) >> 1)),
+                                    _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+    const __m512i step16 = _mm512_set1_epi32(16);
+    for (; k + 32 <= n; k += 32) {
+      const __m512i y = triple32x16(_mm512_add_epi32(_mm512_xor_si512(pair, key_lo), key_hi));
+      pair = _mm512_add_epi32(pair, step16);
+      const __m512i c0 = quantize16_v2<BITS>(_mm512_loadu_ps(x + k), vpre, vrq, vcap, _mm512_unpacklo_epi16(y, zero));
+      const __m512i c1 = quantize16_v2<BITS>(_mm512_loadu_ps(x + k + 16), vpre, vrq, vcap,
+                                             _mm512_unpackhi_epi16(y, zero));
+      _mm_storeu_si128((__m128i*)(codes + k), _mm512_cvtepi32_epi8(c0));
+      _mm_storeu_si128((__m128i*)(codes + k + 16), _mm512_cvtepi32_epi8(c1));
+    }
+  }
+#endif
 #if QSGD_HAND_AVX2
   const __m256i key_lo = _mm256_set1_epi32((int)(uint32_t)key);
   const __m256i key_hi = _mm256_set1_epi32((int)(uint32_t)(key >> 32));
