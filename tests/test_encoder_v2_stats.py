@@ -73,39 +73,17 @@ def _step_seed(base, occurrence):
     return _mix64(base + (occurrence + 1) * GOLDEN)
 
 
-_H1, _H2 = 0x7FEB352D, 0x846CA68B
+# the two 32-bit hashes, each a chain of x ^= x >> shift, then x *= multiplier (none after the last shift)
+LOWBIAS32 = ((16, 15, 16), (0x7FEB352D, 0x846CA68B))                      # version 1, twice per element
+TRIPLE32 = ((17, 11, 15, 14), (0xED5AD4BB, 0xAC4C1B51, 0x31848BAB))       # version 2, once per pair
 
 
-def _hash32(x):
+def _xorshift_multiply(x, hash32):
+    shifts, multipliers = hash32
     x = np.asarray(x, np.uint32)
-    x = x ^ (x >> 16)
-    x = x * np.uint32(_H1)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(_H2)
-    return x ^ (x >> 16)
-
-
-def _hash32_inv(y):
-    y = np.asarray(y, np.uint32)
-    y = y ^ (y >> 16)
-    y = y * np.uint32(pow(_H2, -1, 2 ** 32))
-    y = y ^ (y >> 15) ^ (y >> 30)  # undoes x ^= x >> 15 on 32 bits
-    y = y * np.uint32(pow(_H1, -1, 2 ** 32))
-    return y ^ (y >> 16)
-
-
-_T1, _T2, _T3 = 0xED5AD4BB, 0xAC4C1B51, 0x31848BAB
-
-
-def _triple32(x):
-    x = np.asarray(x, np.uint32)
-    x = x ^ (x >> 17)
-    x = x * np.uint32(_T1)
-    x = x ^ (x >> 11)
-    x = x * np.uint32(_T2)
-    x = x ^ (x >> 15)
-    x = x * np.uint32(_T3)
-    return x ^ (x >> 14)
+    for k, m in zip(shifts, multipliers + (1,)):
+        x = (x ^ (x >> k)) * np.uint32(m)
+    return x
 
 
 def _unxorshift(y, k):
@@ -116,11 +94,20 @@ def _unxorshift(y, k):
     return x
 
 
-def _triple32_inv(y):
-    y = _unxorshift(np.asarray(y, np.uint32), 14)
-    y = _unxorshift(y * np.uint32(pow(_T3, -1, 2 ** 32)), 15)
-    y = _unxorshift(y * np.uint32(pow(_T2, -1, 2 ** 32)), 11)
-    return _unxorshift(y * np.uint32(pow(_T1, -1, 2 ** 32)), 17)
+def _xorshift_multiply_inv(y, hash32):
+    shifts, multipliers = hash32
+    y = np.asarray(y, np.uint32)
+    for k, m in reversed(list(zip(shifts, multipliers + (1,)))):
+        y = _unxorshift(y * np.uint32(pow(m, -1, 2 ** 32)), k)
+    return y
+
+
+def _hash32(x):
+    return _xorshift_multiply(x, LOWBIAS32)
+
+
+def _triple32(x):
+    return _xorshift_multiply(x, TRIPLE32)
 
 
 def _u16(seed, n):
@@ -372,11 +359,11 @@ def test_the_librarys_uniforms_read_back_from_its_codes_are_the_stream():
     u = lo.astype(np.uint32)
     np.testing.assert_array_equal(u, _u16(seed, N))
     y = u[0::2] | (u[1::2] << 16)
-    k = (_triple32_inv(y) - np.uint32(_page_key(seed) >> 32)) ^ np.arange(N // 2, dtype=np.uint32)
+    k = (_xorshift_multiply_inv(y, TRIPLE32) - np.uint32(_page_key(seed) >> 32)) ^ np.arange(N // 2, dtype=np.uint32)
     assert np.all(k == k[0]) and int(k[0]) == _page_key(seed) & M32
     v = np.random.default_rng(0).integers(0, 2 ** 32, 1000, dtype=np.uint64).astype(np.uint32)
-    np.testing.assert_array_equal(_triple32_inv(_triple32(v)), v)
-    np.testing.assert_array_equal(_hash32_inv(_hash32(v)), v)
+    for hash32 in (TRIPLE32, LOWBIAS32):
+        np.testing.assert_array_equal(_xorshift_multiply_inv(_xorshift_multiply(v, hash32), hash32), v)
 
 
 def test_the_stream_depends_on_both_halves_of_the_page_key():

@@ -278,13 +278,11 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
 
         def encode(v, uniform):
             """The payload(s) with settings v; ``uniform``: (payload, splits) for every reduction."""
-            attrs = self._codec_attrs(ctx, v)
+            attrs = self._encode_attrs(ctx, v)
             if self._reduction(ctx, v) == "scatter_allgather":
-                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, checksum=v.checksum, encoder=v.encoder,
-                                                            seed=ctx.seed, **attrs))
+                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, **attrs))
             attrs.pop("world")
-            payload = qops.load().qsgd_encode(x, occurrence, checksum=v.checksum, encoder=v.encoder, seed=ctx.seed,
-                                              **attrs)
+            payload = qops.load().qsgd_encode(x, occurrence, **attrs)
             return payload, (tf.zeros([len(set_ranks)], tf.int32) if uniform else None)
 
         if ctx.index is None:
@@ -357,6 +355,11 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
                     dtype_code=codec.DTYPES[SOURCE_DTYPES[ctx.dtype]],
                     fingerprint=qops.as_int64_attr(ctx.fingerprint), world=len(ctx.set_ranks), where=ctx.where)
 
+    @classmethod
+    def _encode_attrs(cls, ctx, s):
+        """The attrs of the ops that encode (the shared ones, and the checksum, encoder version and seed)."""
+        return dict(cls._codec_attrs(ctx, s), checksum=s.checksum, encoder=s.encoder, seed=ctx.seed)
+
     def _allgather(self, ctx, alpha, v):
         """(alpha * the decoded sum of every rank's payload, the statistics and residual updates)."""
         ops = qops.load()
@@ -380,7 +383,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
     def _scatter_allgather(self, ctx, alpha, v):
         """(alpha * the decoded reduced chunks, the statistics and residual updates)."""
         ops, ps, j = qops.load(), ctx.process_set, ctx.set_rank
-        attrs = self._codec_attrs(ctx, v)
+        attrs, encode_attrs = self._codec_attrs(ctx, v), self._encode_attrs(ctx, v)
         with tf.control_dependencies([alpha]):
             payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)
         (received, received_splits), wait1 = self._timed("wait_s", [payloads, splits], lambda: tuple(hvd.alltoall(
@@ -390,15 +393,13 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
 
             def reduce_step():
                 reduced, error, new = ops.qsgd_reduce_chunk_ef(received, received_splits, ctx.occurrence, server,
-                                                               chunk=j, numel=ctx.numel, checksum=v.checksum,
-                                                               encoder=v.encoder, seed=ctx.seed, **attrs)
+                                                               chunk=j, numel=ctx.numel, **encode_attrs)
                 with tf.control_dependencies([server.assign(new)]):
                     return tf.identity(reduced), tf.identity(error)
         else:
             def reduce_step():
                 return tuple(ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j,
-                                                   numel=ctx.numel, checksum=v.checksum, encoder=v.encoder,
-                                                   seed=ctx.seed, **attrs))
+                                                   numel=ctx.numel, **encode_attrs))
         (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], reduce_step)
 
         def gather_both():
