@@ -14,6 +14,8 @@ DEFINITIONS = dict(
     step_s_median="median over timed steps of the max over ranks of one rank's step time (after a barrier)",
     tx_bytes_per_step="bytes counted on a rank's veth0 tx_bytes between the barriers around a step, mean over "
                       "ranks and timed steps (rx likewise); per rank and step in *_per_rank_step",
+    tcp_retransmits_per_rank_step="TCP segments retransmitted in a rank's namespace during the step (/proc/net/snmp "
+                                  "RetransSegs): bytes a link carried again",
     stats_per_step="the compressor's own count per step, mean over ranks: QSGD stats (payload bytes); none / "
                    "fp16: bytes handed to the collective",
     model_wire_bytes="cost_model.received_bytes summed over the step's exchanges",

@@ -58,7 +58,7 @@ def measure(args, hvd, runs, order, x, y):
     import torch
     import torch.nn.functional as F
 
-    from benchmarks.netns import read_counters
+    from benchmarks.netns import read_counters, tcp_retransmits
 
     bits_list = sorted({mode_bits(m) for m in args.modes if mode_bits(m) is not None})
     barrier_tensor = torch.zeros(1)
@@ -75,6 +75,7 @@ def measure(args, hvd, runs, order, x, y):
     times = np.zeros((s, len(order)))
     tx = np.zeros((s, len(order)), dtype=np.int64)
     rx = np.zeros((s, len(order)), dtype=np.int64)
+    retrans = np.zeros((s, len(order)), dtype=np.int64)
     codec_rounds = []
     before = None
     for r in range(args.warmup + s):
@@ -83,23 +84,23 @@ def measure(args, hvd, runs, order, x, y):
             before = {name: compressor_counts(runs[name]["comp"]) for name in order}
         for j, name in enumerate(order):
             barrier()
-            c0 = read_counters(args.iface)
+            c0, q0 = read_counters(args.iface), tcp_retransmits()
             t0 = time.perf_counter()
             step(runs[name])
             dt = time.perf_counter() - t0
             barrier()
-            c1 = read_counters(args.iface)
+            c1, q1 = read_counters(args.iface), tcp_retransmits()
             if timed:
                 i = r - args.warmup
                 times[i, j] = dt
-                tx[i, j], rx[i, j] = c1[0] - c0[0], c1[1] - c0[1]
+                tx[i, j], rx[i, j], retrans[i, j] = c1[0] - c0[0], c1[1] - c0[1], q1 - q0
         if timed:
             barrier()
             grads = [p.grad for p in runs["compute"]["model"].parameters()]
             codec_rounds.append(time_codec(grads, bits_list, hvd.size(), "fp16" in args.modes))
     after = {name: compressor_counts(runs[name]["comp"]) for name in order}
     stats = {name: {k: after[name][k] - before[name].get(k, 0) for k in after[name]} for name in order}
-    return dict(times=times, tx=tx, rx=rx, codec=codec_rounds, stats=stats)
+    return dict(times=times, tx=tx, rx=rx, retrans=retrans, codec=codec_rounds, stats=stats)
 
 
 def job_rows(everyone, tmax, order, steps):
@@ -112,9 +113,10 @@ def job_rows(everyone, tmax, order, steps):
         steps_max = tmax[:, j].tolist()
         tx_all = [[e["tx"][i][j] for i in range(steps)] for e in everyone]
         rx_all = [[e["rx"][i][j] for i in range(steps)] for e in everyone]
+        retrans_all = [[e["retrans"][i][j] for i in range(steps)] for e in everyone]
         row = dict(mode=name, step_s_max_over_ranks=steps_max, step_s_median=statistics.median(steps_max),
                    tx_bytes_per_rank_step=tx_all, rx_bytes_per_rank_step=rx_all,
-                   tx_bytes_per_step=float(np.mean(tx_all)), rx_bytes_per_step=float(np.mean(rx_all)))
+                   tcp_retransmits_per_rank_step=retrans_all, tx_bytes_per_step=float(np.mean(tx_all)), rx_bytes_per_step=float(np.mean(rx_all)))
         if name != "compute":
             row["stats_per_step"] = {k: statistics.fmean(e["stats"][name][k] for e in everyone) / steps
                                      for k in everyone[0]["stats"][name]}
@@ -161,7 +163,7 @@ def run_worker(args):
     m = measure(args, hvd, runs, order, x, y)
 
     tmax = hvd.allreduce(torch.from_numpy(m["times"]), op=hvd.Max, name="e2e.times").numpy()
-    mine = dict(rank=rank, tx=m["tx"].tolist(), rx=m["rx"].tolist(), codec=m["codec"], stats=m["stats"],
+    mine = dict(rank=rank, tx=m["tx"].tolist(), rx=m["rx"].tolist(), retrans=m["retrans"].tolist(), codec=m["codec"], stats=m["stats"],
                 digests={mode: _param_digest(runs[mode]["model"]) for mode in args.modes})
     everyone = hvd.allgather_object(mine)
     if rank != 0:

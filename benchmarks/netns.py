@@ -146,6 +146,14 @@ def read_counters(iface=IFACE):
     return tx, rx
 
 
+def tcp_retransmits():
+    """TCP segments retransmitted so far in the caller's own network namespace (/proc/net/snmp's
+    Tcp RetransSegs): a link that drops packets (a full token-bucket queue) carries their bytes again."""
+    with open("/proc/net/snmp") as f:
+        rows = [line.split() for line in f if line.startswith("Tcp:")]
+    return int(rows[1][rows[0].index("RetransSegs")])
+
+
 class Topology:
     """n ranks on n / per_host host namespaces, and a switch namespace (see the module docstring).
     ``hosts``: the host namespaces; ``ranks``: each rank's namespace (its host's)."""
