@@ -13,7 +13,11 @@ signatures, same payload bytes for the same input, settings and seed:
     reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
     reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual)
                                                                          -> (phase-2 frame, error)
-    decode_chunks(payloads, alpha, numel, bucket_size, where)            -> float32 values
+    decode_chunks(payloads, alpha, numel, bucket_size, where, error)     -> float32 values
+    decode_gathered(gathered, count, own_len, alpha, expect, where)      -> (alpha * checked sum, lengths)
+    unframe(gathered, n, where), part_bytes(parts, ranks), raise_if_failed(error, message)
+                                                                         -> the phase-2 parts and their bytes
+    length(x), total(lens)                                               -> sizes
     float32(x), repeat(x, times), empty_bytes(like), zeros(size, like), place(array, like), place_bytes(payload, like), host(x)
                                                                          -> arrays where the backend reads
 
@@ -39,7 +43,39 @@ from hvd_qsgd.errors import MismatchError
 log = logging.getLogger("hvd_qsgd")
 
 
-class CpuBackend:
+class _HostCountedBackend:
+    """What the CPU and CUDA backends do alike: sizes counted on the host, in Python numbers; the
+    gathered payloads checked by their headers before they are decoded; the phase-2 frames
+    (``reduction.frame``, 8 bytes of length before each reduced chunk) cut on the host."""
+
+    def total(self, lens) -> int:
+        """The sum of ``lens`` (a rank's splits)."""
+        return int(sum(lens))
+
+    def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
+        """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked
+        against ``expect``; the payloads' lengths)."""
+        payloads = self.split(gathered, count, own_len, where)
+        protocol.check_gathered(self.read_headers(payloads, where), expect, where)
+        return self.decode_sum(payloads, alpha, where), [self.length(p) for p in payloads]
+
+    def unframe(self, gathered, n: int, where: str) -> list:
+        """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their
+        lengths read on the host: a copy of the frames where they are on a device)."""
+        return [self.place_bytes(c, gathered) for c in reduction.unframe(self.host(gathered), n, where)]
+
+    def part_bytes(self, parts, ranks) -> int:
+        """The bytes the ``ranks``' phase-2 parts took on the wire, each in its frame."""
+        return sum(8 + self.length(parts[k]) for k in ranks)
+
+    @staticmethod
+    def raise_if_failed(error, message: str) -> None:
+        """Raise ``MismatchError(message: error)`` where a step of this rank failed (``error`` not None)."""
+        if error is not None:
+            raise MismatchError(f"{message}: {error}") from error
+
+
+class CpuBackend(_HostCountedBackend):
     """The CPU kernels on NumPy arrays (``hvd_qsgd.codec``, ``hvd_qsgd.reduction``)."""
 
     name = "cpu"
@@ -63,6 +99,11 @@ class CpuBackend:
 
     def decode(self, payload, where: str) -> np.ndarray:
         return codec.decode(payload, where)
+
+    @staticmethod
+    def length(x) -> int:
+        """The number of elements of ``x`` (bytes of a payload)."""
+        return int(x.size)
 
     def float32(self, x) -> np.ndarray:
         """A float32 copy of ``x``, flat."""
@@ -147,11 +188,13 @@ class CpuBackend:
                                          server_residual=server_residual)
 
     def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int,
-                      where: str) -> np.ndarray:
+                      where: str, error=None) -> np.ndarray:
+        """alpha * the decoded chunks back to back (``error``: this rank's failed reduce step, raised
+        before by ``raise_if_failed``)."""
         return reduction.decode_chunks(payloads, alpha, numel, bucket_size, where=where)
 
 
-class CudaBackend:
+class CudaBackend(_HostCountedBackend):
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
     decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing
     rank's residual a CUDA tensor the reduce kernel updates in place), and the Elias coding's encode
@@ -181,6 +224,10 @@ class CudaBackend:
 
     def decode(self, payload, where: str):
         return cuda.decode_sum([payload], where=where)
+
+    @staticmethod
+    def length(x) -> int:
+        return int(x.numel())
 
     def float32(self, x):
         import torch
@@ -283,7 +330,7 @@ class CudaBackend:
         head = torch.tensor(list(int(q.numel()).to_bytes(8, "little")), dtype=torch.uint8, device=received.device)
         return torch.cat([head, q]), error
 
-    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str):
+    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str, error=None):
         return cuda.decode_chunks(payloads, alpha, numel, bucket_size, where)
 
 

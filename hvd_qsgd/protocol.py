@@ -247,6 +247,16 @@ def payload_seed(seed, set_rank, exchange, occurrence=0):
     return int(_native.load().qsgd_step_seed(exchange_seed(seed, set_rank, exchange), int(occurrence)))
 
 
+_GOLDEN = 0x9E3779B97F4A7C15   # the increment of qsgd_step_seed (kernels/qsgd_control.cc)
+
+
+def occurrence_seeding(base):
+    """The occurrence o with qsgd_step_seed(0, o) == qsgd_step_seed(base, 0), as an unsigned 64-bit
+    number: the step seed mixes base + (o + 1) * GOLDEN, so o = base / GOLDEN (mod 2^64; GOLDEN is
+    odd). A caller that cannot pass ``base`` as the seed passes 0 and this occurrence instead."""
+    return base * pow(_GOLDEN, -1, 2 ** 64) % 2 ** 64
+
+
 def check_gathered(headers, expect, where):
     """Check the headers of every rank's payload (``codec.Header``, in rank order) against each other
     and against this rank's own (``expect``); raise MismatchError naming the field and the ranks."""

@@ -277,8 +277,8 @@ for kw in ({}, {"encoder": 1}, {"encoder": 2}):
         reduced.clear()
         c = hvd_qsgd.tensorflow.QSGD(4, reduction=red, **kw)
         ctrl, ctx = c.compress(x)   # eager: the encode op's payload(s)
-        sent = ([ctx.payload.numpy()] if red == "allgather" else
-                codec.split_payloads(ctx.payload.numpy(), count=1))
+        payload = ctx.exchanges[0].payload
+        sent = ([payload.numpy()] if red == "allgather" else codec.split_payloads(payload.numpy(), count=1))
         c.decompress(hvd.allreduce(ctrl, op=hvd.Average), ctx)
         cases.append(dict(setting=kw, reduction=red, sent=[codec.read_header(p).encoder for p in sent],
                           reduced=[codec.read_header(p).encoder for p in reduced]))

@@ -1,89 +1,51 @@
-"""QSGD as a Horovod TensorFlow ``Compressor``, reduced in-graph by an allgather of payloads or by
-the scatter_allgather reduction of ``hvd_qsgd.reduction``.
+"""QSGD as a Horovod TensorFlow ``Compressor``: the glue between Horovod's calls and the exchange's
+chains (``hvd_qsgd.exchange.chains``), built as TensorFlow ops (``hvd_qsgd.adapters.tf_exchange``)
+so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
 
-The same exchange as the PyTorch adapter (``hvd_qsgd/adapters/torch.py``), built from TensorFlow
-ops so it runs inside ``tf.function`` training steps and ``tf.compat.v1`` graphs. Each exchange
-resolves its reduction with ``settings.exchange_reduction(n, numel)`` ("auto" picks per tensor by
-``hvd_qsgd.cost_model``, alike on every rank); the resolved reduction is part of the settings tag
-of the control vector, so ranks that resolve differently fail the check instead of hanging.
+    compress(g):    the chain's encode of g [+ e] (QsgdEncode, or QsgdEncodeChunks for
+                    scatter_allgather); returns the control vector (a float64 constant)
+    decompress(r):  alpha = QsgdCheckControl(r)                   (fails on every rank alike)
+                    the chain's stages, the first collective after alpha (control dependency)
+                    return cast(alpha * the reduced tensor, g.dtype)
 
-allgather (every rank receives every payload)::
+Each exchange resolves its reduction with ``settings.exchange_reduction(n, numel)``; the resolved
+reduction is part of the control vector's settings tag, so ranks that resolve differently fail the
+check instead of hanging, as a rank never waits on a collective another rank did not start.
 
-    compress(g):    payload = QsgdEncode(g [+ e], occurrence)           (the kernels' CPU encoder)
-                    return the control vector (a float64 constant) for Horovod's allreduce
-    decompress(r):  alpha = QsgdCheckControl(r)                          (fails on every rank alike)
-                    gathered = hvd.allgather(payload), after alpha          (control dependency)
-                    return cast(QsgdDecodeSum(gathered, alpha), g.dtype)
+Exchanges are numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under
+``tf.function`` that is while tracing), the same on every rank that runs the same program. The
+variables of a traced exchange (``hvd_qsgd.adapters.tf_state``) are keyed by the enclosing
+function's name and the position within its trace, so a retrace reuses what the first trace made:
+an int64 occurrence counter (the payload seed is ``protocol.payload_seed(seed, rank, exchange,
+occurrence)``, computed by the op), the error-feedback residual ``e <- (g + e) - decode(own
+payload(s))``, and the statistics counters (``bytes_sent``: this rank's payload bytes put on the wire
+once each; ``bytes_received``: the other ranks' payloads received, in every phase).
 
-scatter_allgather (rank j reduces chunk j; ``hvd_qsgd.reduction`` states the algorithm)::
+DQSGD (a ``ScheduledBits`` policy): the ops take their bits as attrs, so compress and decompress are
+each a ``tf.switch_case`` over the bit widths, every branch the chain with that width's settings;
+the tensor's schedule variable (``hvd_qsgd.adapters.tf_schedule``) picks the branch, and the control
+vector is that width's row of a constant table. Graph mode only, as error feedback is.
 
-    compress(g):    payloads, splits = QsgdEncodeChunks(g [+ e], occurrence)   (n chunk payloads)
-                    return the control vector
-    decompress(r):  alpha = QsgdCheckControl(r)
-                    received, rsplits = hvd.alltoall(payloads, splits), after alpha   ("<exchange>_scatter")
-                    reduced, error = QsgdReduceChunk(received, rsplits, occurrence)
-                    gathered = hvd.allgather(reduced)                        ("<exchange>_gather")
-                    lengths = hvd.allgather([len(reduced)])                  ("<exchange>_gather_splits")
-                    return cast(QsgdDecodeChunks(gathered, lengths, alpha, error), g.dtype)
-
-The phase-2 lengths travel by a second, int32 allgather of each rank's reduced-payload length (4
-bytes a rank), not inside the payload bytes: the decode then knows every rank's slot, including an
-empty one, without parsing headers, and the payloads on the wire are exactly the codec's. Payloads
-are never padded: Elias-coded (variable-length) chunks travel at their own lengths in both phases.
-QsgdReduceChunk never fails the step: a rank whose received payloads fail their checks sends an
-empty reduced payload (and keeps its reason in ``error``), so every rank still joins the phase-2
-allgathers, sees the empty slot and raises ``InvalidArgumentError`` naming the ranks that could not
-reduce (with this rank's own reason, when it is one of them).
-
-A collective is ordered after the control check, so a rank never waits on a collective another rank
-did not start: a mismatch fails the step with ``InvalidArgumentError`` on every rank. Exchanges are
-numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under ``tf.function`` that
-is while tracing), which is the same on every rank that runs the same program; a different order is
-detected, not hung on. Per-exchange variables are keyed by the enclosing function's name and the
-position within its trace, so a retrace reuses what the first trace created.
-
-State lives in ``tf.Variable``s created outside the traced function (``tf.init_scope``): for each
-traced exchange an int64 occurrence counter (the payload seed is
-``protocol.payload_seed(seed, rank, exchange, occurrence)``, computed by the op; scatter_allgather
-derives its chunk seeds from it as ``reduction.chunk_seed``) and, with ``error_feedback``, the
-float32 residual ``e <- (g + e) - decode(own payload(s))`` (scatter_allgather: the decode of this
-rank's n phase-1 chunk payloads); and the statistics counters. ``bytes_sent`` counts this rank's
-payload bytes put on the wire once each: its payload (allgather), or its phase-1 chunks for the other
-ranks plus its reduced chunk (scatter_allgather); ``bytes_received`` counts the other ranks'
-payloads this rank received, in both phases (its own slots excluded; the 4-byte phase-2 lengths are
-not payload and are not counted). In eager execution (no ``tf.function``) every call is a new
-exchange, seeded as occurrence 0 of ``hvd_qsgd_<k>_s<seq>``; error feedback needs a ``tf.function``
-step (its residual must persist per traced tensor).
-
-DQSGD (a ``ScheduledBits`` policy): the codec ops take their bits as attrs, so compress and
-decompress are each a ``tf.switch_case`` over the bit widths ``min_bits..max_bits``, every branch
-the exchange above with that width's settings (``policy.settings_of_bits``); the step's bits, from
-the tensor's schedule variable (``hvd_qsgd.adapters.tf_schedule``), pick the branch, and the control
-vector is that width's row of a constant table, so ranks that chose different bits fail the check.
-After the exchange the norm of the reduced result is recorded for the next choice. Graph mode only.
-
-In eager execution the ops run as they are called, and TensorFlow's eager runtime keeps a kernel for
-every distinct set of attrs an op was called with, for the life of the process (about 40 KB each).
-So nothing that differs from call to call may be an attr: an eager exchange travels as
-``hvd_qsgd_<k>_n<slot>`` (the lowest slot no unfinished eager exchange holds, free again after its
-decompress), its messages name that slot, and its payload seed, still
-``protocol.payload_seed(seed, rank, "hvd_qsgd_<k>_s<seq>", 0)``, reaches the op through the
-occurrence input (``_occurrence_for``) with the seed attr 0. The names repeat from call to call,
-as Horovod's response cache expects.
+Eagerly, TensorFlow keeps a kernel for every distinct set of attrs an op was called with, for the
+life of the process: so an eager exchange travels as ``hvd_qsgd_<k>_n<slot>`` (the lowest slot no
+unfinished eager exchange holds), and its payload seed, still that of ``hvd_qsgd_<k>_s<seq>``,
+reaches the op through the occurrence input (``protocol.occurrence_seeding``) with the seed attr 0.
 """
 import itertools
 import threading
 import weakref
+from types import SimpleNamespace
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, protocol, reduction, report, step_built
+from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
 from hvd_qsgd.adapters import tf_schedule
-from hvd_qsgd.adapters.tf_state import TensorFlowState, usable_rate
+from hvd_qsgd.adapters.tf_exchange import GraphRun, TensorFlowOps
+from hvd_qsgd.adapters.tf_state import TensorFlowState
+from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
@@ -91,13 +53,6 @@ from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
 from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
 
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
-_GOLDEN = 0x9E3779B97F4A7C15   # the increment of qsgd_step_seed (kernels/qsgd_control.cc)
-
-
-def _occurrence_for(base):
-    """The occurrence o with qsgd_step_seed(0, o) == qsgd_step_seed(base, 0): the step seed mixes
-    base + (o + 1) * GOLDEN, so o = base / GOLDEN (mod 2^64; GOLDEN is odd)."""
-    return qops.as_int64_attr(base * pow(_GOLDEN, -1, 2 ** 64))
 
 
 class _Raw:
@@ -109,12 +64,13 @@ class _Raw:
         self.dtype = dtype
 
 
-class _Exchange:
-    """The context of one compressed tensor between compress and decompress."""
+class _Tensor:
+    """The adapter's side of one compressed tensor between compress and decompress (each exchange's
+    ``origin``): its names, shape, variables, DQSGD schedule, and the exchange of each bit width."""
 
-    __slots__ = ("name", "where", "payload", "splits", "x32", "residual", "shape", "dtype", "numel", "set_ranks",
-                 "set_rank", "fingerprint", "occurrence", "seed", "slot", "lr", "residual_lr",
-                 "timing", "variants", "index", "schedule", "key", "process_set")
+    __slots__ = ("name", "where", "shape", "dtype", "numel", "set_ranks", "set_rank", "fingerprint", "occurrence",
+                 "seed", "slot", "residual", "index", "schedule", "key", "process_set", "variants", "exchanges",
+                 "deps")
 
 
 class TensorFlowCompressor(TensorFlowState, Compressor):
@@ -155,29 +111,10 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._schedules = {}                            # DQSGD: schedule variables by state key
         self._occurrences = {}
+        self.run = GraphRun(self)                       # what the chains call (hvd_qsgd.adapters.tf_exchange)
 
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
-
-    def _next_exchange(self):
-        """(sequence number, state key) of the next exchange.
-
-        Sequence numbers name exchanges; they count every compress call of this compressor, which
-        every rank running the same program makes in the same order. The state key names the
-        exchange's variables: ``<function>:<position>`` within the current trace of the nearest
-        enclosing tf.function (tf.cond/while branches are part of their function), so that a retrace
-        finds the variables its first trace created. None in eager execution."""
-        seq = self.names.next_seq()
-        with self._lock:
-            if tf.executing_eagerly():
-                return seq, None
-            g = tf.compat.v1.get_default_graph()
-            while isinstance(g, ControlFlowFuncGraph):
-                g = g.outer_graph
-            position = self._positions.get(g, 0)
-            self._positions[g] = position + 1
-            self.traced_exchanges.append((self.names.name(f"s{seq}"), getattr(g, "name", "graph")))
-            return seq, f"{getattr(g, 'name', 'graph')}:{position}"
 
     # -- Compressor interface -----------------------------------------------------------------
 
@@ -220,7 +157,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         """The context of exchange ``seq``: its name (eager: a slot), messages, and occurrence (the
         payload seed's counter: a variable per traced exchange)."""
         s = self.settings
-        ctx = _Exchange()
+        ctx = _Tensor()
         ctx.process_set = ps
         eager = tf.executing_eagerly()
         ctx.slot = self.names.take_slot() if eager else None
@@ -232,13 +169,13 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), SOURCE_DTYPES[tensor.dtype])
         if eager:  # the seed of "hvd_qsgd_<k>_s<seq>", through the input (see the module docstring);
             # a NumPy scalar, as TensorFlow keeps every eager tensor made from a Python number
-            ctx.occurrence = tf.constant(np.int64(_occurrence_for(protocol.exchange_seed(
-                s.seed, set_rank, self.names.name(f"s{seq}")))))
+            ctx.occurrence = tf.constant(np.int64(qops.as_int64_attr(protocol.occurrence_seeding(
+                protocol.exchange_seed(s.seed, set_rank, self.names.name(f"s{seq}"))))))
         else:
             counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
             ctx.occurrence = counter.assign_add(1) - 1
-        ctx.residual = ctx.lr = ctx.residual_lr = None
+        ctx.residual, ctx.deps = None, []
         ctx.variants, ctx.index, ctx.schedule, ctx.key = [s], None, None, state_key
         ctx.set_rank = set_rank
         ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
@@ -262,44 +199,50 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         if eager:
             raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
                              "step: residuals are kept per traced tensor")
-        ctx.residual = self._state(self.residuals.residuals, state_key, lambda: tf.Variable(
-            tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
-        if ctx.residual.shape.num_elements() != ctx.numel:
-            raise ValueError(f"{ctx.where}: its error-feedback residual ({state_key}) has "
-                             f"{ctx.residual.shape.num_elements()} elements: the function handed the "
-                             "compressor other tensors in this position when it was first traced")
-        return tf.reshape(tf.cast(tensor, tf.float32), [-1]) + ctx.residual * self._rescale_factor(ctx, state_key)
+        ctx.residual = self._residual(ctx)
+        return tensor
 
     def _encode(self, ctx, x, seq):
-        """(the control vector for Horovod's allreduce, ctx): the payload(s) of x, timed."""
-        ctx.x32 = x
-        occurrence, set_ranks = ctx.occurrence, ctx.set_ranks
+        """(the control vector for Horovod's allreduce, ctx): the payload(s) of x (``encode`` of the
+        reduction's chain), timed; DQSGD: the chain of the bits of this step, in a tf.switch_case."""
         s, world, grank, set_rank = self.settings, hvd.size(), hvd.rank(), ctx.set_rank
-
-        def encode(v, uniform):
-            """The payload(s) with settings v; ``uniform``: (payload, splits) for every reduction."""
-            attrs = self._encode_attrs(ctx, v)
-            if self._reduction(ctx, v) == "scatter_allgather":
-                return tuple(qops.load().qsgd_encode_chunks(x, occurrence, **attrs))
-            attrs.pop("world")
-            payload = qops.load().qsgd_encode(x, occurrence, **attrs)
-            return payload, (tf.zeros([len(set_ranks)], tf.int32) if uniform else None)
-
-        if ctx.index is None:
-            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence], lambda: encode(s, False))
-        else:  # DQSGD: the bits of this step pick the branch (every branch's attrs are fixed)
-            (ctx.payload, ctx.splits), encode_time = self._timed("encode_s", [x, occurrence, ctx.index], lambda: tuple(
-                tf.switch_case(ctx.index, [lambda v=v: encode(v, True) for v in ctx.variants])))
-        ctx.timing = [encode_time]
+        ctx.exchanges = [self._exchange(ctx, v) for v in ctx.variants]
+        inputs = [x, ctx.occurrence] + ([] if ctx.index is None else [ctx.index])
+        with self.run.collecting() as deps:
+            if ctx.index is None:
+                ex = ctx.exchanges[0]
+                self.run.timed("encode_s", lambda: ex.chain.encode(self.run, ex, x) or ex.payload, *inputs)
+            else:  # every branch's attrs are fixed: the bits of this step pick the branch
+                def encode(ex):
+                    ex.chain.encode(self.run, ex, x)
+                    splits = tf.zeros([len(ctx.set_ranks)], tf.int64) if ex.splits is None else ex.splits
+                    return ex.payload, splits, ex.own_len
+                encoded = self.run.timed("encode_s", lambda: tuple(self.run.switch(
+                    ctx.index, [lambda ex=ex: encode(ex) for ex in ctx.exchanges])), *inputs)
+                for ex in ctx.exchanges:
+                    ex.payload, ex.splits, ex.own_len = encoded
+        ctx.deps = deps
         key = numbered_key(seq if ctx.slot is None else ctx.slot)
         vectors = [protocol.control_vector(world, grank, set_rank, protocol.exchange_tags(
-            len(set_ranks), self._creation_index, v.tag(self._reduction(ctx, v)), key)) for v in ctx.variants]
+            len(ctx.set_ranks), self._creation_index, v.tag(self._reduction(ctx, v)), key)) for v in ctx.variants]
         if ctx.index is None:
             control = tf.constant(vectors[0], dtype=tf.float64, name=f"{ctx.name}_control")
         else:  # the settings tag of the bits chosen: ranks that chose differently fail the check
             control = tf.gather(tf.constant(np.stack(vectors), dtype=tf.float64), ctx.index,
                                 name=f"{ctx.name}_control")
         return control, ctx
+
+    def _exchange(self, ctx, v):
+        """The exchange of the tensor ``ctx`` with settings v: its chain, over TensorFlow ops."""
+        red, n = self._reduction(ctx, v), len(ctx.set_ranks)
+        dtype = SOURCE_DTYPES[ctx.dtype]
+        expect = SimpleNamespace(bits=v.bits, bucket_size=v.bucket_size, norm=v.norm, coding=v.coding, numel=ctx.numel,
+                                 dtype=dtype, fingerprint=ctx.fingerprint)
+        return Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v, expect=expect,
+                        reduction=red, chain=CHAINS[red], group=ctx.process_set, set_ranks=ctx.set_ranks,
+                        set_rank=ctx.set_rank, world=hvd.size(), global_rank=hvd.rank(), origin=ctx,
+                        step_seed=(ctx.seed, ctx.occurrence),
+                        backend=TensorFlowOps(self.run, v, dtype, ctx.fingerprint, ctx.where, ctx.numel, n))
 
     def _exchange_process_set(self, caller):
         """The process set of an exchange (``horovod_caller.exchange_process_set``); a set given that is
@@ -319,20 +262,17 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             return tensor
         if isinstance(ctx, _Raw):
             return tf.cast(tensor, ctx.dtype)
-        ops = qops.load()
         try:
-            alpha = ops.qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
-                                           tag_names=list(protocol.TAG_NAMES), where=ctx.where)
-            if ctx.index is None:
-                out, deps = self._reduce(ctx, alpha, self.settings)
-            else:  # DQSGD: the exchange with the bits chosen in compress; its norm chooses the next bits
-                def branch(v):
-                    out, deps = self._reduce(ctx, alpha, v)
-                    with tf.control_dependencies(deps):
-                        return tf.identity(out)
-                out = tf.switch_case(ctx.index, [lambda v=v: branch(v) for v in ctx.variants])
-                deps = [tf_schedule.observe(ctx.schedule, out)]
-            with tf.control_dependencies(deps):
+            alpha = qops.load().qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(),
+                                                   set_ranks=ctx.set_ranks, tag_names=list(protocol.TAG_NAMES),
+                                                   where=ctx.where)
+            with self.run.collecting() as deps:
+                if ctx.index is None:
+                    out = self._stages(ctx.exchanges[0], alpha)
+                else:  # DQSGD: the exchange with the bits chosen in compress; its norm chooses the next bits
+                    out = self.run.switch(ctx.index, [lambda ex=ex: self._stages(ex, alpha) for ex in ctx.exchanges])
+                    deps.append(tf_schedule.observe(ctx.schedule, out))
+            with tf.control_dependencies(ctx.deps + deps + [self._count_allreduce_bytes(ctx)]):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
             # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
             # costs a dozen variable reads, so every 64th exchange looks
@@ -342,112 +282,14 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
 
-    def _reduce(self, ctx, alpha, v):
-        """(alpha * the reduced gradient, the statistics and residual updates) with settings v."""
-        if self._reduction(ctx, v) == "scatter_allgather":
-            return self._scatter_allgather(ctx, alpha, v)
-        return self._allgather(ctx, alpha, v)
-
-    @staticmethod
-    def _codec_attrs(ctx, s):
-        """The attrs the codec ops of one exchange with settings s share."""
-        return dict(bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm], coding=codec.CODINGS[s.coding],
-                    dtype_code=codec.DTYPES[SOURCE_DTYPES[ctx.dtype]],
-                    fingerprint=qops.as_int64_attr(ctx.fingerprint), world=len(ctx.set_ranks), where=ctx.where)
-
-    @classmethod
-    def _encode_attrs(cls, ctx, s):
-        """The attrs of the ops that encode (the shared ones, and the checksum, encoder version and seed)."""
-        return dict(cls._codec_attrs(ctx, s), checksum=s.checksum, encoder=s.encoder, seed=ctx.seed)
-
-    def _allgather(self, ctx, alpha, v):
-        """(alpha * the decoded sum of every rank's payload, the statistics and residual updates)."""
-        ops = qops.load()
+    def _stages(self, ex, alpha):
+        """alpha * the reduced tensor: the chain's stages, its first collective ordered after the
+        control check (a rank never waits on a collective another rank did not start)."""
         with tf.control_dependencies([alpha]):
-            payload = tf.identity(ctx.payload)
-        gathered, wait_time = self._timed("wait_s", [payload], lambda: hvd.allgather(
-            payload, name=ctx.name, ignore_name_scope=True, process_set=ctx.process_set))
-        attrs = self._codec_attrs(ctx, v)
-        attrs.pop("world")
-        out, decode_time = self._timed("decode_s", [gathered], lambda: ops.qsgd_decode_sum(
-            gathered, alpha, count=len(ctx.set_ranks), numel=ctx.numel, **attrs))
-        sent = tf.size(ctx.payload, out_type=tf.int64)
-        deps = self._count(elements=ctx.numel, bytes_sent=sent, tensors=1,
-                           bytes_received=tf.size(gathered, out_type=tf.int64) - sent)
-        deps += ctx.timing + [wait_time, decode_time, self._count_allreduce_bytes(ctx)]
-        if ctx.residual is not None:
-            own = ops.qsgd_decode_sum(ctx.payload, tf.constant(1.0), count=1, numel=ctx.numel, **attrs)
-            deps.append(self._assign_residual(ctx, own))
-        return out, deps
+            ex.payload = tf.identity(ex.payload)
+            if ex.splits is not None:
+                ex.splits = tf.identity(ex.splits)
+        return run_stages(self.run, ex, alpha)
 
-    def _scatter_allgather(self, ctx, alpha, v):
-        """(alpha * the decoded reduced chunks, the statistics and residual updates)."""
-        ops, ps, j = qops.load(), ctx.process_set, ctx.set_rank
-        attrs, encode_attrs = self._codec_attrs(ctx, v), self._encode_attrs(ctx, v)
-        with tf.control_dependencies([alpha]):
-            payloads, splits = tf.identity(ctx.payload), tf.identity(ctx.splits)
-        (received, received_splits), wait1 = self._timed("wait_s", [payloads, splits], lambda: tuple(hvd.alltoall(
-            payloads, splits=splits, name=f"{ctx.name}_scatter", ignore_name_scope=True, process_set=ps)))
-        if v.server_error_feedback:   # rank j's residual of its chunk j (two-way error feedback)
-            server = self._server_residual(ctx, v)
-
-            def reduce_step():
-                reduced, error, new = ops.qsgd_reduce_chunk_ef(received, received_splits, ctx.occurrence, server,
-                                                               chunk=j, numel=ctx.numel, **encode_attrs)
-                with tf.control_dependencies([server.assign(new)]):
-                    return tf.identity(reduced), tf.identity(error)
-        else:
-            def reduce_step():
-                return tuple(ops.qsgd_reduce_chunk(received, received_splits, ctx.occurrence, chunk=j,
-                                                   numel=ctx.numel, **encode_attrs))
-        (reduced, error), reduce_time = self._timed("decode_s", [received, received_splits], reduce_step)
-
-        def gather_both():
-            return (hvd.allgather(reduced, name=f"{ctx.name}_gather", ignore_name_scope=True, process_set=ps),
-                    hvd.allgather(tf.reshape(tf.size(reduced, out_type=tf.int32), [1]),
-                                  name=f"{ctx.name}_gather_splits", ignore_name_scope=True, process_set=ps))
-        (gathered, gathered_splits), wait2 = self._timed("wait_s", [reduced, error], gather_both)
-        out, decode_time = self._timed("decode_s", [gathered, gathered_splits], lambda: ops.qsgd_decode_chunks(
-            gathered, gathered_splits, alpha, error, numel=ctx.numel, **attrs))
-
-        def others(lengths):  # bytes in the other ranks' slots
-            lengths = tf.cast(lengths, tf.int64)
-            return tf.reduce_sum(lengths) - lengths[j]
-
-        deps = self._count(elements=ctx.numel, tensors=1,
-                           bytes_sent=others(splits) + tf.size(reduced, out_type=tf.int64),
-                           bytes_received=others(received_splits) + others(gathered_splits))
-        deps += ctx.timing + [wait1, reduce_time, wait2, decode_time, self._count_allreduce_bytes(ctx)]
-        if ctx.residual is not None:
-            own = ops.qsgd_decode_chunks(ctx.payload, ctx.splits, tf.constant(1.0), tf.constant(""), numel=ctx.numel,
-                                         **attrs)
-            deps.append(self._assign_residual(ctx, own))
-        return out, deps
-
-    def _server_residual(self, ctx, v):
-        """This rank's server residual of the exchange ``ctx`` (its chunk's elements, zero at first)."""
-        if ctx.key is None:
-            raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True needs a tf.function training step: "
-                             "the reducing rank's residual is kept per traced tensor")
-        begin, end = reduction.chunk_ranges(ctx.numel, v.bucket_size, len(ctx.set_ranks))[ctx.set_rank]
-        server = self._state(self.residuals.server, ctx.key, lambda: tf.Variable(
-            tf.zeros([end - begin], tf.float32), trainable=False, name=f"{ctx.name}_server_residual"))
-        if server.shape.num_elements() != end - begin:
-            raise ValueError(f"{ctx.where}: its server error-feedback residual has {server.shape.num_elements()} "
-                             f"elements, this rank's chunk {end - begin}: the tensor, the bucket size or the "
-                             "number of ranks changed since it was made")
-        return server
-
-    @staticmethod
-    def _assign_residual(ctx, own):
-        """residual <- x32 - own, except where that is not finite (a bucket that held a NaN or an Inf
-        decodes to NaN): there the previous residual stays, so one overflowing step (skipped by loss
-        scaling) does not make every later gradient non-finite."""
-        new = ctx.x32 - own
-        assign = ctx.residual.assign(tf.where(tf.math.is_finite(new), new, ctx.residual))
-        if ctx.lr is None:
-            return assign
-        with tf.control_dependencies([assign]):
-            return ctx.residual_lr.assign(tf.where(usable_rate(ctx.lr), ctx.lr, ctx.residual_lr))
 
 TensorFlowCompressor.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)

@@ -4,11 +4,14 @@ learning rates they were made at, DQSGD's schedules, server residuals), made out
 function and initialized where a ``tf.compat.v1`` session already ran its initializer; learning-rate
 following; checkpoints (``variables``, ``state_dict``); and what elastic training reads and sets
 (eagerly). ``TensorFlowState`` is a base of ``TensorFlowCompressor``: it reads the compressor's
-``settings``, ``names``, ``residuals``, ``_occurrences``, ``_schedules`` and ``_creation_index``.
+``settings``, ``names``, ``residuals``, ``_occurrences``, ``_schedules``, ``_positions``, ``_lock``
+and ``_creation_index``. The names of an exchange's variables, its state key, come from
+``_next_exchange``.
 """
 import tensorflow as tf
+from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
-from hvd_qsgd import cost_model, protocol
+from hvd_qsgd import cost_model, protocol, reduction
 from hvd_qsgd.adapters import tf_schedule
 from hvd_qsgd.settings import Stats
 
@@ -16,6 +19,40 @@ from hvd_qsgd.settings import Stats
 class TensorFlowState:
     """Variables, statistics, learning-rate following, checkpoints and elastic state (see the
     module docstring)."""
+
+    def _next_exchange(self):
+        """(sequence number, state key) of the next exchange.
+
+        Sequence numbers name exchanges; they count every compress call of this compressor, which
+        every rank running the same program makes in the same order. The state key names the
+        exchange's variables: ``<function>:<position>`` within the current trace of the nearest
+        enclosing tf.function (tf.cond/while branches are part of their function), so that a retrace
+        finds the variables its first trace created. None in eager execution."""
+        seq = self.names.next_seq()
+        with self._lock:
+            if tf.executing_eagerly():
+                return seq, None
+            g = tf.compat.v1.get_default_graph()
+            while isinstance(g, ControlFlowFuncGraph):
+                g = g.outer_graph
+            position = self._positions.get(g, 0)
+            self._positions[g] = position + 1
+            self.traced_exchanges.append((self.names.name(f"s{seq}"), getattr(g, "name", "graph")))
+            return seq, f"{getattr(g, 'name', 'graph')}:{position}"
+
+    def _server_residual(self, ctx, v):
+        """This rank's server residual of the exchange ``ctx`` (its chunk's elements, zero at first)."""
+        if ctx.key is None:
+            raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True needs a tf.function training step: "
+                             "the reducing rank's residual is kept per traced tensor")
+        begin, end = reduction.chunk_ranges(ctx.numel, v.bucket_size, len(ctx.set_ranks))[ctx.set_rank]
+        server = self._state(self.residuals.server, ctx.key, lambda: tf.Variable(
+            tf.zeros([end - begin], tf.float32), trainable=False, name=f"{ctx.name}_server_residual"))
+        if server.shape.num_elements() != end - begin:
+            raise ValueError(f"{ctx.where}: its server error-feedback residual has {server.shape.num_elements()} "
+                             f"elements, this rank's chunk {end - begin}: the tensor, the bucket size or the "
+                             "number of ranks changed since it was made")
+        return server
 
     def _counter_vars(self):
         if self._counters is None:
@@ -89,16 +126,23 @@ class TensorFlowState:
             lr = lr(source.iterations)
         return lr
 
-    def _rescale_factor(self, ctx, state_key):
-        """lr_made / lr_now for the residual (1 without follow_learning_rate, or where either is not
-        a finite positive number)."""
+    def _residual(self, ctx):
+        """The error-feedback residual of the exchange ``ctx`` (a variable of its state key, made zero
+        at first), rescaled by lr_made / lr_now (1 without follow_learning_rate, or where either is
+        not a finite positive number)."""
+        variable = self._state(self.residuals.residuals, ctx.key, lambda: tf.Variable(
+            tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
+        if variable.shape.num_elements() != ctx.numel:
+            raise ValueError(f"{ctx.where}: its error-feedback residual ({ctx.key}) has "
+                             f"{variable.shape.num_elements()} elements: the function handed the "
+                             "compressor other tensors in this position when it was first traced")
         if self._learning_rate is None:
-            return tf.constant(1.0)
-        ctx.lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
-        ctx.residual_lr = self._state(self.residuals.rates, state_key, lambda: tf.Variable(
+            return GraphResidual(variable, tf.constant(1.0))
+        lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
+        made = self._state(self.residuals.rates, ctx.key, lambda: tf.Variable(
             0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
-        ok = usable_rate(ctx.lr) & usable_rate(ctx.residual_lr)
-        return tf.where(ok, ctx.residual_lr / tf.where(ok, ctx.lr, 1.0), 1.0)
+        ok = usable_rate(lr) & usable_rate(made)
+        return GraphResidual(variable, tf.where(ok, made / tf.where(ok, lr, 1.0), 1.0), lr, made)
 
     def rescale_residuals(self, factor):
         """Multiply every error-feedback residual by ``factor`` (eager execution)."""
@@ -230,3 +274,24 @@ def _initialize_in_session(variables):
 def usable_rate(lr):
     """Where a learning rate can rescale a residual: finite and positive."""
     return tf.math.is_finite(lr) & (lr > 0)
+
+
+class GraphResidual:
+    """An error-feedback residual kept in a variable: what is encoded is ``x + residual * factor``
+    (``factor``: lr_made / lr_now, 1 without learning-rate following); after encoding, residual <-
+    that minus its decoded payload(s), except where that is not finite (a bucket that held a NaN or
+    an Inf decodes to NaN: there the previous residual stays, so one overflowing step skipped by loss
+    scaling does not make every later gradient non-finite); and the learning rate it was made at."""
+
+    def __init__(self, variable, factor, lr=None, lr_variable=None):
+        self.variable, self.factor, self.lr, self.lr_variable = variable, factor, lr, lr_variable
+
+    def add_to(self, x):
+        return tf.reshape(tf.cast(x, tf.float32), [-1]) + self.variable * self.factor
+
+    def assign(self, new):
+        done = self.variable.assign(tf.where(tf.math.is_finite(new), new, self.variable))
+        if self.lr is None:
+            return done
+        with tf.control_dependencies([done]):
+            return self.lr_variable.assign(tf.where(usable_rate(self.lr), self.lr, self.lr_variable))

@@ -12,9 +12,7 @@ Arrays are the exchange's backend's (``hvd_qsgd.backends``); collectives are the
 (``hvd_qsgd.exchange.collectives``). The algorithms: ``hvd_qsgd.reduction`` (scatter_allgather),
 docs/architecture.md.
 """
-import time
-
-from hvd_qsgd import protocol, reduction
+from hvd_qsgd import protocol
 
 
 class Exchange:
@@ -46,6 +44,15 @@ class Exchange:
         return self.reduction if self.layout is None else f"{self.reduction}/{self.layout}"
 
 
+def run_stages(run, ex, alpha):
+    """The exchange's stages one after another (its chain's start, advance while another stage
+    follows, finish): for collectives matched by call order or built into a graph in order."""
+    again = ex.chain.start(run, ex)
+    while again:
+        again = ex.chain.advance(run, ex)
+    return ex.chain.finish(run, ex, alpha)
+
+
 class AllgatherChain:
     """Every rank receives every payload and decodes their sum: (n-1) P bytes received a rank."""
 
@@ -58,7 +65,7 @@ class AllgatherChain:
         ex.payload = ex.backend.encode(x, s, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype, ex.where,
                                        residual=residual, residual_valid=valid)
         run.keep_residual(ex, residual)
-        ex.own_len = len(ex.payload)
+        ex.own_len = ex.backend.length(ex.payload)
 
     @staticmethod
     def start(run, ex):
@@ -78,16 +85,14 @@ class AllgatherChain:
     @staticmethod
     def finish(run, ex, alpha):
         """Check every rank's header, decode and sum the payloads."""
-        b, where, n = ex.backend, ex.where, len(ex.set_ranks)
+        b, n = ex.backend, len(ex.set_ranks)
         gathered = run.wait(ex.handle)
-        t0 = time.perf_counter()
-        payloads = b.split(gathered, n, ex.own_len, where)
-        protocol.check_gathered(b.read_headers(payloads, where), ex.expect, where)
-        out = b.decode_sum(payloads, alpha, where)
+        out, lens = run.timed("decode_s", lambda: b.decode_gathered(gathered, n, ex.own_len, alpha, ex.expect,
+                                                                     ex.where), gathered)
         remote = ex.remote_ranks()
-        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1, decode_s=time.perf_counter() - t0,
-                      bytes_received=len(gathered) - ex.own_len, cross_bytes_sent=ex.own_len * len(remote),
-                      cross_bytes_received=sum(len(payloads[j]) for j in remote))
+        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1,
+                      bytes_received=b.length(gathered) - ex.own_len, cross_bytes_sent=ex.own_len * len(remote),
+                      cross_bytes_received=sum(lens[j] for j in remote))
         return out
 
 
@@ -105,7 +110,7 @@ class ScatterAllgatherChain:
                                                          ex.expect.dtype, ex.where, residual=residual,
                                                          residual_valid=valid)
         run.keep_residual(ex, residual)
-        ex.own_len = int(sum(ex.splits))
+        ex.own_len = ex.backend.total(ex.splits)
 
     @staticmethod
     def start(run, ex):
@@ -113,7 +118,7 @@ class ScatterAllgatherChain:
         ex.stage = "scatter"
         buf, ex.payload = ex.payload, None
         ex.sent = ex.own_len - ex.splits[ex.set_rank]
-        ex.cross_sent = sum(v for j, v in enumerate(ex.splits) if ex.remote(j))
+        ex.cross_sent = sum(ex.splits[j] for j in ex.remote_ranks())
         ex.handle = run.collectives.alltoall(buf, ex.splits, f"{ex.route.exchange}.scatter", ex.group)
         return True
 
@@ -121,18 +126,17 @@ class ScatterAllgatherChain:
     def advance(run, ex):
         """This rank's chunk: check every rank's payload of it, re-quantize their sum, start the
         allgather of the reduced chunks' frames (an empty frame after a failure: every rank raises)."""
-        j = ex.set_rank
+        j, b = ex.set_rank, ex.backend
         received, rsplits = run.collectives.wait(ex.handle)
         ex.handle = None
-        ex.received = int(sum(rsplits)) - rsplits[j]
-        ex.cross_received = sum(v for k, v in enumerate(rsplits) if ex.remote(k))
-        t0 = time.perf_counter()
+        ex.received = b.total(rsplits) - rsplits[j]
+        ex.cross_received = sum(rsplits[k] for k in ex.remote_ranks())
         server = (lambda: run.server_residual(ex, received)) if ex.settings.server_error_feedback else None
-        frame, ex.reduce_error = ex.backend.reduce_received(received, rsplits, j, ex.settings, ex.step_seed,
-                                                            ex.expect, ex.where, server_residual=server)
-        run.stats.add(decode_s=time.perf_counter() - t0)
-        ex.sent += len(frame)
-        ex.cross_sent += len(frame) * len(ex.remote_ranks())
+        frame, ex.reduce_error = run.timed("decode_s", lambda: b.reduce_received(
+            received, rsplits, j, ex.settings, ex.step_seed, ex.expect, ex.where, server_residual=server),
+            received, rsplits)
+        ex.sent += b.length(frame)
+        ex.cross_sent += b.length(frame) * len(ex.remote_ranks())
         ex.gather_handle = run.collectives.allgather(frame, f"{ex.route.exchange}.gather", ex.group)
         return False
 
@@ -149,19 +153,15 @@ class ScatterAllgatherChain:
             raise protocol.MismatchError(f"{ex.where}: the first phase of the exchange failed on this rank")
         n, j, b = len(ex.set_ranks), ex.set_rank, ex.backend
         gathered = run.wait(ex.gather_handle)
-        # the frames' lengths are read on the host (a copy of the frames where they are on a device)
-        chunks = reduction.unframe(b.host(gathered), n, ex.where)
-        t0 = time.perf_counter()
-        if ex.reduce_error is not None:
-            raise protocol.MismatchError(f"{ex.where}: this rank could not reduce chunk {j}: "
-                                         f"{ex.reduce_error}") from ex.reduce_error
-        ex.received += sum(8 + c.size for c in chunks) - (8 + chunks[j].size)
-        ex.cross_received += sum(8 + c.size for k, c in enumerate(chunks) if ex.remote(k))
-        chunks = [b.place_bytes(c, gathered) for c in chunks]
-        out = b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size, f"{ex.where}: reduced chunks")
+        chunks = b.unframe(gathered, n, ex.where)
+        b.raise_if_failed(ex.reduce_error, f"{ex.where}: this rank could not reduce chunk {j}")
+        ex.received += b.part_bytes(chunks, [k for k in range(n) if k != j])
+        ex.cross_received += b.part_bytes(chunks, ex.remote_ranks())
+        out = run.timed("decode_s", lambda: b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size,
+                                                            f"{ex.where}: reduced chunks", error=ex.reduce_error),
+                        gathered)
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
-                      decode_s=time.perf_counter() - t0, cross_bytes_sent=ex.cross_sent,
-                      cross_bytes_received=ex.cross_received)
+                      cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
         return out
 
 

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
 from hvd_qsgd.driver import StagedDriver
-from hvd_qsgd.exchange.chains import CHAINS, Exchange
+from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore, element_count
@@ -261,6 +261,15 @@ class ExchangeRunner:
             return False
         return ex.chain.start(self, ex)
 
+    def timed(self, field, make, *after):
+        """make(), its time added to the statistics field ``field`` (``after``: what it reads, which a
+        graph-building runner orders it after)."""
+        t0 = time.perf_counter()
+        try:
+            return make()
+        finally:
+            self.stats.add(**{field: time.perf_counter() - t0})
+
     def wait(self, handle):
         """The result of a collective, the time blocked on it counted in ``wait_s``."""
         t0 = time.perf_counter()
@@ -317,10 +326,7 @@ class ExchangeRunner:
         """The exchange's stages one after another, without presence or control vector, for a
         library whose collectives block and are matched by call order, where the caller has checked
         that every rank runs the same exchange (``hvd_qsgd.mpi``): the result, alpha * sum."""
-        again = ex.chain.start(self, ex)
-        while again:
-            again = ex.chain.advance(self, ex)
-        return ex.chain.finish(self, ex, alpha)
+        return run_stages(self, ex, alpha)
 
     def _check_control(self, ex, reduced, carrier):
         """The control vector's verdict (``protocol.check_control``), where ranks of the set may have

@@ -1,0 +1,218 @@
+"""The exchange's chains (``hvd_qsgd.exchange.chains``) built as TensorFlow ops, so that they run in
+``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly. A chain's steps run once, when the step
+is built, in order (``chains.run_stages``); what they build runs every step:
+
+    TensorFlowOps          the backend of one exchange: the codec ops of ``hvd_qsgd.tensorflow``
+                           (QsgdEncode, QsgdDecodeSum, QsgdEncodeChunks, QsgdReduceChunk[Ef],
+                           QsgdDecodeChunks) bound to its settings, expected header, message and
+                           seed; sizes are int64 tensors; a header check or a failed reduce step
+                           raises inside the op that decodes (``InvalidArgumentError``, every rank)
+    TensorFlowCollectives  Horovod's TensorFlow collectives under the exchange's names ("." becomes
+                           "_"), each timed into ``wait_s``
+    GraphRun               what a chain calls on its runner: the collectives, the statistics (the
+                           adapter's counter variables), timing, and the residuals the adapter keeps
+                           as variables (``tf_state.GraphResidual``)
+
+Phase 2 of scatter_allgather carries the reduced chunks' lengths by a second allgather of one int32
+each (``<exchange>_gather_splits``; not payload, not counted), not in frames as the CPU and CUDA
+backends do: the decode op then knows every rank's slot, an empty one included, without parsing
+headers (``Phase2Part``). QsgdReduceChunk never fails the step: a rank whose received payloads fail
+their checks sends an empty reduced chunk and keeps its reason, so every rank still joins phase 2,
+sees the empty slot and raises ``InvalidArgumentError`` naming the ranks that could not reduce.
+
+The operations a step builds that nothing downstream reads (statistics, residual updates, timing)
+are collected by ``GraphRun.collecting`` for the adapter to make its result depend on.
+"""
+import threading
+from collections import namedtuple
+from contextlib import contextmanager
+
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from hvd_qsgd import _tf_ops as qops, codec
+from hvd_qsgd.settings import Stats
+
+
+class Phase2Part(namedtuple("Phase2Part", "data lengths")):
+    """A reduced chunk and its length (int32, [1]); once gathered, every rank's back to back and
+    their lengths (a namedtuple: ``tf.nest`` sees its two tensors)."""
+
+    __slots__ = ()
+
+
+class TensorFlowOps:
+    """The backend of one exchange (``hvd_qsgd.backends``' methods, as graph ops): bound to its
+    settings, source dtype, fingerprint, message (``where``), element count and number of ranks; the
+    step seed a chain passes is (the seed attr, the occurrence tensor). The ``where`` arguments of
+    the chains' calls are not used: the ops name the tensor by the message bound here."""
+
+    def __init__(self, run, settings, source_dtype, fingerprint, where, numel, world):
+        s = settings
+        self.run, self.settings, self.numel, self.world = run, s, numel, world
+        self.attrs = dict(bits=s.bits, bucket_size=s.bucket_size, norm=codec.NORMS[s.norm],
+                          coding=codec.CODINGS[s.coding], dtype_code=codec.DTYPES[source_dtype],
+                          fingerprint=qops.as_int64_attr(fingerprint), where=where)
+
+    def _encoding(self, step_seed, **more):
+        s = self.settings
+        return dict(self.attrs, checksum=s.checksum, encoder=s.encoder, seed=step_seed[0], **more)
+
+    def encode(self, x, settings, step_seed, fingerprint, source_dtype, where, residual=None, residual_valid=True):
+        ops = qops.load()
+        if residual is None:
+            return ops.qsgd_encode(x, step_seed[1], **self._encoding(step_seed))
+        v = residual.add_to(x)
+        payload = ops.qsgd_encode(v, step_seed[1], **self._encoding(step_seed))
+        own = ops.qsgd_decode_sum(payload, tf.constant(1.0), count=1, numel=self.numel, **self.attrs)
+        self.run.depend(residual.assign(v - own))
+        return payload
+
+    def encode_chunks(self, x, settings, step_seed, n, fingerprint, source_dtype, where, residual=None,
+                      residual_valid=True):
+        ops = qops.load()
+        v = x if residual is None else residual.add_to(x)
+        payloads, splits = ops.qsgd_encode_chunks(v, step_seed[1], **self._encoding(step_seed, world=n))
+        if residual is not None:
+            own = ops.qsgd_decode_chunks(payloads, splits, tf.constant(1.0), tf.constant(""), numel=self.numel,
+                                         world=n, **self.attrs)
+            self.run.depend(residual.assign(v - own))
+        return payloads, tf.cast(splits, tf.int64)
+
+    @staticmethod
+    def length(x):
+        return tf.size(x.data if isinstance(x, Phase2Part) else x, out_type=tf.int64)
+
+    @staticmethod
+    def total(lens):
+        return tf.reduce_sum(tf.cast(lens, tf.int64))
+
+    def decode_gathered(self, gathered, count, own_len, alpha, expect, where):
+        """(alpha * the decoded sum of the gathered payloads, their headers checked in the op; None:
+        the payloads' lengths are not read out)."""
+        return qops.load().qsgd_decode_sum(gathered, alpha, count=count, numel=self.numel, **self.attrs), None
+
+    def reduce_received(self, received, splits, j, settings, step_seed, expect, where, server_residual=None):
+        """(this rank's reduced chunk j and its length, the reason it is empty or ""): never fails."""
+        ops, splits = qops.load(), tf.cast(splits, tf.int32)
+        attrs = self._encoding(step_seed, world=self.world)
+        if server_residual is None:
+            reduced, error = ops.qsgd_reduce_chunk(received, splits, step_seed[1], chunk=j, numel=self.numel, **attrs)
+        else:
+            server = server_residual()
+            reduced, error, new = ops.qsgd_reduce_chunk_ef(received, splits, step_seed[1], server, chunk=j,
+                                                           numel=self.numel, **attrs)
+            with tf.control_dependencies([server.assign(new)]):
+                reduced, error = tf.identity(reduced), tf.identity(error)
+        return Phase2Part(reduced, tf.reshape(tf.size(reduced, out_type=tf.int32), [1])), error
+
+    @staticmethod
+    def unframe(gathered, n, where):
+        return gathered
+
+    @staticmethod
+    def part_bytes(parts, ranks):
+        ranks = list(ranks)
+        return tf.reduce_sum(tf.gather(tf.cast(parts.lengths, tf.int64), ranks)) if ranks else 0
+
+    @staticmethod
+    def raise_if_failed(error, message):
+        """Nothing here: the op that decodes the reduced chunks raises with ``error``."""
+
+    def decode_chunks(self, parts, alpha, numel, bucket_size, where, error=None):
+        return qops.load().qsgd_decode_chunks(parts.data, parts.lengths, alpha,
+                                              tf.constant("") if error is None else error,
+                                              numel=self.numel, world=self.world, **self.attrs)
+
+
+class TensorFlowCollectives:
+    """Horovod's TensorFlow collectives as the chains start them (``hvd_qsgd.exchange.collectives``):
+    a handle is the collective's result, and waiting is reading it."""
+
+    def __init__(self, run):
+        self.run = run
+
+    @staticmethod
+    def _name(name):
+        return name.replace(".", "_")
+
+    def allgather(self, x, name, group):
+        name = self._name(name)
+        if isinstance(x, Phase2Part):
+            return Phase2Part(self.allgather(x.data, name, group), self.allgather(x.lengths, f"{name}_splits", group))
+        return self.run.timed("wait_s", lambda: hvd.allgather(x, name=name, ignore_name_scope=True,
+                                                             process_set=group), x)
+
+    def alltoall(self, x, splits, name, group):
+        splits = tf.cast(splits, tf.int32)
+        received, rsplits = self.run.timed("wait_s", lambda: tuple(hvd.alltoall(
+            x, splits=splits, name=self._name(name), ignore_name_scope=True, process_set=group)), x, splits)
+        return received, tf.cast(rsplits, tf.int64)
+
+    @staticmethod
+    def wait(handle):
+        return handle
+
+
+class GraphRun:
+    """What a chain calls on its runner, for the TensorFlow adapter ``owner`` (its counter and timing
+    variables: ``hvd_qsgd.adapters.tf_state``; its residuals: each exchange's ``origin``)."""
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.collectives = TensorFlowCollectives(self)
+        self._local = threading.local()
+
+    @property
+    def stats(self):
+        return self
+
+    @contextmanager
+    def collecting(self):
+        """The list the operations built inside the block that nothing reads are added to."""
+        outer = getattr(self._local, "deps", None)
+        self._local.deps = deps = []
+        try:
+            yield deps
+        finally:
+            self._local.deps = outer
+
+    def switch(self, index, makes):
+        """``tf.switch_case(index, makes)``, each branch's collected operations made dependencies of
+        its results (nothing built in a branch can be read outside it)."""
+        def branch(make):
+            with self.collecting() as deps:
+                out = make()
+            with tf.control_dependencies(deps):
+                return tf.nest.map_structure(tf.identity, out)
+        return tf.switch_case(index, [lambda m=m: branch(m) for m in makes])
+
+    def depend(self, op):
+        self._local.deps.append(op)
+
+    def add(self, **amounts):
+        """Count ``amounts`` in the counter variables (the fields TensorFlow keeps: ``Stats.GRAPH_FIELDS``)."""
+        kept = {k: v for k, v in amounts.items() if k in Stats.GRAPH_FIELDS}
+        self._local.deps.extend(self.owner._count(**kept))
+
+    def timed(self, field, make, *after):
+        """make(), timed from once ``after`` exist until its results exist (``TensorFlowState._timed``)."""
+        result, op = self.owner._timed(field, list(after), make)
+        self.depend(op)
+        return result
+
+    @staticmethod
+    def wait(handle):
+        return handle
+
+    @staticmethod
+    def worker_residual(ex, x):
+        residual = ex.origin.residual
+        return residual, residual is not None
+
+    @staticmethod
+    def keep_residual(ex, residual):
+        """Nothing: the residual's variable was assigned by the encode."""
+
+    def server_residual(self, ex, like):
+        return self.owner._server_residual(ex.origin, ex.settings)
