@@ -2,24 +2,16 @@
 ``CudaBackend`` on PyTorch CUDA tensors (the CUDA kernels, current stream). Same methods, same
 signatures, same payload bytes for the same input, settings and seed:
 
-    encode(x32, settings, seed, fingerprint, source_dtype, where)        -> payload
-    decode(payload, where)                                               -> float32 values
-    split(gathered, count, own_len, where)                               -> [payload of each rank]
-    read_headers(payloads, where)                                        -> [codec.Header]
-    decode_sum(payloads, alpha, where)                                   -> alpha * sum of decodes
+    encode(x32, settings, seed, fingerprint, source_dtype, where, residual)       -> payload
     encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where, residual)
-                                                                         -> (buffer, lengths)
-    split_by(buffer, lengths)                                            -> [payload]
-    reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
-    reduce_received(received, splits, j, settings, step_seed, expect, where, server_residual)
-                                                                         -> (phase-2 frame, error)
-    decode_chunks(payloads, alpha, numel, bucket_size, where, error)     -> float32 values
-    decode_gathered(gathered, count, own_len, alpha, expect, where)      -> (alpha * checked sum, lengths)
-    unframe(gathered, n, where), part_bytes(parts, ranks), raise_if_failed(error, message)
-                                                                         -> the phase-2 parts and their bytes
-    length(x), total(lens)                                               -> sizes
-    float32(x), repeat(x, times), empty_bytes(like), zeros(size, like), place(array, like), place_bytes(payload, like), host(x)
-                                                                         -> arrays where the backend reads
+                                                                -> (the n chunk payloads, their lengths)
+    decode(payload, where), decode_sum(payloads, alpha, where)  -> float32 values
+    decode_gathered(gathered, count, own_len, alpha, expect, where) -> (checked alpha * sum, lengths)
+    decode_report(buffer, lens, count, expect, where)           -> (checked sum or nothing, error)
+    reduce_chunk(...), reduce_received(...)                     -> scatter_allgather's reduce step
+    unframe, part_bytes, decode_chunks(..., error)              -> its phase 2
+    split, split_by, read_headers; length, total, sizes, slice, check_size, checked_sizes,
+    raise_if_failed, scaled; float32, repeat, concat, empty_bytes, zeros, place, place_bytes, host
 
 ``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
 reads) and update it in place: the one error-feedback path, on the CPU as on the device.
@@ -48,9 +40,49 @@ class _HostCountedBackend:
     gathered payloads checked by their headers before they are decoded; the phase-2 frames
     (``reduction.frame``, 8 bytes of length before each reduced chunk) cut on the host."""
 
+    reduces_across_nodes = True   # the hierarchical cross stage may run scatter_allgather (frames)
+
     def total(self, lens) -> int:
-        """The sum of ``lens`` (a rank's splits)."""
         return int(sum(lens))
+
+    @staticmethod
+    def slice(x, begin: int, size: int):
+        return x[begin:begin + size]
+
+    @staticmethod
+    def sizes(lens, n: int) -> List[int]:
+        return [int(v) for v in lens]
+
+    def check_size(self, x, expected: int, message) -> None:
+        """``MismatchError(message(found))`` unless ``x`` has ``expected`` elements."""
+        found = self.length(x)
+        if found != expected:
+            raise MismatchError(message(found))
+
+    def decode_report(self, buffer, lens, count: int, expect, where: str):
+        """(the decode-sum of the ``count`` payloads in ``buffer`` (cut at ``lens``, zeros skipped),
+        each checked against ``expect``; None), or (nothing, why not): never raises."""
+        try:
+            payloads = self.split_by(buffer, [v for v in lens if v])
+            if len(payloads) != count:
+                raise MismatchError(f"{where}: received {len(payloads)} payloads, expected {count}")
+            protocol.check_gathered(self.read_headers(payloads, where), expect, where)
+            return self.decode_sum(payloads, 1.0, where), None
+        except Exception as error:
+            return self.zeros(0, buffer), error
+
+    @staticmethod
+    def checked_sizes(out, got, expected, message, error=None):
+        """``out``, once the parts it is made of had the ``expected`` sizes (``got``); else
+        ``MismatchError(message(the indices whose size differs))``."""
+        empty = [j for j in range(len(expected)) if got[j] != expected[j]]
+        if empty:
+            raise MismatchError(message(empty))
+        return out
+
+    @staticmethod
+    def scaled(out, alpha):
+        return out if alpha == 1.0 else out * alpha
 
     def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
         """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked

@@ -134,7 +134,7 @@ class QSGD:
                         raise ValueError(f"hvd_qsgd.{type(self).__name__}: named_parameters are PyTorch "
                                          "parameters; TensorFlow gradients are matched in the order they "
                                          "are traced")
-                    from hvd_qsgd.adapters.tensorflow import TensorFlowCompressor as TensorFlowQSGD
+                    from hvd_qsgd.adapters.tensorflow.compressor import TensorFlowCompressor as TensorFlowQSGD
                     adapter = TensorFlowQSGD(**common)
                 if self._learning_rate is not None:
                     adapter.follow_learning_rate(self._learning_rate)
@@ -279,7 +279,7 @@ class DynamicQSGD(QSGD):
     bucket_size:           elements per bucket; None (default): the QSGD paper's 128 for 2 bits and
                            512 for more, per step
     The other parameters are QSGD's, by name. ``bits_history`` of the torch adapter lists the bits
-    each exchange used. In TensorFlow the schedule runs in the graph (``hvd_qsgd.adapters.tf_schedule``)
+    each exchange used. In TensorFlow the schedule runs in the graph (``hvd_qsgd.adapters.tensorflow.schedule``)
     and needs a ``tf.function`` step; ``schedules()`` of the TensorFlow adapter shows its state.
     """
 

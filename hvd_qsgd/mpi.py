@@ -26,7 +26,8 @@ import numpy as np
 
 from hvd_qsgd import codec, protocol
 from hvd_qsgd.exchange.collectives import BlockingCollectives
-from hvd_qsgd.exchange.runner import ExchangeRunner, ranks_per_node_override
+from hvd_qsgd.exchange.hierarchical import ranks_per_node_override
+from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings
 from hvd_qsgd.state import Route

@@ -141,12 +141,13 @@ def block_sign(v, block):
     return out
 
 
-def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32", residuals=None):
+def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype="float32", residuals=None,
+                 cross_stage=None):
     """The hierarchical reduction (``hvd_qsgd.exchange.hierarchical``) of the n ranks' inputs xs in
     one process: nodes of ``per_node`` consecutive ranks; shard i of node k summed in local-rank
     order (plus, with ``residuals``, a dict updated in place keyed (k, i), the residual of the rank
     encoding it: e <- v - decode(what it sent) where finite) and exchanged among the c nodes by the
-    cross stage's reduction (``cross_reduction``):
+    cross stage's reduction (``cross_reduction``, or ``cross_stage`` where given):
       allgather: encoded with rank k*per_node+i's step seed; shard i = decode_sum of the c payloads;
       scatter_allgather: encoded as c chunk payloads with that seed; chunk q re-quantized by the rank
       of node q (``reduction.reduce_chunk`` with its step seed); shard i = the decoded reduced chunks.
@@ -163,7 +164,7 @@ def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype
         if e == b:
             cross.append([0] * nodes)
             continue
-        scatter = cross_reduction(s, per_node, nodes, e - b) == "scatter_allgather"
+        scatter = (cross_stage or cross_reduction(s, per_node, nodes, e - b)) == "scatter_allgather"
         sent, own = [], []
         for k in range(nodes):
             v = flat[k * per_node][b:e].copy()

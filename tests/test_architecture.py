@@ -37,9 +37,9 @@ LAYERS = [
                                       "hvd_qsgd.exchange.chains", "hvd_qsgd.exchange.runner",
                                       "hvd_qsgd.exchange.hierarchical", "hvd_qsgd.exchange.fused"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
-                            "hvd_qsgd.adapters.torch_collectives",
-                            "hvd_qsgd.adapters.tensorflow", "hvd_qsgd.adapters.tf_schedule",
-                            "hvd_qsgd.adapters.tf_state", "hvd_qsgd.adapters.tf_exchange",
+                            "hvd_qsgd.adapters.torch_collectives", "hvd_qsgd.adapters.tensorflow",
+                            "hvd_qsgd.adapters.tensorflow.compressor", "hvd_qsgd.adapters.tensorflow.graph",
+                            "hvd_qsgd.adapters.tensorflow.state", "hvd_qsgd.adapters.tensorflow.schedule",
                             "hvd_qsgd.mpi"}),
     ("front objects and optimizers", {"hvd_qsgd", "hvd_qsgd.__main__", "hvd_qsgd.compressor", "hvd_qsgd.block_sign",
                                       "hvd_qsgd.torch", "hvd_qsgd.torch.ef_sgdm", "hvd_qsgd.torch.periodic",
@@ -264,7 +264,7 @@ def test_adapters_on_the_exchange_are_glue():
     library's collectives, framework state): about 300 lines at most."""
     modules, _ = _sizes()
     glue = ("hvd_qsgd/adapters/torch.py", "hvd_qsgd/adapters/torch_collectives.py", "hvd_qsgd/mpi.py",
-            "hvd_qsgd/adapters/tensorflow.py", "hvd_qsgd/adapters/tf_exchange.py")
+            "hvd_qsgd/adapters/tensorflow/compressor.py", "hvd_qsgd/adapters/tensorflow/graph.py")
     assert {k: modules[k] for k in glue if modules[k] > 300} == {}
     for path in glue:
         text = open(os.path.join(ROOT, path)).read()
@@ -288,3 +288,36 @@ def test_internal_classes_have_names_of_their_own():
                 where.setdefault(node.name, []).append(m)
     assert {k: v for k, v in where.items() if len(v) > 1 and k not in SHARED_CLASS_NAMES} == {}
     assert where.get("QSGD") == ["hvd_qsgd.compressor"]
+
+
+# -- the exchange says each thing once -----------------------------------------------------------
+
+def repeated_runs(paths, n=6):
+    """Pairs of places (path, line) where the same n code lines (stripped; blank lines and comments
+    skipped) stand twice: in two files, or twice in one file without overlapping."""
+    seen, pairs = {}, []
+    for path in paths:
+        with open(path) as f:
+            code = [(i + 1, line.strip()) for i, line in enumerate(f)]
+        code = [(i, line) for i, line in code if line and not line.startswith("#")]
+        for k in range(len(code) - n + 1):
+            run = tuple(line for _, line in code[k:k + n])
+            here = (path, code[k][0])
+            first = seen.setdefault(run, here)
+            if first != here and (first[0] != path or here[1] - first[1] >= n):
+                pairs.append((first, here))
+    return pairs
+
+
+def test_the_exchange_writes_no_run_of_six_lines_twice():
+    paths = sorted(p for m, p in package_modules().items() if m.startswith("hvd_qsgd.exchange"))
+    assert repeated_runs(paths) == []
+
+
+def test_the_repeat_check_sees_a_repeated_run(tmp_path):
+    body = "".join(f"    x{i} = f(x{i - 1})\n" for i in range(1, 7))
+    a, b = tmp_path / "a.py", tmp_path / "b.py"
+    a.write_text("def f(x0):\n" + body)
+    b.write_text("def g(x0):\n    # the same steps\n" + body)
+    assert repeated_runs([str(a), str(b)]) == [((str(a), 2), (str(b), 3))]
+    assert repeated_runs([str(a)]) == []

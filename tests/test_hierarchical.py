@@ -2,7 +2,7 @@
 nodes simulated by HVD_QSGD_RANKS_PER_NODE=2: exact against the single-process reference of its
 three stages on every rank, bytes counted, node-link bytes within (c - 1) P, error feedback over
 three steps, "auto" resolving to it on nodes of 2 ranks, and ranks that disagree on the layout raise
-on every rank. (hvd_qsgd.mpi: tests/test_mpi_reduction.py.)"""
+on every rank. (hvd_qsgd.mpi: tests/test_mpi_reduction.py; TensorFlow: the last test.)"""
 import re
 
 import pytest
@@ -23,3 +23,15 @@ def test_hierarchical_equals_the_three_stage_reference_on_every_rank(np_, contro
         raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)
         assert len(raised) == 2 * np_, out[-3000:]
         assert sum("HVD_QSGD_RANKS_PER_NODE" in m for m in raised) == np_, out[-3000:]
+
+
+def test_tensorflow_hierarchical_equals_the_reference_on_every_rank():
+    """The same chain through Horovod's TensorFlow allreduce (its cross stage an allgather): exact
+    eagerly, over three traced steps with error feedback, and where "auto" resolves to it, bytes
+    counted; layouts that differ fail the control check on every rank."""
+    out = launch(4, "gloo", ["tests/mp/tf_hierarchical.py", "exact", "traced-error-feedback", "auto",
+                             "layouts-differ"], timeout=300, env={"HVD_QSGD_RANKS_PER_NODE": "2"})
+    for scenario in ("exact", "traced-error-feedback", "auto"):
+        assert len(re.findall(rf"OK {scenario}\b", out)) == 4, out[-3000:]
+    raised = re.findall(r"RAISED InvalidArgumentError: (.*?)(?=RAISED|OK|\n|$)", out)
+    assert len(raised) == 4 and all("disagree" in m or "settings" in m for m in raised), out[-3000:]

@@ -95,7 +95,7 @@ def test_hvd_qsgd_tensorflow_has_the_names_of_a_tape_pipeline():
     for name in ["init", "rank", "size", "allreduce", "Compression", "ProcessSet", "alltoall"]:
         assert getattr(ours, name) is getattr(theirs, name), name
     assert ours.DistributedGradientTape.__module__ == "hvd_qsgd.tensorflow.tape"  # as before
-    assert ours.QSGD.__module__ == "hvd_qsgd.adapters.tensorflow"
+    assert ours.QSGD.__module__ == "hvd_qsgd.adapters.tensorflow.compressor"
 
 
 def test_callbacks_become_callbacks_of_their_models_keras():

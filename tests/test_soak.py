@@ -69,7 +69,7 @@ Rules:
   exchanges used to leak about 116 KB each (TensorFlow keeps a kernel per distinct attr value, and
   the exchange number was in the ``where`` and ``seed`` attrs; and an eager tensor per distinct
   Python number): 200 MB in 600 steps. They now keep their attrs constant
-  (hvd_qsgd/adapters/tensorflow.py).
+  (hvd_qsgd/adapters/tensorflow/compressor.py).
 
 Step counts (warm-up + measured): PyTorch 150 + 1000 (control), 150 + 1200 (named allgather),
 1000 + 1000 (named scatter_allgather), 150 + 1000 (unnamed optimizer), 1500 + 800 (unnamed

@@ -40,7 +40,8 @@ from hvd_qsgd import backends, protocol
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.exchange.chains import Exchange
-from hvd_qsgd.exchange.runner import ExchangeRunner, ranks_per_node_override
+from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node
+from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index, set_ranks as process_set_ranks
@@ -145,7 +146,7 @@ class TorchCompressor(Compressor):
                             "compressor that numbered the optimizer's gradients); gradients from Horovod's "
                             "optimizer are matched by its parameter names now, so their residuals start from zero")
         try:
-            per_node = _ranks_per_node()
+            per_node = horovod_ranks_per_node(hvd)
         except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
             per_node, fault = 0, fault or e
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
@@ -257,16 +258,6 @@ class TorchCompressor(Compressor):
     def load_exchange_counters(self, counters):
         """Set the counters of ``exchange_counters()`` (e.g. those of another rank)."""
         self.names.load_counters(counters)
-
-
-def _ranks_per_node():
-    """The hierarchical reduction's node size: ``HVD_QSGD_RANKS_PER_NODE``, else Horovod's local_size
-    where Horovod's ranks fill its nodes one after another (0, an error, where they do not)."""
-    override = ranks_per_node_override()
-    if override is not None:
-        return override
-    size = hvd.local_size()
-    return size if hvd.local_rank() == hvd.rank() % size and hvd.cross_rank() == hvd.rank() // size else 0
 
 
 def _checkpointed(v):

@@ -31,14 +31,10 @@ the same R_i bits, and the c ranks holding shard i computed R_i from the same pa
 rank ends bit-identical. A rank whose received payloads fail their checks sends its node an empty
 shard; the node's ranks see it and raise, as its cross peers (which checked the same bytes) do.
 """
-import time
+import os
 from types import SimpleNamespace
 
 from hvd_qsgd import cost_model, protocol, reduction
-
-
-class _Empty(Exception):
-    """This rank's shard has no element."""
 
 
 def _layout(ex):
@@ -69,6 +65,45 @@ def _peers(ex):
 
 def _shard_expect(ex, m):
     return SimpleNamespace(**{**vars(ex.expect), "numel": m})
+
+
+def ranks_per_node_override():
+    """``HVD_QSGD_RANKS_PER_NODE`` (consecutive ranks form a node; the same on every rank), or None."""
+    text = os.environ.get("HVD_QSGD_RANKS_PER_NODE", "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"HVD_QSGD_RANKS_PER_NODE must be a positive integer, got {text!r}")
+    return int(text)
+
+
+def horovod_ranks_per_node(hvd):
+    """The hierarchical reduction's node size under Horovod (``hvd``: its framework module):
+    ``HVD_QSGD_RANKS_PER_NODE``, else Horovod's local_size where Horovod's ranks fill its nodes one
+    after another (0, an error, where they do not)."""
+    override = ranks_per_node_override()
+    if override is not None:
+        return override
+    size = hvd.local_size()
+    return size if hvd.local_rank() == hvd.rank() % size and hvd.cross_rank() == hvd.rank() // size else 0
+
+
+def node_layout(ranks_per_node, set_ranks, world, where):
+    """(L, None): the hierarchical reduction's ranks per node, or (L as given, the fault) where it
+    cannot run (kept in the settings tag: ranks that were given different layouts still differ there)."""
+    n = len(set_ranks)
+    if n != world:
+        return ranks_per_node or 0, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
+                             f"holds {n} of {world} ranks); pass another reduction for process sets")
+    if not ranks_per_node:
+        return 0, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
+                             "Horovod's ranks do not fill its nodes one after another: set "
+                             "HVD_QSGD_RANKS_PER_NODE on every rank, or pass another reduction")
+    if n % ranks_per_node:
+        return ranks_per_node, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
+                             f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "
+                             "local_size)")
+    return ranks_per_node, None
 
 
 class HierarchicalChain:
@@ -114,24 +149,12 @@ class HierarchicalChain:
         """Node sum of this rank's shard, encoded, sent to the ranks holding the shard on every node."""
         per_node, nodes, node, local = _layout(ex)
         received, rsplits = run.collectives.wait(ex.handle)
-        ex.received += 4 * (sum(rsplits) - rsplits[ex.set_rank])
-        t0 = time.perf_counter()
-        b, e = _shard_ranges(ex)[local]
-        m = e - b
-        ex.cross = cross_reduction(ex.settings, per_node, nodes, m)
-        payload, lens = ex.backend.empty_bytes(received), [0] * nodes
-        try:
-            if len(received) != per_node * m:
-                raise protocol.MismatchError(f"{ex.where}: received {len(received)} elements of shard {local}, "
-                                             f"expected {per_node} x {m}")
-            if m:
-                total = ex.backend.float32(received[:m])
-                for k in range(1, per_node):  # in local-rank order: the same bits wherever it is summed
-                    total = total + received[k * m:(k + 1) * m]
-                payload, lens = HierarchicalChain._encode_shard(run, ex, total, m, nodes, local)
-        except Exception as error:  # the cross peers miss this payload, and they and this node raise
-            ex.reduce_error = error
-        run.stats.add(encode_s=time.perf_counter() - t0)
+        b = ex.backend
+        ex.received += 4 * (b.total(rsplits) - rsplits[ex.set_rank])
+        begin, end = _shard_ranges(ex)[local]
+        ex.cross = cross_reduction(ex.settings, per_node, nodes, end - begin) if b.reduces_across_nodes else "allgather"
+        payload, lens = run.timed("encode_s", lambda: HierarchicalChain._node_sum_encoded(run, ex, received, end - begin),
+                                  received)
         splits = [0] * len(ex.set_ranks)
         for k, peer in enumerate(_peers(ex)):
             splits[peer] = lens[k]
@@ -142,20 +165,42 @@ class HierarchicalChain:
         return True
 
     @staticmethod
+    def _node_sum_encoded(run, ex, received, m):
+        """(what this rank sends its cross peers, the bytes for each): the payload(s) of the node's sum
+        of its shard of m elements, summed in local-rank order (the same bits wherever it is summed);
+        nothing after a failure (kept in ``reduce_error``: the cross peers miss this payload, and they
+        and this node raise)."""
+        per_node, nodes, _, local = _layout(ex)
+        b = ex.backend
+        try:
+            b.check_size(received, per_node * m, lambda found: f"{ex.where}: received {found} elements of shard "
+                                                               f"{local}, expected {per_node} x {m}")
+            if not m:
+                return b.empty_bytes(received), [0] * nodes
+            total = b.float32(b.slice(received, 0, m))
+            for k in range(1, per_node):
+                total = total + b.slice(received, k * m, m)
+            return HierarchicalChain._encode_shard(run, ex, total, m, nodes, local)
+        except Exception as error:
+            ex.reduce_error = error
+            return b.empty_bytes(received), [0] * nodes
+
+    @staticmethod
     def _encode_shard(run, ex, total, m, nodes, local):
         """(what this rank sends its cross peers back to back, the bytes for each peer): the shard's
         payload once for each node (allgather), or its c chunk payloads (scatter_allgather)."""
         residual, valid = run.worker_residual(ex, total, size=m)
         where = f"{ex.where}: shard {local}"
+        b = ex.backend
         if ex.cross == "allgather":
-            one = ex.backend.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype, where,
-                                    residual=residual, residual_valid=valid)
-            out, lens = ex.backend.repeat(one, nodes), [len(one)] * nodes
+            one = b.encode(total, ex.settings, ex.step_seed, ex.expect.fingerprint, ex.expect.dtype, where,
+                           residual=residual, residual_valid=valid)
+            out, lens = b.repeat(one, nodes), [b.length(one)] * nodes
         else:
-            out, lens = ex.backend.encode_chunks(total, ex.settings, ex.step_seed, nodes, ex.expect.fingerprint,
-                                                 ex.expect.dtype, where, residual=residual, residual_valid=valid)
+            out, lens = b.encode_chunks(total, ex.settings, ex.step_seed, nodes, ex.expect.fingerprint,
+                                        ex.expect.dtype, where, residual=residual, residual_valid=valid)
         run.keep_residual(ex, residual)
-        return out, [int(v) for v in lens]
+        return out, b.sizes(lens, nodes)
 
     @staticmethod
     def _cross_reduce(run, ex):
@@ -168,11 +213,10 @@ class HierarchicalChain:
         ex.received += sum(lens) - lens[node]
         ex.cross_received = sum(lens) - lens[node]
         b, e = _shard_ranges(ex)[local]
-        t0 = time.perf_counter()
-        frame, error = ex.backend.reduce_received(received, lens, node, ex.settings, ex.step_seed,
-                                                  _shard_expect(ex, e - b), f"{ex.where}: shard {local}")
+        frame, error = run.timed("decode_s", lambda: ex.backend.reduce_received(
+            received, lens, node, ex.settings, ex.step_seed, _shard_expect(ex, e - b), f"{ex.where}: shard {local}"),
+            received)
         ex.reduce_error = ex.reduce_error or error
-        run.stats.add(decode_s=time.perf_counter() - t0)
         splits = [0] * len(ex.set_ranks)
         for peer in peers:
             splits[peer] = len(frame)
@@ -185,50 +229,46 @@ class HierarchicalChain:
 
     @staticmethod
     def _node_gather(run, ex):
-        """Shard result: decode the c payloads of this rank's shard; send it to the node's ranks."""
+        """Shard result: decode the c payloads of this rank's shard; send it to the node's ranks (an
+        empty shard where this rank could not encode or decode it: the node's ranks raise)."""
         per_node, nodes, node, local = _layout(ex)
         received, rsplits = run.collectives.wait(ex.handle)
         ex.handle = None
+        b = ex.backend
         lens = [rsplits[p] for p in _peers(ex)]
         ex.received += sum(lens) - lens[node]
         ex.cross_received += sum(lens) - lens[node]
-        b, e = _shard_ranges(ex)[local]
-        where = f"{ex.where}: shard {local}"
-        t0 = time.perf_counter()
-        try:
-            if ex.reduce_error is not None:  # this rank could not encode (or reduce) its shard
-                raise ex.reduce_error
-            if e == b:  # an empty shard (a tensor of fewer buckets than the node has ranks)
-                raise _Empty
-            shard = HierarchicalChain._decode_shard(ex, received, lens, e - b, where)
-        except _Empty:
-            shard = ex.backend.zeros(0, received)
-        except Exception as error:  # this node's ranks see the empty shard and raise
-            ex.reduce_error, shard = error, ex.backend.zeros(0, received)
-        run.stats.add(decode_s=time.perf_counter() - t0)
+        begin, end = _shard_ranges(ex)[local]
+        shard, error = run.timed("decode_s", lambda: HierarchicalChain._shard_result(ex, received, lens, end - begin),
+                                 received)
+        ex.reduce_error = error
         splits = [0] * len(ex.set_ranks)
         for j in range(per_node):
-            splits[node * per_node + j] = len(shard)
-        ex.sent += 4 * len(shard) * (per_node - 1)
+            splits[node * per_node + j] = b.length(shard)
+        ex.sent += 4 * b.length(shard) * (per_node - 1)
         ex.stage = "node gather"
-        ex.gather_handle = run.collectives.alltoall(ex.backend.repeat(shard, per_node), splits,
+        ex.gather_handle = run.collectives.alltoall(b.repeat(shard, per_node), splits,
                                                     f"{ex.route.exchange}.node_gather", ex.group)
         return False
 
     @staticmethod
-    def _decode_shard(ex, received, lens, m, where):
-        """R_i from what the cross stage's last alltoall brought: the decode-sum of the c payloads
-        (allgather), or the c reduced chunks decoded back to back (scatter_allgather)."""
-        b, nodes = ex.backend, len(lens)
+    def _shard_result(ex, received, lens, m):
+        """(R_i, None), or (nothing, why) where this rank could not encode (or reduce) its shard or
+        decode what the cross stage brought: R_i is the decode-sum of the c payloads (allgather), or
+        the c reduced chunks decoded back to back (scatter_allgather)."""
+        b, nodes, where = ex.backend, len(lens), f"{ex.where}: shard {_layout(ex)[3]}"
+        if ex.reduce_error is not None:
+            return b.zeros(0, received), ex.reduce_error
+        if not m:  # an empty shard (a tensor of fewer buckets than the node has ranks)
+            return b.zeros(0, received), None
         if ex.cross == "allgather":
-            payloads = b.split_by(received, [v for v in lens if v])
-            if len(payloads) != nodes:
-                raise protocol.MismatchError(f"{where}: received {len(payloads)} payloads, expected {nodes}")
-            protocol.check_gathered(b.read_headers(payloads, where), _shard_expect(ex, m), where)
-            return b.decode_sum(payloads, 1.0, where)
-        # the frames' lengths are read on the host (a copy of the frames where they are on a device)
-        chunks = [b.place_bytes(c, received) for c in reduction.unframe(b.host(received), nodes, where)]
-        return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks")
+            return b.decode_report(received, lens, nodes, _shard_expect(ex, m), where)
+        try:
+            # the frames' lengths are read on the host (a copy of the frames where they are on a device)
+            chunks = b.unframe(received, nodes, where)
+            return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks"), None
+        except Exception as error:
+            return b.zeros(0, received), error
 
     @staticmethod
     def own_dequantized(ex):
@@ -241,18 +281,14 @@ class HierarchicalChain:
             raise protocol.MismatchError(f"{ex.where}: the first stages of the exchange failed on this rank")
         out, rsplits = run.wait(ex.gather_handle)
         per_node, _, node, local = _layout(ex)
-        if ex.reduce_error is not None:
-            raise protocol.MismatchError(f"{ex.where}: this rank could not reduce shard {local}: "
-                                         f"{ex.reduce_error}") from ex.reduce_error
-        expected = [e - b for b, e in _shard_ranges(ex)]
+        b = ex.backend
+        b.raise_if_failed(ex.reduce_error, f"{ex.where}: this rank could not reduce shard {local}")
         got = [rsplits[node * per_node + j] for j in range(per_node)]
-        if got != expected:
-            empty = [node * per_node + j for j in range(per_node) if got[j] != expected[j]]
-            raise protocol.MismatchError(f"{ex.where}: ranks {empty} of this node sent no reduced shard: they "
-                                         "could not reduce it (see the error on those ranks)")
+        def no_shard(empty):  # empty: the local indices of the ranks that sent none (None: not known here)
+            who = "ranks of this node" if empty is None else f"ranks {[node * per_node + j for j in empty]} of this node"
+            return f"{ex.where}: {who} sent no reduced shard: they could not reduce it (see the error on those ranks)"
+        out = b.checked_sizes(out, got, [e - s for s, e in _shard_ranges(ex)], no_shard, ex.reduce_error)
         ex.received += 4 * (sum(got) - got[local])
-        if alpha != 1.0:
-            out = out * alpha
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
                       cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
-        return out
+        return b.scaled(out, alpha)

@@ -38,6 +38,7 @@ from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
 from hvd_qsgd.exchange.fused import FusedGroups
+from hvd_qsgd.exchange.hierarchical import node_layout
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore, element_count
 
@@ -52,34 +53,6 @@ def _note_joined(where, joined):
         log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
                     "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
                     "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
-
-
-def ranks_per_node_override():
-    """``HVD_QSGD_RANKS_PER_NODE`` (consecutive ranks form a node; the same on every rank), or None."""
-    text = os.environ.get("HVD_QSGD_RANKS_PER_NODE", "").strip()
-    if not text:
-        return None
-    if not text.isdigit() or int(text) < 1:
-        raise ValueError(f"HVD_QSGD_RANKS_PER_NODE must be a positive integer, got {text!r}")
-    return int(text)
-
-
-def node_layout(ranks_per_node, set_ranks, world, where):
-    """(L, None): the hierarchical reduction's ranks per node, or (L as given, the fault) where it
-    cannot run (kept in the settings tag: ranks that were given different layouts still differ there)."""
-    n = len(set_ranks)
-    if n != world:
-        return ranks_per_node or 0, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
-                             f"holds {n} of {world} ranks); pass another reduction for process sets")
-    if not ranks_per_node:
-        return 0, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
-                             "Horovod's ranks do not fill its nodes one after another: set "
-                             "HVD_QSGD_RANKS_PER_NODE on every rank, or pass another reduction")
-    if n % ranks_per_node:
-        return ranks_per_node, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
-                             f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "
-                             "local_size)")
-    return ranks_per_node, None
 
 
 # the reductions whose first collective ``overlap`` starts in compress

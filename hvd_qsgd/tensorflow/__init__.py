@@ -27,7 +27,7 @@ from horovod.tensorflow import (  # noqa: F401  Horovod's names, as they are
     local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, rank, reducescatter,
     remove_process_set, rocm_built, shutdown, size, start_timeline, stop_timeline)
 
-from hvd_qsgd.adapters.tensorflow import TensorFlowCompressor as QSGD  # noqa: F401  (the public name)
+from hvd_qsgd.adapters.tensorflow.compressor import TensorFlowCompressor as QSGD  # noqa: F401  (the public name)
 from hvd_qsgd.tensorflow.keras_base import distributed_optimizer
 from hvd_qsgd.tensorflow.tape import DistributedGradientTape, tf_variables  # noqa: F401
 

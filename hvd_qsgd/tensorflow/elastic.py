@@ -80,7 +80,7 @@ from horovod.tensorflow.functions import broadcast_object
 
 import hvd_qsgd
 from hvd_qsgd import protocol
-from hvd_qsgd.adapters.tensorflow import TensorFlowCompressor as TensorFlowQSGD
+from hvd_qsgd.adapters.tensorflow.compressor import TensorFlowCompressor as TensorFlowQSGD
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.tensorflow.tape import tf_variables
 

@@ -2,6 +2,8 @@
 //
 //   QsgdEncode(x, occurrence) -> payload        x: float32 | float16 | bfloat16, any shape
 //   QsgdDecodeSum(gathered, alpha) -> out       out = alpha * sum of the `count` payloads in gathered
+//   QsgdDecodeSumReport(gathered, alpha) -> out, error    the same, never failing the step (empty
+//                                               out and the reason where QsgdDecodeSum would fail)
 //   QsgdCheckControl(reduced) -> alpha          the control-vector verdict (hvd_qsgd/protocol.py)
 //
 // and the three steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the
@@ -222,19 +224,23 @@ REGISTER_KERNEL_BUILDER(Name("QsgdEncode").Device(DEVICE_CPU).TypeConstraint<Eig
                         QsgdEncodeOp<Eigen::half>);
 REGISTER_KERNEL_BUILDER(Name("QsgdEncode").Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"), QsgdEncodeOp<bfloat16>);
 
+// The attrs of QsgdDecodeSum and QsgdDecodeSumReport: how many payloads, and what each must say.
+#define QSGD_DECODE_SUM_ATTRS                 \
+  Attr("count: int")                          \
+      .Attr("numel: int")                     \
+      .Attr("bits: int")                      \
+      .Attr("bucket_size: int")               \
+      .Attr("norm: int = 0")                  \
+      .Attr("coding: int = 0")                \
+      .Attr("dtype_code: int = 0")            \
+      .Attr("fingerprint: int = 0")           \
+      .Attr("where: string = 'tensor'")
+
 REGISTER_OP("QsgdDecodeSum")
     .Input("gathered: uint8")
     .Input("alpha: float")
     .Output("out: float")
-    .Attr("count: int")
-    .Attr("numel: int")
-    .Attr("bits: int")
-    .Attr("bucket_size: int")
-    .Attr("norm: int = 0")
-    .Attr("coding: int = 0")
-    .Attr("dtype_code: int = 0")
-    .Attr("fingerprint: int = 0")
-    .Attr("where: string = 'tensor'")
+    .QSGD_DECODE_SUM_ATTRS
     .SetShapeFn([](InferenceContext* c) {
       int64_t numel;
       TF_RETURN_IF_ERROR(c->GetAttr("numel", &numel));
@@ -244,6 +250,24 @@ REGISTER_OP("QsgdDecodeSum")
     .Doc("Split `gathered` into `count` payloads by their headers, check that every payload is the "
          "expected tensor and settings, and return alpha * (decode(p_0) + ... + decode(p_{count-1})).");
 
+REGISTER_OP("QsgdDecodeSumReport")
+    .Input("gathered: uint8")
+    .Input("alpha: float")
+    .Output("out: float")
+    .Output("error: string")
+    .QSGD_DECODE_SUM_ATTRS
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(InferenceContext::kUnknownDim));  // empty on failure
+      c->set_output(1, c->Scalar());
+      return OkStatus();
+    })
+    .Doc("QsgdDecodeSum that never fails the step: on any failure `out` is empty and `error` says why "
+         "(for a stage after which other ranks still wait on this one: it sends the empty result, and "
+         "every rank that receives it raises); else error is ''.");
+
+// QsgdDecodeSum (kReport false: a failure fails the step) and QsgdDecodeSumReport (kReport true:
+// an empty result and the reason instead).
+template <bool kReport>
 class QsgdDecodeSumOp : public OpKernel {
  public:
   explicit QsgdDecodeSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -261,9 +285,30 @@ class QsgdDecodeSumOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    Tensor sum;
+    const Status st = DecodeSum(ctx, &sum);
+    if (!kReport) {
+      OP_REQUIRES_OK(ctx, st);
+      ctx->set_output(0, sum);
+      return;
+    }
+    if (st.ok()) {
+      ctx->set_output(0, sum);
+    } else {
+      Tensor* empty = nullptr;
+      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({0}), &empty));
+    }
+    Tensor* err = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &err));
+    err->scalar<tstring>()() = st.ok() ? std::string() : std::string(st.message());
+  }
+
+ private:
+  // OK and alpha * the sum of the payloads in *sum, or why not.
+  Status DecodeSum(OpKernelContext* ctx, Tensor* sum) {
     const Tensor& gathered = ctx->input(0);
     const Tensor& alpha = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(alpha.shape()), errors::InvalidArgument(where_, ": alpha must be a scalar"));
+    if (!TensorShapeUtils::IsScalar(alpha.shape())) return errors::InvalidArgument(where_, ": alpha must be a scalar");
     const uint8_t* buf = gathered.flat<uint8_t>().data();
     const uint64_t size = uint64_t(gathered.NumElements());
     std::vector<const uint8_t*> ptrs;
@@ -273,36 +318,37 @@ class QsgdDecodeSumOp : public OpKernel {
     while (off < size && int64_t(ptrs.size()) < count_) {
       qsgd_header h;
       const int32_t st = qsgd_parse_header(buf + off, size - off, &h);
-      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": gathered payload " + std::to_string(ptrs.size()) +
-                                                         " at byte " + std::to_string(off)));
+      if (st != QSGD_OK)
+        return FromStatus(st, where_ + ": gathered payload " + std::to_string(ptrs.size()) + " at byte " +
+                                  std::to_string(off));
       ptrs.push_back(buf + off);
       lens.push_back(h.payload_len);
       heads.push_back(h);
       off += h.payload_len;
     }
-    OP_REQUIRES(ctx, off == size && int64_t(ptrs.size()) == count_,
-                errors::InvalidArgument(where_, ": expected ", count_, " payloads filling ", size, " bytes, found ",
-                                        ptrs.size(), " covering ", off));
+    if (off != size || int64_t(ptrs.size()) != count_)
+      return errors::InvalidArgument(where_, ": expected ", count_, " payloads filling ", size, " bytes, found ",
+                                     ptrs.size(), " covering ", off);
     const uint64_t want[kFields] = {uint64_t(want_[0]), uint64_t(want_[1]), uint64_t(want_[2]), uint64_t(want_[3]),
                                     uint64_t(want_[4]), uint64_t(numel_), fingerprint_};
     const bool all[kFields] = {true, true, true, true, true, true, true};
     const std::string mismatch = HeaderMismatch(heads, want, all, where_);
-    OP_REQUIRES(ctx, mismatch.empty(), errors::InvalidArgument(mismatch));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({numel_}), &out));
+    if (!mismatch.empty()) return errors::InvalidArgument(mismatch);
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_FLOAT, TensorShape({numel_}), sum));
     const int32_t st = qsgd_decode_sum_cpu(ptrs.data(), lens.data(), int32_t(ptrs.size()), alpha.scalar<float>()(),
-                                           out->flat<float>().data(), uint64_t(numel_), 0);
-    OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": decode"));
+                                           sum->flat<float>().data(), uint64_t(numel_), 0);
+    if (st != QSGD_OK) return FromStatus(st, where_ + ": decode");
+    return OkStatus();
   }
 
- private:
   int64_t count_ = 0, numel_ = 0;
   int64_t want_[5] = {};
   uint64_t fingerprint_ = 0;
   std::string where_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("QsgdDecodeSum").Device(DEVICE_CPU), QsgdDecodeSumOp);
+REGISTER_KERNEL_BUILDER(Name("QsgdDecodeSum").Device(DEVICE_CPU), QsgdDecodeSumOp<false>);
+REGISTER_KERNEL_BUILDER(Name("QsgdDecodeSumReport").Device(DEVICE_CPU), QsgdDecodeSumOp<true>);
 
 REGISTER_OP("QsgdCheckControl")
     .Input("reduced: double")

@@ -1,5 +1,5 @@
 """QSGD as a Horovod TensorFlow ``Compressor``: the glue between Horovod's calls and the exchange's
-chains (``hvd_qsgd.exchange.chains``), built as TensorFlow ops (``hvd_qsgd.adapters.tf_exchange``)
+chains (``hvd_qsgd.exchange.chains``), built as TensorFlow ops (``hvd_qsgd.adapters.tensorflow.graph``)
 so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
 
     compress(g):    the chain's encode of g [+ e] (QsgdEncode, or QsgdEncodeChunks for
@@ -14,7 +14,7 @@ check instead of hanging, as a rank never waits on a collective another rank did
 
 Exchanges are numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under
 ``tf.function`` that is while tracing), the same on every rank that runs the same program. The
-variables of a traced exchange (``hvd_qsgd.adapters.tf_state``) are keyed by the enclosing
+variables of a traced exchange (``hvd_qsgd.adapters.tensorflow.state``) are keyed by the enclosing
 function's name and the position within its trace, so a retrace reuses what the first trace made:
 an int64 occurrence counter (the payload seed is ``protocol.payload_seed(seed, rank, exchange,
 occurrence)``, computed by the op), the error-feedback residual ``e <- (g + e) - decode(own
@@ -23,7 +23,7 @@ once each; ``bytes_received``: the other ranks' payloads received, in every phas
 
 DQSGD (a ``ScheduledBits`` policy): the ops take their bits as attrs, so compress and decompress are
 each a ``tf.switch_case`` over the bit widths, every branch the chain with that width's settings;
-the tensor's schedule variable (``hvd_qsgd.adapters.tf_schedule``) picks the branch, and the control
+the tensor's schedule variable (``hvd_qsgd.adapters.tensorflow.schedule``) picks the branch, and the control
 vector is that width's row of a constant table. Graph mode only, as error feedback is.
 
 Eagerly, TensorFlow keeps a kernel for every distinct set of attrs an op was called with, for the
@@ -42,10 +42,11 @@ import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
 from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
-from hvd_qsgd.adapters import tf_schedule
-from hvd_qsgd.adapters.tf_exchange import GraphRun, TensorFlowOps
-from hvd_qsgd.adapters.tf_state import TensorFlowState
+from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
+from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
+from hvd_qsgd.adapters.tensorflow.state import TensorFlowState
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
+from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
@@ -69,7 +70,7 @@ class _Tensor:
     ``origin``): its names, shape, variables, DQSGD schedule, and the exchange of each bit width."""
 
     __slots__ = ("name", "where", "shape", "dtype", "numel", "set_ranks", "set_rank", "fingerprint", "occurrence",
-                 "seed", "slot", "residual", "index", "schedule", "key", "process_set", "variants", "exchanges",
+                 "seed", "slot", "per_node", "index", "schedule", "key", "process_set", "variants", "exchanges",
                  "deps")
 
 
@@ -89,9 +90,6 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             if getattr(settings, name):
                 raise ValueError(f"hvd_qsgd.tensorflow.QSGD: {name}=True runs in PyTorch so far (TensorFlow builds "
                                  f"each exchange in the step's graph); pass {name}=False in TensorFlow")
-        if settings.reduction == "hierarchical":
-            raise ValueError("hvd_qsgd.tensorflow.QSGD: reduction='hierarchical' runs in PyTorch and hvd_qsgd.mpi "
-                             "so far; pass reduction='scatter_allgather' (or 'auto') in TensorFlow")
         self.settings = settings
         self.policy = policy if policy is not None else FixedBits(settings)
         if type(self.policy) not in (FixedBits, ScheduledBits):
@@ -111,7 +109,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._schedules = {}                            # DQSGD: schedule variables by state key
         self._occurrences = {}
-        self.run = GraphRun(self)                       # what the chains call (hvd_qsgd.adapters.tf_exchange)
+        self.run = GraphRun(self)                       # what the chains call (hvd_qsgd.adapters.tensorflow.graph)
 
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
@@ -166,6 +164,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         ctx.where = f"hvd_qsgd: compressed tensor {label} (shape {tuple(tensor.shape.as_list())})"
         ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
         ctx.numel, ctx.set_ranks = tensor.shape.num_elements(), set_ranks
+        ctx.per_node = horovod_ranks_per_node(hvd) if len(set_ranks) == hvd.size() else None
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), SOURCE_DTYPES[tensor.dtype])
         if eager:  # the seed of "hvd_qsgd_<k>_s<seq>", through the input (see the module docstring);
             # a NumPy scalar, as TensorFlow keeps every eager tensor made from a Python number
@@ -175,7 +174,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
                 0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
             ctx.occurrence = counter.assign_add(1) - 1
-        ctx.residual, ctx.deps = None, []
+        ctx.deps = []
         ctx.variants, ctx.index, ctx.schedule, ctx.key = [s], None, None, state_key
         ctx.set_rank = set_rank
         ctx.seed = 0 if eager else qops.as_int64_attr(protocol.exchange_seed(s.seed, set_rank, ctx.name))
@@ -194,12 +193,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             ctx.variants = [self.policy.settings_of_bits(b) for b in self.policy.bits_range()]
             with tf.control_dependencies([advance]):
                 ctx.index = tf.identity(bits - self.policy.bits_range()[0])
-        if not s.error_feedback:
-            return tensor
-        if eager:
+        if s.error_feedback and eager:  # (the residual: made by the chain's encode, GraphRun.worker_residual)
             raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
                              "step: residuals are kept per traced tensor")
-        ctx.residual = self._residual(ctx)
         return tensor
 
     def _encode(self, ctx, x, seq):
@@ -224,7 +220,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         ctx.deps = deps
         key = numbered_key(seq if ctx.slot is None else ctx.slot)
         vectors = [protocol.control_vector(world, grank, set_rank, protocol.exchange_tags(
-            len(ctx.set_ranks), self._creation_index, v.tag(self._reduction(ctx, v)), key)) for v in ctx.variants]
+            len(ctx.set_ranks), self._creation_index, ex.settings.tag(ex.tag_reduction()), key))
+            for ex in ctx.exchanges]
         if ctx.index is None:
             control = tf.constant(vectors[0], dtype=tf.float64, name=f"{ctx.name}_control")
         else:  # the settings tag of the bits chosen: ranks that chose differently fail the check
@@ -238,11 +235,17 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         dtype = SOURCE_DTYPES[ctx.dtype]
         expect = SimpleNamespace(bits=v.bits, bucket_size=v.bucket_size, norm=v.norm, coding=v.coding, numel=ctx.numel,
                                  dtype=dtype, fingerprint=ctx.fingerprint)
-        return Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v, expect=expect,
-                        reduction=red, chain=CHAINS[red], group=ctx.process_set, set_ranks=ctx.set_ranks,
-                        set_rank=ctx.set_rank, world=hvd.size(), global_rank=hvd.rank(), origin=ctx,
-                        step_seed=(ctx.seed, ctx.occurrence),
-                        backend=TensorFlowOps(self.run, v, dtype, ctx.fingerprint, ctx.where, ctx.numel, n))
+        ex = Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v, expect=expect,
+                      reduction=red, chain=CHAINS[red], group=ctx.process_set, set_ranks=ctx.set_ranks,
+                      set_rank=ctx.set_rank, world=hvd.size(), global_rank=hvd.rank(), origin=ctx,
+                      step_seed=(ctx.seed, ctx.occurrence),
+                      backend=TensorFlowOps(self.run, v, dtype, ctx.fingerprint, ctx.where, ctx.numel, n))
+        if red == "hierarchical":  # a layout that cannot run fails here, where every rank traces alike
+            ex.layout, fault = node_layout(ctx.per_node, ctx.set_ranks, hvd.size(), ctx.where)
+            if fault is not None:
+                raise fault
+            ex.nodes = [g // ctx.per_node for g in ctx.set_ranks]
+        return ex
 
     def _exchange_process_set(self, caller):
         """The process set of an exchange (``horovod_caller.exchange_process_set``); a set given that is
@@ -253,8 +256,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         return ps
 
     def _reduction(self, ctx, v):
-        """The reduction of the exchange ``ctx`` with settings v (alike on every rank)."""
-        return v.exchange_reduction(len(ctx.set_ranks), ctx.numel)
+        """The reduction of the exchange ``ctx`` with settings v (alike on every rank; "auto" weighs
+        the hierarchical reduction where the set is the job on nodes of several ranks)."""
+        return v.exchange_reduction(len(ctx.set_ranks), ctx.numel, ctx.per_node, "cpu")
 
     @tf.autograph.experimental.do_not_convert
     def decompress(self, tensor, ctx):

@@ -11,7 +11,7 @@ is built, in order (``chains.run_stages``); what they build runs every step:
                            "_"), each timed into ``wait_s``
     GraphRun               what a chain calls on its runner: the collectives, the statistics (the
                            adapter's counter variables), timing, and the residuals the adapter keeps
-                           as variables (``tf_state.GraphResidual``)
+                           as variables (``state.GraphResidual``)
 
 Phase 2 of scatter_allgather carries the reduced chunks' lengths by a second allgather of one int32
 each (``<exchange>_gather_splits``; not payload, not counted), not in frames as the CPU and CUDA
@@ -62,9 +62,9 @@ class TensorFlowOps:
         ops = qops.load()
         if residual is None:
             return ops.qsgd_encode(x, step_seed[1], **self._encoding(step_seed))
-        v = residual.add_to(x)
+        v = residual.add_to(x)   # the tensor, or the node's sum of this rank's shard (hierarchical)
         payload = ops.qsgd_encode(v, step_seed[1], **self._encoding(step_seed))
-        own = ops.qsgd_decode_sum(payload, tf.constant(1.0), count=1, numel=self.numel, **self.attrs)
+        own = ops.qsgd_decode_sum(payload, tf.constant(1.0), count=1, numel=v.shape.num_elements(), **self.attrs)
         self.run.depend(residual.assign(v - own))
         return payload
 
@@ -78,6 +78,60 @@ class TensorFlowOps:
                                          world=n, **self.attrs)
             self.run.depend(residual.assign(v - own))
         return payloads, tf.cast(splits, tf.int64)
+
+    # the hierarchical reduction's cross stage is an allgather: its scatter_allgather would decode
+    # mid-chain with ops that fail the step on some ranks while others wait
+    reduces_across_nodes = False
+
+    @staticmethod
+    def float32(x):
+        return tf.reshape(tf.cast(x, tf.float32), [-1])
+
+    @staticmethod
+    def empty_bytes(like):
+        return tf.zeros([0], tf.uint8)
+
+    @staticmethod
+    def zeros(size, like):
+        return tf.zeros([size], tf.float32)
+
+    @staticmethod
+    def repeat(x, times):
+        return tf.tile(x, [times])
+
+    @staticmethod
+    def slice(x, begin, size):
+        return tf.slice(x, [begin], [size])
+
+    @staticmethod
+    def sizes(lens, n):
+        return [lens[k] for k in range(n)] if isinstance(lens, tf.Tensor) else list(lens)
+
+    @staticmethod
+    def check_size(x, expected, message):
+        """Nothing: every size was fixed when the control vectors agreed."""
+
+    def decode_report(self, buffer, lens, count, expect, where):
+        """(the decode-sum of the ``count`` payloads in ``buffer``, checked against ``expect``, or
+        nothing; "" or why not): QsgdDecodeSumReport, which never fails the step."""
+        attrs = dict(self.attrs, where=where)
+        return tuple(qops.load().qsgd_decode_sum_report(buffer, tf.constant(1.0), count=count, numel=expect.numel,
+                                                        **attrs))
+
+    @staticmethod
+    def checked_sizes(out, got, expected, message, error=None):
+        """``out``, after an assertion that fails the step (on every rank that received the same
+        sizes) unless the parts had the ``expected`` sizes."""
+        ok = tf.reduce_all(tf.equal(tf.stack([tf.cast(g, tf.int64) for g in got]), tf.constant(expected, tf.int64)))
+        data = [message(None), "sizes:", tf.stack(got), "expected:", tf.constant(expected, tf.int64)]
+        if error is not None:
+            data += ["this rank:", error]
+        with tf.control_dependencies([tf.debugging.Assert(ok, data, summarize=64)]):
+            return tf.identity(out)
+
+    @staticmethod
+    def scaled(out, alpha):
+        return out * alpha
 
     @staticmethod
     def length(x):
@@ -144,7 +198,8 @@ class TensorFlowCollectives:
                                                              process_set=group), x)
 
     def alltoall(self, x, splits, name, group):
-        splits = tf.cast(splits, tf.int32)
+        splits = (tf.stack([tf.cast(v, tf.int32) for v in splits]) if isinstance(splits, (list, tuple))
+                  else tf.cast(splits, tf.int32))
         received, rsplits = self.run.timed("wait_s", lambda: tuple(hvd.alltoall(
             x, splits=splits, name=self._name(name), ignore_name_scope=True, process_set=group)), x, splits)
         return received, tf.cast(rsplits, tf.int64)
@@ -156,7 +211,7 @@ class TensorFlowCollectives:
 
 class GraphRun:
     """What a chain calls on its runner, for the TensorFlow adapter ``owner`` (its counter and timing
-    variables: ``hvd_qsgd.adapters.tf_state``; its residuals: each exchange's ``origin``)."""
+    variables: ``hvd_qsgd.adapters.tensorflow.state``; its residuals: each exchange's ``origin``)."""
 
     def __init__(self, owner):
         self.owner = owner
@@ -205,10 +260,18 @@ class GraphRun:
     def wait(handle):
         return handle
 
-    @staticmethod
-    def worker_residual(ex, x):
-        residual = ex.origin.residual
+    def worker_residual(self, ex, x, size=None):
+        """(the residual of what this rank encodes, ``size`` elements (default: the tensor's), True),
+        or (None, False) without error feedback."""
+        residual = self.check_residual(ex, size)
         return residual, residual is not None
+
+    def check_residual(self, ex, size):
+        """The residual of what this rank encodes, checked to have ``size`` elements (None without
+        error feedback)."""
+        if not ex.settings.error_feedback:
+            return None
+        return self.owner._residual(ex.origin, ex.expect.numel if size is None else size)
 
     @staticmethod
     def keep_residual(ex, residual):

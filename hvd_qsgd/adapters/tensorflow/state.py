@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from hvd_qsgd import cost_model, protocol, reduction
-from hvd_qsgd.adapters import tf_schedule
+from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.settings import Stats
 
 
@@ -126,13 +126,16 @@ class TensorFlowState:
             lr = lr(source.iterations)
         return lr
 
-    def _residual(self, ctx):
-        """The error-feedback residual of the exchange ``ctx`` (a variable of its state key, made zero
-        at first), rescaled by lr_made / lr_now (1 without follow_learning_rate, or where either is
-        not a finite positive number)."""
+    def _residual(self, ctx, size):
+        """The error-feedback residual of what this rank encodes of the exchange ``ctx``, ``size``
+        elements (a variable of its state key, made zero at first), rescaled by lr_made / lr_now (1
+        without follow_learning_rate, or where either is not a finite positive number)."""
+        if ctx.key is None:
+            raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
+                             "step: residuals are kept per traced tensor")
         variable = self._state(self.residuals.residuals, ctx.key, lambda: tf.Variable(
-            tf.zeros([ctx.numel], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
-        if variable.shape.num_elements() != ctx.numel:
+            tf.zeros([size], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
+        if variable.shape.num_elements() != size:
             raise ValueError(f"{ctx.where}: its error-feedback residual ({ctx.key}) has "
                              f"{variable.shape.num_elements()} elements: the function handed the "
                              "compressor other tensors in this position when it was first traced")
