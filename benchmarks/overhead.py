@@ -1,7 +1,12 @@
-"""Per-tensor cost: the step time of K small gradients through ``hvd.DistributedOptimizer``.
+"""Per-tensor cost: the step time of K small gradients through ``hvd.DistributedOptimizer``
+(PyTorch) or ``hvd.DistributedGradientTape`` in a ``tf.function`` step (``--framework tensorflow``).
 
     python -m benchmarks overhead --np 2 --tensors 1,16,64 --numel 20000
     python -m benchmarks overhead --trees /path/to/other/checkout,.     # two versions side by side
+    python -m benchmarks overhead --framework tensorflow --modes none,qsgd4-allgather,qsgd4-scatter
+
+Each tree runs its own copy of this benchmark (``python -m benchmarks.overhead`` in the tree): to
+compare with a tree that predates a mode or ``--framework``, copy this file into it.
 
 Each mode (none, QSGD(4) with the "auto" reduction, QSGD(4) allgather, QSGD(4) scatter_allgather,
 QSGD(4) "auto" with ``fusion=True``, and with ``overlap=True``)
@@ -24,23 +29,75 @@ from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info,
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap"}   # "+<setting>": that setting on
+TF_MODES = [m for m in MODES if "+" not in (MODES[m] or "")]
 
 
 def add_arguments(p):
     p.add_argument("--np", type=int_at_least(2), default=2, help="ranks (default %(default)s)")
     p.add_argument("--tensors", default="1,16,64", help="numbers of gradients K (default %(default)s)")
     p.add_argument("--numel", type=int_at_least(1), default=20000, help="elements a gradient (default %(default)s)")
-    p.add_argument("--modes", default=",".join(MODES), help="modes (default %(default)s)")
+    p.add_argument("--modes", help=f"modes (default: {','.join(MODES)}; in TensorFlow those of {','.join(TF_MODES)})")
     p.add_argument("--steps", type=int_at_least(1), default=40, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps (default %(default)s)")
     p.add_argument("--trees", default=".", help="checkouts to compare, comma-separated (default: this one)")
     p.add_argument("--repeats", type=int_at_least(1), default=1,
                    help="launches per tree and K, alternating between the trees; the table gives the median")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
+                   help="the framework whose Horovod binding carries the step (default %(default)s; "
+                        "TensorFlow has no fused or overlap mode)")
     p.add_argument("--json", help=argparse.SUPPRESS)
 
 
+def compression_of(hvd, hvd_qsgd_module, mode):
+    red = MODES[mode]
+    if red is None:
+        return hvd.Compression.none
+    return hvd_qsgd_module.QSGD(4, reduction=red.split("+")[0], fusion=red.endswith("+fusion"),
+                                overlap=red.endswith("+overlap"))
+
+
+def tf_worker(args):
+    """K variables, loss = sum of v * x, through hvd.DistributedGradientTape in a tf.function step."""
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    import hvd_qsgd.tensorflow
+    hvd.init()
+    results = {}
+    for mode in args.modes.split(","):
+        for k in [int(v) for v in args.tensors.split(",")]:
+            rng = np.random.default_rng(0)
+            vs = [tf.Variable(rng.standard_normal(args.numel).astype(np.float32)) for _ in range(k)]
+            xs = [tf.constant(rng.standard_normal(args.numel).astype(np.float32)) for _ in range(k)]
+            compression = compression_of(hvd, hvd_qsgd.tensorflow, mode)
+
+            @tf.function
+            def step():
+                with tf.GradientTape() as tape:
+                    loss = tf.add_n([tf.reduce_sum(v * x) for v, x in zip(vs, xs)])
+                grads = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, vs)
+                for v, g in zip(vs, grads):
+                    v.assign_sub(0.01 * g)
+
+            times = []
+            for i in range(args.warmup + args.steps):
+                hvd.allreduce(tf.zeros([1]), name="barrier")
+                t0 = time.perf_counter()
+                step()
+                dt = hvd.allreduce(tf.constant([time.perf_counter() - t0]), op=hvd.Max, name="step_time")
+                if i >= args.warmup:
+                    times.append(float(dt.numpy()[0]))
+            results[f"{mode}/{k}"] = statistics.median(times)
+    if hvd.rank() == 0:
+        with open(args.json, "w") as f:
+            json.dump(results, f)
+
+
 def worker(args):
+    if args.framework == "tensorflow":
+        return tf_worker(args)
     import torch
     import horovod.torch as hvd
     import hvd_qsgd
@@ -51,9 +108,7 @@ def worker(args):
             torch.manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(args.numel)) for _ in range(k)]
             xs = [torch.randn(args.numel) for _ in range(k)]
-            red = MODES[mode]
-            compression = hvd.Compression.none if red is None else hvd_qsgd.QSGD(
-                4, reduction=red.split("+")[0], fusion=red.endswith("+fusion"), overlap=red.endswith("+overlap"))
+            compression = compression_of(hvd, hvd_qsgd, mode)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.01), compression=compression,
                                            named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
             times = []
@@ -75,6 +130,12 @@ def worker(args):
 def run(args):
     if args.worker:
         return worker(args)
+    tensorflow = args.framework == "tensorflow"
+    args.modes = args.modes or ",".join(TF_MODES if tensorflow else MODES)
+    unknown = [m for m in args.modes.split(",") if m not in (TF_MODES if tensorflow else MODES)]
+    if unknown:
+        print(f"overhead: modes {unknown} are not among {TF_MODES if tensorflow else list(MODES)} ({args.framework})")
+        return 2
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     ks = [int(v) for v in args.tensors.split(",")]
     modes = args.modes.split(",")
@@ -85,6 +146,8 @@ def run(args):
                 cmd = ["horovodrun", "--gloo", "-np", str(args.np), sys.executable, "-m", "benchmarks.overhead",
                        "--worker", "--json", out.name, "--tensors", str(k), "--numel", str(args.numel),
                        "--modes", args.modes, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                if args.framework != "torch":
+                    cmd += ["--framework", args.framework]
                 old = os.environ.get("PYTHONPATH")
                 os.environ["PYTHONPATH"] = tree   # job_env puts this checkout first: the tree goes before it
                 try:
@@ -99,7 +162,7 @@ def run(args):
                         table.setdefault((tree, key), []).append(v)
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; "
-          f"{args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
+          f"{args.framework}, {args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
           f"median of {args.repeats} launches per tree, alternating")
     print("| tree | K | " + " | ".join(modes) + " |")
     print("|---|---|" + "---|" * len(modes))

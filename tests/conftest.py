@@ -31,6 +31,7 @@ MARKERS = {
     "test_bench_convergence": {"multirank", "slow"},              # python -m benchmarks convergence --np 2
     "test_bench_lm::test_lm_smoke_reports_what_it_computed": {"multirank", "slow"},  # convergence --workload lm --np 2
     "test_bench_reduction": {"multirank", "slow"},                # python -m benchmarks reduction --np 2 3
+    "test_bench_overhead::test_tensorflow_overhead_tiny": {"multirank"},  # overhead --framework tensorflow --np 2
     "test_bench_e2e::test_real_run_counts_bytes_and_cleans_up": {"multirank", "slow"},
     "test_bench_e2e::test_sigterm_kills_ranks_and_deletes_namespaces": {"multirank"},
     "test_diagnose::test_horovods_build_matches_horovodruns_check_build": {"slow"},

@@ -1,0 +1,25 @@
+"""``python -m benchmarks overhead``: TensorFlow's mode runs a tiny 2-rank job and prints a step time
+for every tree and mode; a mode TensorFlow does not have is refused before anything is launched."""
+import re
+import sys
+from types import SimpleNamespace
+
+from benchmarks import overhead
+from tests.helpers import run_bounded
+
+
+def test_tensorflow_refuses_the_modes_it_does_not_have(capsys):
+    args = SimpleNamespace(worker=False, framework="tensorflow", modes="none,qsgd4-fused", trees=".", tensors="1")
+    assert overhead.run(args) == 2
+    assert "qsgd4-fused" in capsys.readouterr().out
+    assert "qsgd4-fused" not in overhead.TF_MODES and "qsgd4-scatter" in overhead.TF_MODES
+
+
+def test_tensorflow_overhead_tiny():
+    cmd = [sys.executable, "-m", "benchmarks", "overhead", "--framework", "tensorflow", "--tensors", "2",
+           "--steps", "2", "--warmup", "1", "--modes", "none,qsgd4-allgather,qsgd4-scatter"]
+    returncode, stdout = run_bounded(cmd, 240)
+    assert returncode == 0, stdout[-5000:]
+    assert "tensorflow, 2 Gloo ranks" in stdout, stdout[-3000:]
+    row = re.search(r"^\| \. \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", stdout, re.M)
+    assert row and all(float(v) > 0 for v in row.groups()), stdout[-3000:]
