@@ -3,10 +3,12 @@
 is built, in order (``chains.run_stages``); what they build runs every step:
 
     TensorFlowOps          the backend of one exchange: the codec ops of ``hvd_qsgd.tensorflow``
-                           (QsgdEncode, QsgdDecodeSum, QsgdEncodeChunks, QsgdReduceChunk[Ef],
-                           QsgdDecodeChunks) bound to its settings, expected header, message and
-                           seed; sizes are int64 tensors; a header check or a failed reduce step
-                           raises inside the op that decodes (``InvalidArgumentError``, every rank)
+                           (QsgdEncode, QsgdDecodeSum[Report], QsgdEncodeChunks,
+                           QsgdReduceChunk[Ef], QsgdDecodeChunks) bound to its settings, expected
+                           header, message and seed; sizes are int64 tensors; a header check or a
+                           failed reduce step raises inside the op that decodes
+                           (``InvalidArgumentError``, every rank), or, mid-chain (the hierarchical
+                           shard result), reports its failure for every rank to see
     TensorFlowCollectives  Horovod's TensorFlow collectives under the exchange's names ("." becomes
                            "_"), each timed into ``wait_s``
     GraphRun               what a chain calls on its runner: the collectives, the statistics (the
@@ -31,6 +33,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 
 from hvd_qsgd import _tf_ops as qops, codec
+from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.settings import Stats
 
 
@@ -45,7 +48,8 @@ class TensorFlowOps:
     """The backend of one exchange (``hvd_qsgd.backends``' methods, as graph ops): bound to its
     settings, source dtype, fingerprint, message (``where``), element count and number of ranks; the
     step seed a chain passes is (the seed attr, the occurrence tensor). The ``where`` arguments of
-    the chains' calls are not used: the ops name the tensor by the message bound here."""
+    the chains' calls are not used, but by ``decode_report`` (which names the shard): the ops name
+    the tensor by the message bound here, as before the chains were shared."""
 
     def __init__(self, run, settings, source_dtype, fingerprint, where, numel, world):
         s = settings
@@ -124,7 +128,7 @@ class TensorFlowOps:
         sizes) unless the parts had the ``expected`` sizes."""
         ok = tf.reduce_all(tf.equal(tf.stack([tf.cast(g, tf.int64) for g in got]), tf.constant(expected, tf.int64)))
         data = [message(None), "sizes:", tf.stack(got), "expected:", tf.constant(expected, tf.int64)]
-        if error is not None:
+        if isinstance(error, tf.Tensor):
             data += ["this rank:", error]
         with tf.control_dependencies([tf.debugging.Assert(ok, data, summarize=64)]):
             return tf.identity(out)
@@ -171,7 +175,10 @@ class TensorFlowOps:
 
     @staticmethod
     def raise_if_failed(error, message):
-        """Nothing here: the op that decodes the reduced chunks raises with ``error``."""
+        """A step that failed while the graph was built raises here; one that fails when the graph
+        runs (``error`` a string tensor) makes the op that decodes fail instead."""
+        if isinstance(error, Exception):
+            raise MismatchError(f"{message}: {error}") from error
 
     def decode_chunks(self, parts, alpha, numel, bucket_size, where, error=None):
         return qops.load().qsgd_decode_chunks(parts.data, parts.lengths, alpha,
