@@ -53,21 +53,18 @@ class _HostCountedBackend:
     def sizes(lens, n: int) -> List[int]:
         return [int(v) for v in lens]
 
-    def check_size(self, x, expected: int, message) -> None:
-        """``MismatchError(message(found))`` unless ``x`` has ``expected`` elements."""
+    def check_size(self, x, expected: int, message) -> None:  # MismatchError(message(found)) if it differs
         found = self.length(x)
         if found != expected:
             raise MismatchError(message(found))
 
     def decode_report(self, buffer, lens, count: int, expect, where: str):
-        """(the decode-sum of the ``count`` payloads in ``buffer`` (cut at ``lens``, zeros skipped),
-        each checked against ``expect``; None), or (nothing, why not): never raises."""
+        """(the checked decode-sum of the ``count`` payloads in ``buffer``, None) or (nothing, why not)."""
         try:
             payloads = self.split_by(buffer, [v for v in lens if v])
             if len(payloads) != count:
                 raise MismatchError(f"{where}: received {len(payloads)} payloads, expected {count}")
-            protocol.check_gathered(self.read_headers(payloads, where), expect, where)
-            return self.decode_sum(payloads, 1.0, where), None
+            return self._checked_sum(payloads, 1.0, expect, where), None
         except Exception as error:
             return self.zeros(0, buffer), error
 
@@ -88,8 +85,12 @@ class _HostCountedBackend:
         """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked
         against ``expect``; the payloads' lengths)."""
         payloads = self.split(gathered, count, own_len, where)
+        return self._checked_sum(payloads, alpha, expect, where), [self.length(p) for p in payloads]
+
+    def _checked_sum(self, payloads, alpha, expect, where):
+        """alpha * the decoded sum of ``payloads``, once every header agreed with ``expect``."""
         protocol.check_gathered(self.read_headers(payloads, where), expect, where)
-        return self.decode_sum(payloads, alpha, where), [self.length(p) for p in payloads]
+        return self.decode_sum(payloads, alpha, where)
 
     def unframe(self, gathered, n: int, where: str) -> list:
         """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their

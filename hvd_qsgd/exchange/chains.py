@@ -12,6 +12,8 @@ Arrays are the exchange's backend's (``hvd_qsgd.backends``); collectives are the
 (``hvd_qsgd.exchange.collectives``). The algorithms: ``hvd_qsgd.reduction`` (scatter_allgather),
 docs/architecture.md.
 """
+from types import SimpleNamespace
+
 from hvd_qsgd import protocol
 
 
@@ -42,6 +44,14 @@ class Exchange:
         """The reduction as the settings tag names it: with its ranks per node where it has a layout,
         so that ranks that disagree on the layout fail the check."""
         return self.reduction if self.layout is None else f"{self.reduction}/{self.layout}"
+
+
+def expectation(settings, numel, dtype, fingerprint):
+    """What every rank's header must say for an exchange of a tensor of ``numel`` elements of
+    ``dtype`` with ``settings`` (``protocol.check_gathered`` compares each field)."""
+    s = settings
+    return SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding, numel=numel,
+                           dtype=dtype, fingerprint=fingerprint)
 
 
 def run_stages(run, ex, alpha):

@@ -36,7 +36,7 @@ from types import SimpleNamespace
 
 from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
 from hvd_qsgd.driver import StagedDriver
-from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
+from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
 from hvd_qsgd.settings import Stats
@@ -87,8 +87,7 @@ class ExchangeRunner:
         s = self.policy.settings_for(route.residual_key)
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
-        expect = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding=s.coding, numel=numel,
-                                 dtype=dtype, fingerprint=codec.tensor_fingerprint(route.param or "", shape, dtype))
+        expect = expectation(s, numel, dtype, codec.tensor_fingerprint(route.param or "", shape, dtype))
         red = s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world else None,
                                    device_type)
         backend, fallback = backends.choose(device_type, s, red)

@@ -45,7 +45,7 @@ from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
 from hvd_qsgd.adapters.tensorflow.state import TensorFlowState
-from hvd_qsgd.exchange.chains import CHAINS, Exchange, run_stages
+from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
@@ -233,9 +233,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         """The exchange of the tensor ``ctx`` with settings v: its chain, over TensorFlow ops."""
         red, n = self._reduction(ctx, v), len(ctx.set_ranks)
         dtype = SOURCE_DTYPES[ctx.dtype]
-        expect = SimpleNamespace(bits=v.bits, bucket_size=v.bucket_size, norm=v.norm, coding=v.coding, numel=ctx.numel,
-                                 dtype=dtype, fingerprint=ctx.fingerprint)
-        ex = Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v, expect=expect,
+        ex = Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v,
+                      expect=expectation(v, ctx.numel, dtype, ctx.fingerprint),
                       reduction=red, chain=CHAINS[red], group=ctx.process_set, set_ranks=ctx.set_ranks,
                       set_rank=ctx.set_rank, world=hvd.size(), global_rank=hvd.rank(), origin=ctx,
                       step_seed=(ctx.seed, ctx.occurrence),

@@ -129,10 +129,8 @@ class TensorFlowState:
     def _residual(self, ctx, size):
         """The error-feedback residual of what this rank encodes of the exchange ``ctx``, ``size``
         elements (a variable of its state key, made zero at first), rescaled by lr_made / lr_now (1
-        without follow_learning_rate, or where either is not a finite positive number)."""
-        if ctx.key is None:
-            raise ValueError("hvd_qsgd.tensorflow.QSGD(error_feedback=True) needs a tf.function training "
-                             "step: residuals are kept per traced tensor")
+        without follow_learning_rate, or where either is not a finite positive number). Traced steps
+        only: the adapter refuses error feedback eagerly before any chain runs."""
         variable = self._state(self.residuals.residuals, ctx.key, lambda: tf.Variable(
             tf.zeros([size], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
         if variable.shape.num_elements() != size:
