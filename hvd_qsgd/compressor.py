@@ -66,6 +66,11 @@ class QSGD:
                      and no presence allreduce precedes it; the cost: ``hvd.join()`` cannot be used
                      (Horovod cannot carry an allgather or alltoall through a join); the same on every
                      rank (default False; docs/compressor.md, "Overlap")
+    fusion_mb:       PyTorch: gather the tensors into fusion buffers of up to this many MiB of float32,
+                     each quantized as one payload and exchanged as one tensor (each tensor at a
+                     bucket boundary of its buffer, with its own checks and residual; every rank must
+                     hand tensors over in the same order; ``hvd_qsgd.exchange.buffers``); not with
+                     fusion, overlap or server_error_feedback; the same on every rank (default 0: off)
     encoder:         the encoder version, 2 (default) or 1 (the payload bytes of earlier releases;
                      docs/wire-format.md, "Encoders"); receivers decode both; the same on every rank
 
@@ -114,6 +119,7 @@ class QSGD:
                 f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
                 + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
                 + (", fusion=True" if s.fusion else "") + (", overlap=True" if s.overlap else "")
+                + (f", fusion_mb={s.fusion_mb:g}" if s.fusion_mb else "")
                 + (f", encoder={s.encoder})" if s.encoder != codec.DEFAULT_ENCODER else ")"))
 
     def _policy(self, framework: str) -> FixedBits:

@@ -227,10 +227,11 @@ def _tag_message(where, name):
         "compressor creation order": "ranks created their compressors in different orders or used "
                                      "different compressor objects for this tensor",
         "compressor settings": "ranks use different compressor settings (bits, bucket_size, norm, "
-                               "coding, min_numel, reduction, fusion, overlap or encoder)",
+                               "coding, min_numel, reduction, fusion, fusion_mb, overlap or encoder)",
     }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
                 "parameters without gradients on some ranks); pass named_parameters= to the "
-                "compressor so payloads are matched by name")
+                "compressor so payloads are matched by name (with fusion_mb, the order places tensors "
+                "in the fusion buffers, and must be the same on every rank)")
     return f"{where}: ranks disagree on the {name}: {hint}"
 
 

@@ -73,13 +73,14 @@ class Settings:
     fusion: bool = False
     overlap: bool = False
     encoder: int = codec.DEFAULT_ENCODER
+    fusion_mb: float = 0.0
 
     @classmethod
     def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
              min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
              reduction: str = "auto", server_error_feedback: bool = False,
              link_gbps: Optional[float] = None, fusion: bool = False, overlap: bool = False,
-             encoder: int = codec.DEFAULT_ENCODER) -> "Settings":
+             encoder: int = codec.DEFAULT_ENCODER, fusion_mb: float = 0.0) -> "Settings":
         """Settings with every parameter checked (ValueError naming the parameter).
 
         This signature is the one place the settings parameters are written out: the compressors
@@ -105,9 +106,10 @@ class Settings:
                                  f"HVD_QSGD_BANDWIDTH_GBITS, else {cost_model.BANDWIDTH_BPS * 8e-9:g}), "
                                  f"got {link_gbps!r}")
             link_gbps = float(link_gbps)
+        fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, overlap, server_error_feedback)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
-                   bool(fusion), bool(overlap), encoder)
+                   bool(fusion), bool(overlap), encoder, fusion_mb)
 
     @classmethod
     def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
@@ -149,10 +151,11 @@ class Settings:
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
         reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
         differently are told apart too."""
-        # (fusion, overlap and encoder version 2 appear only when on: without them the tags stay those
-        # of earlier releases, whose payloads encoder=1 reproduces; ranks on different encoders differ)
+        # (fusion, overlap, encoder version 2 and fusion buffers appear only when on: without them the
+        # tags stay those of earlier releases, whose payloads encoder=1 reproduces; ranks on different
+        # encoders differ)
         extra = (("|fused" if self.fusion else "") + ("|overlap" if self.overlap else "")
-                 + ("|encoder2" if self.encoder == 2 else ""))
+                 + ("|encoder2" if self.encoder == 2 else "") + (f"|buffers{self.fusion_mb!r}" if self.fusion_mb else ""))
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
                                    f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}{extra}")
 
@@ -173,6 +176,10 @@ class Settings:
                                               intra_bps=cost_model.intra_link(device=device))
         return cost_model.choose(n, numel, self.bits, self.bucket_size, bandwidth_bps=self.link_bps())
 
+    def fusion_elements(self) -> int:
+        """The elements a fusion buffer holds (``fusion_mb`` MiB of float32), 0 when off."""
+        return int(self.fusion_mb * 2 ** 20) // 4
+
     def link_bps(self) -> Optional[float]:
         """The link bandwidth in bytes/s that ``link_gbps`` sets, or None (the cost model's default:
         ``HVD_QSGD_BANDWIDTH_GBITS``, else 10 Gbit/s)."""
@@ -180,6 +187,28 @@ class Settings:
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+def _check_fusion_mb(fusion_mb: Any, min_numel: int, fusion: bool, overlap: bool, server_error_feedback: bool) -> float:
+    """``fusion_mb`` as a float, checked, and against the settings it cannot go with."""
+    if codec.is_bool(fusion_mb) or not isinstance(fusion_mb, (int, float)) or not (
+            math.isfinite(fusion_mb) and fusion_mb >= 0):
+        raise ValueError(f"fusion_mb must be a non-negative number of MiB (0: no fusion buffers), got {fusion_mb!r}")
+    fusion_mb = float(fusion_mb)
+    if not fusion_mb:
+        return fusion_mb
+    if int(fusion_mb * 2 ** 20) // 4 < min_numel:
+        raise ValueError(f"fusion_mb={fusion_mb:g} holds {int(fusion_mb * 2 ** 20) // 4} float32 elements, fewer than "
+                         f"min_numel={min_numel}: no compressed tensor would fit in a fusion buffer")
+    for name, on in (("fusion", fusion), ("overlap", overlap), ("server_error_feedback", server_error_feedback)):
+        if on:
+            raise ValueError(f"fusion_mb and {name}=True cannot be combined: " + {
+                "fusion": "both fuse a step's tensors (fusion=True keeps each tensor's own payload); pass one",
+                "overlap": "a fusion buffer's collectives start once it is full or at the first decompress, "
+                           "not in each tensor's hook",
+                "server_error_feedback": "the reducing rank's residual belongs to a chunk of one tensor, and a "
+                                         "buffer's chunks change with its members"}[name])
+    return fusion_mb
 
 
 class Stats:

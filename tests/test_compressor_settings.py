@@ -25,6 +25,10 @@ def test_defaults_follow_the_paper():
     (dict(link_gbps="10"), "link_gbps"), (dict(link_gbps=True), "link_gbps"), (dict(fusion=1), "fusion"),
     (dict(overlap="yes"), "overlap"), (dict(encoder=0), "encoder"), (dict(encoder=3), "encoder"),
     (dict(encoder="2"), "encoder"), (dict(encoder=True), "encoder"), (dict(encoder=2.0), "encoder"),
+    (dict(fusion_mb=-1), "fusion_mb"), (dict(fusion_mb=True), "fusion_mb"), (dict(fusion_mb="64"), "fusion_mb"),
+    (dict(fusion_mb=float("nan")), "fusion_mb"), (dict(fusion_mb=0.01), "fusion_mb=0.01 holds 2621 .* min_numel=10000"),
+    (dict(fusion_mb=64, fusion=True), "fusion_mb and fusion=True"), (dict(fusion_mb=64, overlap=True), "fusion_mb and overlap"),
+    (dict(fusion_mb=64, server_error_feedback=True), "fusion_mb and server_error_feedback"),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):
@@ -58,8 +62,10 @@ def test_link_gbps_overrides_the_environment(monkeypatch):
 def test_settings_tag_covers_what_ranks_must_share_and_only_that():
     base = Settings.make(4)
     for changed in (dict(bits=8), dict(bucket_size=256), dict(norm="l2"), dict(coding="elias"),
-                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1)):
+                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1), dict(fusion_mb=64)):
         assert Settings.make(**{"bits": 4, **changed}).tag() != base.tag(), changed
+    assert Settings.make(4, fusion_mb=64).tag() != Settings.make(4, fusion_mb=32).tag()
+    assert Settings.make(4, fusion_mb=64).fusion_elements() == 16 * 2 ** 20 and base.fusion_elements() == 0
     for local in (dict(seed=3), dict(error_feedback=True), dict(checksum=False)):
         assert Settings.make(4, **local).tag() == base.tag(), local
 
@@ -182,11 +188,12 @@ def test_auto_weighs_the_hierarchical_reduction_on_nodes_of_several_ranks(monkey
 
 
 def test_fusion_and_overlap_are_refused_where_they_do_not_run():
-    """fusion=True and overlap=True run in PyTorch; the TensorFlow compressor and the mpi4py reducer say so."""
+    """fusion=True, overlap=True and fusion_mb run in PyTorch; the TensorFlow compressor and the mpi4py
+    reducer say so."""
     import hvd_qsgd.mpi
     import hvd_qsgd.tensorflow
-    for name in ("fusion", "overlap"):
-        with pytest.raises(ValueError, match=f"{name}=True runs in PyTorch"):
-            hvd_qsgd.tensorflow.QSGD(4, **{name: True})
-        with pytest.raises(ValueError, match=f"{name}=True"):
-            hvd_qsgd.mpi.QSGDReducer(comm=object(), **{name: True})
+    for name, on in (("fusion", True), ("overlap", True), ("fusion_mb", 64.0)):
+        with pytest.raises(ValueError, match=f"{name}={on!r} runs in PyTorch"):
+            hvd_qsgd.tensorflow.QSGD(4, **{name: on})
+        with pytest.raises(ValueError, match=f"{name}={on!r}"):
+            hvd_qsgd.mpi.QSGDReducer(comm=object(), **{name: on})

@@ -657,7 +657,7 @@ def test_adapter_device_path_emulated_equals_its_host_path_under_horovodrun(emul
     emulated (host tensors standing for CUDA tensors): allgather and scatter_allgather, worker error
     feedback fused into the encoder, server error feedback with its residual kept as a device tensor,
     BlockSign's two-way steps, float16 and bfloat16 read natively, fusion (payloads joined and cut on
-    the device) and overlap. Results and residuals equal bit for
+    the device), fusion buffers (staged and sliced on the device) and overlap. Results and residuals equal bit for
     bit on every rank, with no host fallback; the Elias coding on the device for allgather (with error
     feedback), and through the host for scatter_allgather (no chunk kernels) with every exchange
     counted (tests/mp/torch_device_path.py). An emulated result:

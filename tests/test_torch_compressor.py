@@ -64,7 +64,8 @@ def test_scatter_allgather_equals_the_two_phase_simulation_on_every_rank(np_, co
 
 
 def scatter_launch(np_, controller):
-    return launch_once(np_, controller, (WORKER, *SCATTER, "fusion", "mismatch-fused-shapes", "overlap"), timeout=520)
+    return launch_once(np_, controller, (WORKER, *SCATTER, "fusion", "mismatch-fused-shapes", "overlap", "buffers"),
+                       timeout=600)
 
 
 @pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
@@ -90,6 +91,17 @@ def test_fusion_gives_the_unfused_result_bit_for_bit(np_, controller):
     assert sorted(r for r, _ in raised) == list(range(np_)), out[-3000:]
     for _, msg in raised:
         assert re.search(r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100, rank 2: 20200", msg), msg
+
+
+@pytest.mark.parametrize("np_,controller", [(3, "gloo"), (4, "gloo"), (3, "mpi")])
+def test_fusion_buffers_equal_their_reference_on_every_rank(np_, controller):
+    """fusion_mb: a step's gradients quantized in buffers (three a step here, one of two gradients),
+    each gradient at a bucket boundary of its buffer; allgather and scatter_allgather buffers, error
+    feedback and float16 equal the reference built with the codec from every rank's gradients, bit
+    for bit, replicas are identical, and stats count the gradients (tests/mp/torch_buffers.py). The
+    mismatch "buffered-order": tensors in different orders fail on every rank."""
+    out = scatter_launch(np_, controller)
+    assert ok_lines(out, "buffers") == np_, out[-3000:]
 
 
 @pytest.mark.parametrize("np_", [8, 16])
@@ -129,6 +141,7 @@ MISMATCHES = {
     "shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "fused-shapes": (2, r"MismatchError: .*disagree on numel \(rank 0: 20000, rank 1: 20100\)"),
     "fusion-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
+    "buffered-order": (2, r"MismatchError: .*disagree on the exchange key .*fusion buffers"),
     "overlap-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
     "encoder-setting": (2, r"MismatchError: .*disagree on the compressor settings: .*, overlap or encoder\)"),
     # the stepping rank says why; Horovod stops the joined one
@@ -153,7 +166,9 @@ SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order
                      "reducescatter", "reduction", "shapes", "fused-shapes", "order")
 # fusion or overlap on one rank only leaves each rank's first collective without a partner (its error
 # is raised all the same): a launch of its own each, as for "no-compression"
-assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting", "overlap-setting", "join-overlap"} == set(MISMATCHES)
+# (and tensors placed differently in fusion buffers: their buffer's collectives may start on one rank only)
+assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting", "overlap-setting", "join-overlap",
+                                 "buffered-order"} == set(MISMATCHES)
 
 
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))

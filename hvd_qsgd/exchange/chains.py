@@ -25,7 +25,8 @@ class Exchange:
                  "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
                  "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
                  "started", "origin", "layout", "nodes", "cross_sent", "cross_received", "cross", "fused",
-                 "members", "lock", "pending", "gathered", "cut")
+                 "members", "lock", "pending", "gathered", "cut", "offsets", "source", "per_node", "device_type",
+                 "group_key")
 
     def __init__(self, **fields):
         for k in self.__slots__:

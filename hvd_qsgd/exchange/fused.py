@@ -80,6 +80,10 @@ class FusedGroups:
                 FusedAllgatherChain.launch(run, fused)
         return fused
 
+    @staticmethod
+    def member_finish(run, fused, ex, alpha):
+        return FusedAllgatherChain.member_finish(run, fused, ex, alpha)
+
     def member_done(self, ex):
         """Member ``ex`` has its result: once every member has, the fused exchange's name is free."""
         fused = ex.fused

@@ -13,7 +13,10 @@ backend's array) from compress to decompress through its reduction's chain of st
 
 With ``Settings.fusion``, start keeps an allgather exchange in its group's open fused exchange
 (``hvd_qsgd.exchange.fused``), whose one presence allreduce and one allgather carry every member;
-finish checks each member's own control vector, then cuts its result from the fused one.
+finish checks each member's own control vector, then cuts its result from the fused one. With
+``Settings.fusion_mb``, start puts a tensor in its group's fusion buffer
+(``hvd_qsgd.exchange.buffers``), encoded as one tensor once full or at the first decompress of a
+member, and exchanged through its own chain; finish slices each member's result from the buffer's.
 
 The stages start from decompress and its waits, never at a moment of a rank's own choosing: Horovod
 names an unnamed collective by its per-process handle count, so a payload collective started where
@@ -34,13 +37,17 @@ import threading
 import time
 from types import SimpleNamespace
 
-from hvd_qsgd import backends, codec, cost_model, protocol, reduction, report
+import numpy as np
+
+from hvd_qsgd import backends, codec, cost_model, protocol, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
+from hvd_qsgd.exchange.buffers import FusionBuffers
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
+from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
-from hvd_qsgd.state import ExchangeNames, ResidualStore, element_count
+from hvd_qsgd.state import ExchangeNames, ResidualStore
 
 log = logging.getLogger("hvd_qsgd")
 _joined_logged = threading.Event()
@@ -59,7 +66,7 @@ def _note_joined(where, joined):
 OVERLAPPED = ("allgather", "scatter_allgather")
 
 
-class ExchangeRunner:
+class ExchangeRunner(ResidualSteps):
     """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
     and stage driver. Thread-safe."""
 
@@ -74,6 +81,7 @@ class ExchangeRunner:
         self.residuals = ResidualStore()
         self.driver = StagedDriver(collectives.poll, collectives.wait, self._next_stage)
         self.fusion = FusedGroups(self.names)
+        self.buffers = FusionBuffers(self.names)
         self._slowdown = report.SlowdownWatch(settings.link_bps())
 
     # -- compress -----------------------------------------------------------------------------
@@ -87,20 +95,36 @@ class ExchangeRunner:
         s = self.policy.settings_for(route.residual_key)
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
-        expect = expectation(s, numel, dtype, codec.tensor_fingerprint(route.param or "", shape, dtype))
-        red = s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world else None,
-                                   device_type)
-        backend, fallback = backends.choose(device_type, s, red)
-        if fallback:
-            backends.note_fallback(fallback, self.stats)
-        ex = Exchange(route=route, where=where, settings=s, expect=expect, reduction=red, chain=CHAINS[red],
-                      backend=backend, group=group, set_ranks=set_ranks, world=world, global_rank=global_rank,
+        ex = self.open_exchange(route, where, s, numel, dtype, device_type, group, set_ranks, global_rank, world,
+                                ranks_per_node, codec.tensor_fingerprint(route.param or "", shape, dtype))
+        if self.buffers.takes(ex):
+            ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
+            return ex
+        self.resolve(ex, s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world
+                                              else None, device_type))
+        return ex
+
+    def open_exchange(self, route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank, world,
+                      ranks_per_node, fingerprint=0):
+        """An exchange before its reduction is resolved (``resolve``): route, settings, expectation."""
+        ex = Exchange(route=route, where=where, settings=settings,
+                      expect=expectation(settings, numel, dtype, fingerprint), group=group, set_ranks=set_ranks,
+                      world=world, global_rank=global_rank, device_type=device_type, per_node=ranks_per_node,
                       set_rank=set_ranks.index(global_rank) if global_rank in set_ranks else None)
-        if red == "hierarchical":
-            ex.layout, ex.fault = node_layout(ranks_per_node, set_ranks, world, where)
+        ex.backend = backends.choose(device_type, settings, "allgather")[0]   # (resolve chooses for the reduction)
         if ranks_per_node and world % ranks_per_node == 0:  # which node each set rank is on (the stats')
             ex.nodes = [g // ranks_per_node for g in set_ranks]
         return ex
+
+    def resolve(self, ex, red):
+        """The exchange's reduction ``red``: its chain, backend (a fallback counted) and node layout."""
+        ex.reduction, ex.chain = red, CHAINS[red]
+        ex.backend, fallback = backends.choose(ex.device_type, ex.settings, red)
+        if fallback:
+            backends.note_fallback(fallback, self.stats)
+        if red == "hierarchical":
+            layout, fault = node_layout(ex.per_node, ex.set_ranks, ex.world, ex.where)
+            ex.layout, ex.fault = layout, ex.fault or fault
 
     def encode(self, ex, x, lr=None):
         """This rank's payload(s) of ``x`` (the tensor flattened, as ``ex.backend`` reads it), timed."""
@@ -109,6 +133,9 @@ class ExchangeRunner:
                 f"{ex.where}: this rank (global rank {ex.global_rank}) is not in the compressor's process set "
                 f"{ex.set_ranks}; pass the optimizer's process_set= to the compressor")
         ex.lr = lr
+        if ex.reduction == "buffered":  # its buffer encodes it (start puts it there)
+            ex.source = x
+            return
         ex.step_seed = protocol.payload_seed(ex.settings.seed, ex.set_rank, ex.route.seed_name, ex.route.occurrence)
         t0 = time.perf_counter()
         ex.chain.encode(self, ex, x)
@@ -122,6 +149,11 @@ class ExchangeRunner:
             ex.started = threading.Event()
             ex.started.set()
             return
+        if ex.reduction == "buffered":  # its fusion buffer starts the collectives (a fault: zeros there)
+            self.buffers.add(self, ex)
+            ex.started = threading.Event()
+            ex.started.set()
+            return
         if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
             self.fusion.add(ex, self.start)
             return
@@ -129,6 +161,8 @@ class ExchangeRunner:
             self._start_now(ex)
             return
         vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
+        if ex.offsets is not None:  # a fusion buffer: one more entry, the ranks that could not encode it
+            vector = np.append(vector, float(ex.fault is not None))
         ex.handle = self.collectives.allreduce(vector, f"{ex.route.exchange}.present", ex.group)
         self.driver.add(ex)
 
@@ -164,47 +198,6 @@ class ExchangeRunner:
                                       ex.route.key)
         return protocol.control_vector(ex.world, ex.global_rank, ex.set_rank, tags, failed=ex.fault is not None)
 
-    # -- error feedback (the rules: hvd_qsgd.error_feedback) ----------------------------------
-
-    def worker_residual(self, ex, x, size=None):
-        """(the buffer the backend's encode reads and rewrites as the residual of what this rank
-        encodes, ``size`` elements (default: the tensor's), whether it holds one): with error
-        feedback, the residual kept, where ``x`` is, rescaled by lr_made / lr_now; else (None, False)."""
-        if not ex.settings.error_feedback:
-            return None, False
-        key, size = ex.route.residual_key, ex.expect.numel if size is None else size
-        old = self.check_residual(ex, size)
-        if old is None:
-            return ex.backend.zeros(size, x), False
-        residual = ex.backend.place(old, x)
-        factor = self.residuals.factor(key, ex.lr)
-        return (residual if factor == 1.0 else residual * factor), True
-
-    def check_residual(self, ex, size):
-        """The residual kept for what this rank encodes (None if none), after checking that it has
-        ``size`` elements."""
-        key = ex.route.residual_key
-        old = self.residuals.get(key) if ex.settings.error_feedback else None
-        if old is not None and element_count(old) != size:
-            raise protocol.MismatchError(
-                f"{ex.where}: its error-feedback residual (position {key!r}) has {element_count(old)} elements, "
-                f"what this rank encodes {size}: the tensors handed to the compressor changed order between "
-                "steps (pass named_parameters= to the compressor), or the node layout changed")
-        return old
-
-    def keep_residual(self, ex, residual):
-        if residual is not None:
-            self.residuals.keep(ex.route.residual_key, residual, ex.lr)
-
-    def server_residual(self, ex, like):
-        """This rank's residual of the tensor's chunk, where its backend reduces ``like`` (made zero,
-        or moved there once from a checkpoint); the reduce step updates it in place."""
-        begin, end = reduction.chunk_ranges(ex.expect.numel, ex.settings.bucket_size, len(ex.set_ranks))[ex.set_rank]
-        with self.lock:
-            return self.residuals.server_residual(ex.route.residual_key, end - begin,
-                                                  lambda size: ex.backend.zeros(size, like), ex.where,
-                                                  lambda r: ex.backend.place(r, like))
-
     # -- stages (hvd_qsgd.driver) -------------------------------------------------------------
 
     def _next_stage(self, ex):
@@ -222,8 +215,10 @@ class ExchangeRunner:
     def _after_presence(self, ex):
         """Every rank of the set took part: the chain's first collective. Some have joined: the
         allreduce of this rank's dequantized payload (the joined ranks add zeros)."""
-        ex.present = protocol.present_ranks(self.collectives.wait(ex.handle), ex.where)  # a NumPy vector
-        ex.handle = None
+        reduced, ex.handle = self.collectives.wait(ex.handle), None
+        if ex.offsets is not None:  # a fusion buffer: its last entry, the ranks that could not encode it
+            reduced = self.buffers.check_encoded(ex, reduced)
+        ex.present = protocol.present_ranks(reduced, ex.where)  # a NumPy vector
         if ex.fault is not None:  # the control check raises on every rank; nothing more starts
             return False
         if len(ex.present) < len(ex.set_ranks) and ex.reduction != "fused":  # (fused: once it closes)
@@ -255,14 +250,15 @@ class ExchangeRunner:
     def finish(self, ex, reduced_control):
         """The exchange's result (the backend's float32 array of numel elements), once the reduced
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
-        fused = None if ex.fused is None else self.fusion.close(self, ex)
+        group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
+        fused = None if group is None else group.close(self, ex)   # a fused exchange or a fusion buffer
         carrier = fused or ex   # the exchange whose collectives carry ex's payload
         try:
             alpha = self._check_control(ex, reduced_control, carrier)
         except protocol.MismatchError as e:
             self.driver.forget(carrier)
             if fused is not None:  # every rank raises here: the step's open fused exchanges are dropped
-                self.fusion.clear()
+                group.clear()
             raise e from ex.fault  # a numbered slot stays taken: its collectives may never complete
         finally:
             self.names.finish(ex.route)
@@ -277,7 +273,7 @@ class ExchangeRunner:
             if carrier.stage_error is not None:
                 raise protocol.MismatchError(f"{ex.where}: {carrier.stage_error}") from carrier.stage_error
             if fused is not None:
-                out = fused.chain.member_finish(self, fused, ex, alpha)
+                out = group.member_finish(self, fused, ex, alpha)
                 if fused.stage == "joined":
                     self._count_joined(ex)
             else:
@@ -285,7 +281,7 @@ class ExchangeRunner:
         finally:  # every rank waited for this exchange's collectives: its slot may be used again
             self.names.release_slot(ex.route.slot)
             if fused is not None:
-                self.fusion.member_done(ex)
+                group.member_done(ex)
         if carrier.stage != "joined":
             self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
                                                                      4 * ex.expect.numel))
@@ -365,6 +361,7 @@ class ExchangeRunner:
         self.names.reset()
         self.driver.reset()
         self.fusion.clear()
+        self.buffers.clear()
         if residuals:
             with self.lock:
                 self.residuals.clear()

@@ -321,6 +321,9 @@ def scenario(s):
         check_report(n)
     elif s == "fusion":
         check_fusion(n, rank)
+    elif s == "buffers":
+        from torch_buffers import check_buffers
+        check_buffers(n, rank)
     elif s == "overlap":
         check_overlap(rank)
     elif s == "default-large":
@@ -486,6 +489,19 @@ def mismatch(kind, n, rank):
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, overlap=rank == 0))
     elif kind == "encoder-setting":   # encoder version 1 on rank 0 only: payloads of one length, the tag differs
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, encoder=1 if rank == 0 else 2))
+    elif kind == "buffered-order":
+        # fusion buffers place tensors in the order they come: two named tensors in different orders
+        # on the two ranks sit at different offsets, which their control vectors tell apart (without
+        # fusion buffers the order of named tensors does not matter)
+        params = {k: nn.Parameter(torch.randn(size)) for k, size in (("a", 20000), ("b", 30000))}
+        for p in params.values():
+            p.grad = torch.randn(p.shape)
+        c = hvd_qsgd.QSGD(4, fusion_mb=1, named_parameters=list(params.items()))
+        order = ("a", "b") if rank == 0 else ("b", "a")
+        ctxs = {k: c.compress(params[k].grad) for k in order}
+        handles = {k: hvd.allreduce_async(ctxs[k][0], name=f"buffered.{k}") for k in order}
+        for k in order:
+            c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
     elif kind in ("fused-shapes", "fusion-setting"):
         # two tensors in one fused exchange, the first of another shape on rank 1; or fusion on rank 0 only
         c = hvd_qsgd.QSGD(4, fusion=kind == "fused-shapes" or rank == 0)

@@ -50,6 +50,12 @@ CONFIGS = {  # name: (settings, dtype)
                                                     error_feedback=True), torch.float32),
     # fusion: the step's allgather tensors in one allgather (the payloads joined and cut on the device)
     "fused-ef-fp16": (Settings.make(bits=4, reduction="allgather", error_feedback=True, fusion=True), torch.float16),
+    # fusion buffers: both gradients in one buffer (at bucket boundaries, staged and sliced on the device),
+    # each member's residual cut from the buffer's
+    "buffers-ef-fp16": (Settings.make(bits=4, reduction="allgather", error_feedback=True, fusion_mb=0.2),
+                        torch.float16),
+    "buffers-scatter-ef": (Settings.make(bits=4, bucket_size=128, reduction="scatter_allgather", error_feedback=True,
+                                         fusion_mb=0.2), torch.float32),
     # overlap: the first phase started in compress, the second from decompress
     "overlap-scatter-ef": (Settings.make(bits=4, bucket_size=128, reduction="scatter_allgather", error_feedback=True,
                                          overlap=True), torch.float32),

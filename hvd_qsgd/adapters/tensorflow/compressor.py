@@ -86,10 +86,11 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             if first is not None:  # a retrace of the step that built it: that step's compressor
                 self.__dict__ = first.__dict__
                 return
-        for name in ("fusion", "overlap"):
+        for name, off in (("fusion", False), ("overlap", False), ("fusion_mb", 0)):
             if getattr(settings, name):
-                raise ValueError(f"hvd_qsgd.tensorflow.QSGD: {name}=True runs in PyTorch so far (TensorFlow builds "
-                                 f"each exchange in the step's graph); pass {name}=False in TensorFlow")
+                raise ValueError(f"hvd_qsgd.tensorflow.QSGD: {name}={getattr(settings, name)!r} runs in PyTorch so "
+                                 f"far (TensorFlow builds each exchange in the step's graph); pass {name}={off} in "
+                                 "TensorFlow")
         self.settings = settings
         self.policy = policy if policy is not None else FixedBits(settings)
         if type(self.policy) not in (FixedBits, ScheduledBits):

@@ -1,0 +1,222 @@
+"""Fusion buffers (``Settings.fusion_mb``): a step's compressed tensors quantized together, one
+payload per buffer.
+
+Without them every compressed tensor pays its own encode, payload collectives and decode, each at a
+fixed price in Python and in Horovod's negotiation (docs/performance.md, "Per-tensor cost"). With
+``fusion_mb``, a tensor that fits joins its group's open buffer (one group per process set, backend,
+settings and dtype), at the buffer's next multiple of ``bucket_size``, so that it keeps its own QSGD
+buckets (no bucket holds two tensors); the buffer is then one exchange of its own, through the chain
+of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
+
+    add         compress: the tensor kept (not copied: Horovod's contract, as for its own
+                allreduce, is that it is not written before synchronize) at its offset; a tensor
+                that does not fit closes the open buffer first and opens the next one. The
+                tensor's control vector carries the buffer and the offset in its exchange key, so
+                ranks that fused differently fail the control check, on every rank, before any
+                rank waits on a buffer
+    close       the member that did not fit, or the first decompress of a member: the members
+                copied into the group's staging array (zeros between them), encoded as one tensor
+                with their error-feedback residuals (each kept under its member's own key), and
+                the buffer's presence allreduce started, with one more entry: the ranks that could
+                not encode it (then nothing more starts, and every member raises on every rank)
+    finish      the buffer's chain once, with alpha 1; each member: its slice times its alpha
+
+The payload's header records the buffer's numel and the fingerprint of its layout (each member's
+fingerprint at its offset). A tensor larger than a buffer goes alone, as without fusion buffers.
+Counted in ``stats`` by member: elements without the padding, one tensor per member.
+"""
+import collections
+import threading
+
+from hvd_qsgd import codec, protocol
+from hvd_qsgd.state import Route
+
+RECENT = 16   # closed buffers whose layout ``recent`` keeps
+
+
+class FusionBuffers:
+    """The fusion buffers of one runner: the open one of each group, the staging arrays, the
+    layouts of the last buffers closed (``recent``: name, occurrence, members' (label, offset,
+    numel)). Thread-safe."""
+
+    def __init__(self, names):
+        self._names = names
+        self._lock = threading.Lock()
+        self._open = {}
+        self._staging = {}
+        self._occurrences = collections.Counter()
+        self.recent = collections.deque(maxlen=RECENT)
+
+    @staticmethod
+    def takes(ex):
+        """Whether a fusion buffer carries ``ex``: the setting is on, the rank is in the set and the
+        tensor fits in a buffer."""
+        s = ex.settings
+        return bool(s.fusion_mb) and ex.set_rank is not None and ex.expect.numel <= s.fusion_elements()
+
+    def add(self, run, ex):
+        """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)
+        in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
+        key = _group_of(ex)
+        bucket, cap = ex.settings.bucket_size, ex.settings.fusion_elements()
+        with self._lock:
+            buf = self._open.get(key)
+            if buf is not None and _aligned(buf.expect.numel, bucket) + ex.expect.numel > cap:
+                del self._open[key]
+                self._close(run, buf)
+                buf = None
+            if buf is None:
+                buf = self._open[key] = self._new(run, ex, key)
+            offset = _aligned(buf.expect.numel, bucket)
+            buf.members.append(ex)
+            buf.offsets.append(offset)
+            buf.expect.numel = offset + ex.expect.numel
+            ex.fused = buf
+            ex.route = ex.route._replace(key=protocol.small_hash(f"{ex.route.key}|{buf.route.slot}|{offset}",
+                                                                 protocol.TAG_RANGE ** 2))
+
+    def _new(self, run, first, key):
+        slot = self._names.take_slot()
+        name = self._names.name(f"b{slot}")
+        occurrence = self._occurrences[name]
+        self._occurrences[name] += 1
+        buf = run.open_exchange(Route(name, name, occurrence, 0, name, None, slot), f"hvd_qsgd: fusion buffer {name}",
+                                first.settings, 0, first.expect.dtype, first.device_type, first.group,
+                                first.set_ranks, first.global_rank, first.world, first.per_node)
+        buf.members, buf.offsets, buf.lock, buf.group_key = [], [], threading.Lock(), key
+        return buf
+
+    def close(self, run, ex):
+        """Member ``ex``'s buffer, closed on the first call for it (the first decompress of a member)."""
+        buf = ex.fused
+        with self._lock:
+            if self._open.get(buf.group_key) is buf:
+                del self._open[buf.group_key]
+                self._close(run, buf)
+        return buf
+
+    def _close(self, run, buf):
+        """Encode the buffer (its members at their offsets) and start its presence allreduce."""
+        members, offsets = buf.members, buf.offsets
+        buf.pending = len(members)
+        buf.where = f"{buf.where} of {len(members)} tensors ({_labels(members)})"
+        buf.expect.numel = numel = offsets[-1] + members[-1].expect.numel
+        buf.expect.fingerprint = codec.tensor_fingerprint(
+            "|".join(f"{m.expect.fingerprint}@{o}" for m, o in zip(members, offsets)), (numel,), buf.expect.dtype)
+        reduction = buf.settings.exchange_reduction(len(buf.set_ranks), numel, buf.per_node if len(buf.set_ranks)
+                                                    == buf.world else None, buf.device_type)
+        run.resolve(buf, reduction)
+        self.recent.append((buf.route.exchange, buf.route.occurrence,
+                            [(m.route.seed_name, o, m.expect.numel) for m, o in zip(members, offsets)]))
+        try:
+            if buf.fault is not None:
+                raise buf.fault
+            x = self._stage(buf, numel)
+            run.encode(buf, x, lr=None)
+        except Exception as e:  # every rank learns it from the presence allreduce
+            buf.fault = e
+        run.start(buf)
+
+    def _stage(self, buf, numel):
+        """The members back to back at their offsets in the group's staging array, zeros between."""
+        like = next((m.source for m in buf.members if m.source is not None), None)
+        b = buf.backend
+        out = self._staging.get(buf.group_key)
+        if out is None or b.length(out) < numel:
+            out = b.zeros(max(numel, 0 if out is None else b.length(out)), like)
+            self._staging[buf.group_key] = out
+        end = 0
+        for m, o in zip(buf.members, buf.offsets):
+            out[end:o] = 0
+            if m.source is None:
+                out[o:o + m.expect.numel] = 0
+            else:
+                out[o:o + m.expect.numel] = m.source
+            m.source = None
+            end = o + m.expect.numel
+        return out[:numel]
+
+    @staticmethod
+    def check_encoded(buf, reduced):
+        """The presence vector of a buffer without its last entry, once that says every rank encoded
+        it (else MismatchError, which every rank raises for every member)."""
+        failed = int(round(float(reduced[-1])))
+        if failed:
+            mine = f" (this rank: {buf.fault})" if buf.fault is not None else ""
+            raise protocol.MismatchError(f"{buf.where}: {failed} rank(s) could not encode it{mine}")
+        return reduced[:-1]
+
+    # -- error feedback: each member's residual under its own key ------------------------------
+
+    @staticmethod
+    def residual(run, buf, x):
+        """The members' residuals at their offsets (zeros between and for a member without one,
+        each rescaled by its learning rates), and whether any member had one."""
+        out, valid = buf.backend.zeros(buf.expect.numel, x), False
+        for m, o in zip(buf.members, buf.offsets):
+            old = run.check_residual(m, m.expect.numel)
+            if old is not None:
+                factor = run.residuals.factor(m.route.residual_key, m.lr)
+                part = buf.backend.place(old, x)
+                out[o:o + m.expect.numel] = part if factor == 1.0 else part * factor
+                valid = True
+        return out, valid
+
+    @staticmethod
+    def keep_residuals(run, buf, residual):
+        for m, o in zip(buf.members, buf.offsets):
+            run.residuals.keep(m.route.residual_key, residual[o:o + m.expect.numel], m.lr)
+
+    # -- decompress ----------------------------------------------------------------------------
+
+    @staticmethod
+    def member_finish(run, buf, ex, alpha):
+        """Member ``ex``'s result: its slice of the buffer's (computed once, alpha 1), times alpha."""
+        with buf.lock:
+            if buf.gathered is None and buf.stage_error is None:
+                try:
+                    buf.gathered = (run.wait(buf.handle) if buf.stage == "joined"
+                                    else buf.chain.finish(run, buf, 1.0))
+                    if buf.stage != "joined":  # counted by member: no padding, one tensor each
+                        run.stats.add(elements=sum(m.expect.numel for m in buf.members) - buf.expect.numel,
+                                      tensors=len(buf.members) - 1)
+                except Exception as e:
+                    buf.stage_error = e
+            if buf.stage_error is not None:
+                if isinstance(buf.stage_error, run.collectives.interrupts):
+                    raise buf.stage_error
+                raise protocol.MismatchError(f"{ex.where}: {buf.stage_error}") from buf.stage_error
+        o = buf.offsets[buf.members.index(ex)]
+        out = buf.gathered[o:o + ex.expect.numel]
+        return out * alpha if alpha != 1.0 else out
+
+    def member_done(self, ex):
+        """Member ``ex`` has its result: once every member has, the buffer's name is free."""
+        buf = ex.fused
+        with buf.lock:
+            buf.pending -= 1
+            last = buf.pending == 0
+        if last:
+            self._names.release_slot(buf.route.slot)
+
+    def clear(self):
+        """Forget the open buffers (an elastic reset, or a step that raised)."""
+        with self._lock:
+            for buf in self._open.values():
+                self._names.release_slot(buf.route.slot)
+            self._open = {}
+
+
+def _group_of(ex):
+    """The buffers a tensor may share: those of its process set, backend, settings and dtype."""
+    return (id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype)
+
+
+def _aligned(numel, bucket):
+    return -(-numel // bucket) * bucket
+
+
+def _labels(members, shown=4):
+    names = [m.route.seed_name.rsplit(".", 1)[-1] for m in members]
+    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+

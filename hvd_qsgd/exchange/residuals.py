@@ -1,0 +1,53 @@
+"""The exchange runner's error-feedback steps (the rules: ``hvd_qsgd.error_feedback``; the store:
+``hvd_qsgd.state.ResidualStore``): what a chain's encode reads and rewrites as this rank's residual,
+and the reducing rank's server residual. A fusion buffer's residual is its members', each kept under
+its member's own key (``hvd_qsgd.exchange.buffers``)."""
+from hvd_qsgd import protocol, reduction
+from hvd_qsgd.state import element_count
+
+
+class ResidualSteps:
+    """Mixed into ``ExchangeRunner``, whose ``residuals``, ``buffers`` and ``lock`` it uses."""
+
+    def worker_residual(self, ex, x, size=None):
+        """(the buffer the backend's encode reads and rewrites as the residual of what this rank
+        encodes, ``size`` elements (default: the tensor's), whether it holds one): with error
+        feedback, the residual kept, where ``x`` is, rescaled by lr_made / lr_now; else (None, False)."""
+        if not ex.settings.error_feedback:
+            return None, False
+        if ex.offsets is not None and size is None:  # a fusion buffer: its members' residuals
+            return self.buffers.residual(self, ex, x)
+        key, size = ex.route.residual_key, ex.expect.numel if size is None else size
+        old = self.check_residual(ex, size)
+        if old is None:
+            return ex.backend.zeros(size, x), False
+        residual = ex.backend.place(old, x)
+        factor = self.residuals.factor(key, ex.lr)
+        return (residual if factor == 1.0 else residual * factor), True
+
+    def check_residual(self, ex, size):
+        """The residual kept for what this rank encodes (None if none), after checking that it has
+        ``size`` elements."""
+        key = ex.route.residual_key
+        old = self.residuals.get(key) if ex.settings.error_feedback else None
+        if old is not None and element_count(old) != size:
+            raise protocol.MismatchError(
+                f"{ex.where}: its error-feedback residual (position {key!r}) has {element_count(old)} elements, "
+                f"what this rank encodes {size}: the tensors handed to the compressor changed order between "
+                "steps (pass named_parameters= to the compressor), or the node layout changed")
+        return old
+
+    def keep_residual(self, ex, residual):
+        if residual is not None and ex.offsets is not None and element_count(residual) == ex.expect.numel:
+            self.buffers.keep_residuals(self, ex, residual)
+        elif residual is not None:
+            self.residuals.keep(ex.route.residual_key, residual, ex.lr)
+
+    def server_residual(self, ex, like):
+        """This rank's residual of the tensor's chunk, where its backend reduces ``like`` (made zero,
+        or moved there once from a checkpoint); the reduce step updates it in place."""
+        begin, end = reduction.chunk_ranges(ex.expect.numel, ex.settings.bucket_size, len(ex.set_ranks))[ex.set_rank]
+        with self.lock:
+            return self.residuals.server_residual(ex.route.residual_key, end - begin,
+                                                  lambda size: ex.backend.zeros(size, like), ex.where,
+                                                  lambda r: ex.backend.place(r, like))

@@ -1,0 +1,133 @@
+"""Fusion buffers (``fusion_mb``) under horovodrun, checked against references built from every
+rank's gradients with the codec alone: run from tests/mp/torch_compressor.py ("buffers").
+
+The reference of a buffer follows the documented layout (hvd_qsgd.exchange.buffers): its members in
+the order they reached the compressor, each at the next multiple of bucket_size, zeros between;
+its fingerprint that of the members' fingerprints at their offsets; its seed the payload seed of
+the buffer's name and occurrence; every member's result its slice of the buffer's decoded sum,
+times alpha."""
+import copy
+
+import numpy as np
+import torch
+import torch.nn as nn
+import horovod.torch as hvd
+
+from hvd_qsgd import codec, protocol, reduction
+
+SEED = 7
+
+
+def layers():
+    """Gradients of 20,000 / 30,000 / 12,000 / 45,000 elements (and biases below min_numel)."""
+    torch.manual_seed(5)
+    return nn.Sequential(nn.Linear(40, 500), nn.ReLU(), nn.Linear(500, 60), nn.ReLU(), nn.Linear(60, 200),
+                         nn.ReLU(), nn.Linear(200, 225))
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 40, generator=g), torch.randn(8, 225, generator=g)
+
+
+def gather(t, name):
+    return [x for x in hvd.allgather(t.detach().float().reshape(1, -1), name=name).unbind(0)]
+
+
+def staged(grads, layout, numel):
+    """One rank's buffer: its members' gradients at their offsets, zeros between (float32)."""
+    out = np.zeros(numel, dtype=np.float32)
+    for (label, offset, size) in layout:
+        out[offset:offset + size] = grads[label].numpy().reshape(-1)
+    return out
+
+
+def buffer_fingerprint(model, layout, numel, dtype):
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    fps = [codec.tensor_fingerprint(label, shapes[label], dtype) for label, _, _ in layout]
+    return codec.tensor_fingerprint("|".join(f"{fp}@{o}" for fp, (_, o, _) in zip(fps, layout)), (numel,), dtype)
+
+
+def check_layouts(closed, model, cap):
+    """Every compressed gradient in one buffer, at a multiple of bucket_size after the member
+    before it; no buffer over the cap; the last layer's gradients filled the first, and more than
+    one buffer held more than one gradient's worth (52,428 elements a buffer at fusion_mb=0.2)."""
+    placed = []
+    for _, _, members in closed:
+        end = 0
+        for label, o, size in members:
+            assert o % 512 == 0 and o >= end, members
+            end = o + size
+            placed.append(label.rsplit(".p.", 1)[1])
+        assert end <= cap, (members, cap)
+    assert sorted(placed) == sorted(n for n, p in model.named_parameters() if p.numel() >= 10000), closed
+    assert len(closed) == 3 and max(len(m) for _, _, m in closed) == 2, closed
+
+
+def check_buffers(n, rank):
+    """Through hvd.DistributedOptimizer, three steps: allgather and scatter_allgather buffers (two
+    or three a step at fusion_mb=0.2), error feedback, float16; every gradient equals its reference
+    bit for bit on every rank, replicas are identical, stats count members (elements without the
+    padding) and the payload bytes of the allgather buffers."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+    configs = [dict(reduction="allgather"), dict(reduction="scatter_allgather"),
+               dict(reduction="allgather", error_feedback=True), dict(reduction="allgather", dtype=torch.float16)]
+    for i, cfg in enumerate(configs):
+        cfg = dict(cfg)
+        dtype = cfg.pop("dtype", torch.float32)
+        dname = str(dtype).replace("torch.", "")
+        model = layers().to(dtype)
+        c = TorchCompressor(seed=SEED, fusion_mb=0.2, creation_index=2000 + i, **cfg)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                       named_parameters=model.named_parameters(), compression=c)
+        residuals = {}   # (rank, parameter) -> the reference's error-feedback residual
+        sent = 0
+        for step in range(3):
+            x, y = batch(rank, step)
+            mine = copy.deepcopy(model)
+            nn.functional.mse_loss(mine(x.to(dtype)).float(), y).backward()
+            everyone = {name: gather(p.grad, f"buffers.{i}.{step}.{name}") for name, p in mine.named_parameters()}
+            before = len(c.runner.buffers.recent)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+            opt.step()
+            closed = list(c.runner.buffers.recent)[before:]
+            check_layouts(closed, model, c.settings.fusion_elements())
+            expected = {}
+            for name, occurrence, members in closed:
+                layout = [(label.rsplit(".p.", 1)[1], o, size) for label, o, size in members]
+                numel = layout[-1][1] + layout[-1][2]
+                fp = buffer_fingerprint(model, layout, numel, dname)
+                xs = []
+                for r in range(n):
+                    v = staged({k: everyone[k][r] for k, _, _ in layout}, layout, numel)
+                    if cfg.get("error_feedback"):
+                        for k, o, size in layout:
+                            v[o:o + size] += residuals.get((r, k), np.zeros(size, np.float32))
+                    xs.append(v)
+                seeds = [protocol.payload_seed(SEED, r, name, occurrence) for r in range(n)]
+                if cfg["reduction"] == "allgather":
+                    payloads = [codec.encode(xs[r], 4, 512, "max", seeds[r], "fixed", fp, True, source_dtype=dname)
+                                for r in range(n)]
+                    total = codec.decode_sum(payloads, 1.0)
+                    sent += payloads[rank].size
+                    for r in range(n):
+                        d = xs[r] - codec.decode(payloads[r])
+                        for k, o, size in layout:
+                            residuals[(r, k)] = d[o:o + size]
+                else:
+                    total = reduction.simulate(xs, c.settings, seeds, 1.0, fp, dname)[0]
+                for k, o, size in layout:
+                    expected[k] = torch.from_numpy(total[o:o + size] * (1.0 / n))
+            for name, p in model.named_parameters():
+                if p.numel() < 10000:
+                    continue
+                ref = expected[name].view(p.shape).to(dtype)
+                assert torch.equal(p.grad, ref), f"config {i} step {step} {name}: max diff {(p.grad - ref).abs().max()}"
+                copies = gather(p.grad, f"buffers.same.{i}.{step}.{name}")
+                assert all(torch.equal(cp, copies[0]) for cp in copies), f"config {i} step {step} {name}: replicas differ"
+        st = c.stats
+        big = [p.numel() for p in model.parameters() if p.numel() >= 10000]
+        assert st["tensors"] == 3 * len(big) and st["elements"] == 3 * sum(big), (i, st)
+        if cfg["reduction"] == "allgather":
+            assert st["bytes_sent"] == sent, (i, st["bytes_sent"], sent)
