@@ -34,6 +34,8 @@ weights, each under ``hvd.DistributedOptimizer(SGD, named_parameters=..., compre
                         hvd_qsgd.QSGD(b, reduction="hierarchical"), with --ranks-per-host > 1
     qsgd<b>-<reduction>-overlap
                         the same with overlap=True (payload collectives start during backward)
+    qsgd<b>-<reduction>-buffered
+                        the same with fusion_mb=64 (gradients quantized together in fusion buffers)
 
 Several ranks per host (``--ranks-per-host L``, default 1): each of the n / L host namespaces holds
 L consecutive ranks (Horovod's local rank and size say so), which share its one shaped link; what

@@ -13,7 +13,8 @@ CLASSES = 10
 PROJECT_N = 16
 PROJECT_RATES = ("10gbit", "25gbit", "100gbit")
 REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather", "hierarchical": "hierarchical"}
-MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical)(-overlap)?)$")
+MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical)(-overlap|-buffered)?)$")
+BUFFER_MB = 64   # fusion_mb of the "-buffered" modes
 FLAT_MODEL = ("allgather", "scatter_allgather")  # the reductions this module's (flat, one link) model prices
 
 
@@ -32,13 +33,20 @@ def mode_reduction(mode):
 def mode_overlap(mode):
     """Whether a QSGD mode runs with ``overlap=True`` (its name ends in "-overlap")."""
     m = MODE.match(mode)
-    return bool(m and m.group(4))
+    return bool(m and m.group(4) == "-overlap")
+
+
+def mode_fusion_mb(mode):
+    """The ``fusion_mb`` of a QSGD mode: BUFFER_MB where its name ends in "-buffered", else 0."""
+    m = MODE.match(mode)
+    return BUFFER_MB if m and m.group(4) == "-buffered" else 0
 
 
 def mode_label(mode):
     if mode_bits(mode) is None:
         return mode
-    return f"QSGD({mode_bits(mode)}) {mode_reduction(mode)}" + (", overlap" if mode_overlap(mode) else "")
+    return (f"QSGD({mode_bits(mode)}) {mode_reduction(mode)}" + (", overlap" if mode_overlap(mode) else "")
+            + (f", fusion_mb={mode_fusion_mb(mode)}" if mode_fusion_mb(mode) else ""))
 
 
 def unavailable_modes(modes):

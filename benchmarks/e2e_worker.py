@@ -8,7 +8,8 @@ import os
 import statistics
 import time
 
-from benchmarks.e2e_model import CLASSES, make_model, mode_bits, mode_overlap, mode_reduction, time_codec
+from benchmarks.e2e_model import (CLASSES, make_model, mode_bits, mode_fusion_mb, mode_overlap, mode_reduction,
+                                  time_codec)
 
 
 def build_runs(args, hvd):
@@ -30,7 +31,8 @@ def build_runs(args, hvd):
             comp = _Counting(hvd.Compression.fp16)
         else:
             comp = hvd_qsgd.QSGD(mode_bits(mode), reduction=mode_reduction(mode), seed=args.seed,
-                                 overlap=mode_overlap(mode), named_parameters=model.named_parameters())
+                                 overlap=mode_overlap(mode), fusion_mb=mode_fusion_mb(mode),
+                                 named_parameters=model.named_parameters())
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=1e-3),
                                        named_parameters=model.named_parameters(), compression=comp)
         runs[mode] = dict(model=model, opt=opt, comp=comp)

@@ -354,8 +354,13 @@ def decode(payload: Any, where: str = "decode") -> np.ndarray:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads of the CPU kernels (n <= 0: OpenMP's default)."""
+    """Threads of the CPU kernels (n <= 0: OpenMP's default); a choice ``hvd_qsgd.threads`` keeps."""
+    global _threads_chosen
+    _threads_chosen = True
     _native.load().qsgd_set_num_threads(int(n))
+
+
+_threads_chosen = False   # set_num_threads was called
 
 
 def get_num_threads() -> int:

@@ -9,6 +9,7 @@ The reduction defaults to "auto": per tensor, the faster of allgather and scatte
 ``hvd_qsgd.cost_model`` (allgather on 2 ranks and for small tensors, scatter_allgather for large
 tensors from 3 ranks on, whose bytes per rank stay flat as ranks are added).
 """
+import functools
 import inspect
 import itertools
 import math
@@ -151,6 +152,9 @@ class Settings:
         """The settings every rank must share, hashed into a control-vector tag; ``reduction`` is the
         reduction an exchange resolved to (``exchange_reduction``), so ranks that resolve "auto"
         differently are told apart too."""
+        return _tag(self, reduction)
+
+    def _tag_text(self, reduction: Optional[str]) -> int:
         # (fusion, overlap, encoder version 2 and fusion buffers appear only when on: without them the
         # tags stay those of earlier releases, whose payloads encoder=1 reproduces; ranks on different
         # encoders differ)
@@ -187,6 +191,12 @@ class Settings:
 
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
+
+
+@functools.lru_cache(maxsize=1024)
+def _tag(settings: Settings, reduction: Optional[str]) -> int:
+    """``Settings.tag``, hashed once per settings and reduction (it is asked for at every exchange)."""
+    return settings._tag_text(reduction)
 
 
 def _check_fusion_mb(fusion_mb: Any, min_numel: int, fusion: bool, overlap: bool, server_error_feedback: bool) -> float:

@@ -36,7 +36,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, protocol
+from hvd_qsgd import backends, protocol, threads
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.exchange.chains import Exchange
@@ -67,6 +67,7 @@ class TorchCompressor(Compressor):
         self._params = None
         self._grad_names = {}
         self._positional_residuals = False  # a checkpoint's residuals keyed by position (load_state_dict)
+        self._per_node = None   # Horovod's ranks per node (hvd_qsgd.exchange.hierarchical), once known
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -116,6 +117,7 @@ class TorchCompressor(Compressor):
         try:
             if ex.fault is not None:  # the compressor's set or names disagree with Horovod's call
                 raise ex.fault
+            threads.share_cores(hvd.local_size())   # once per process: ranks on a node share its cores
             if tensor.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
                                  "the CPU or a CUDA device (move it there, or pass it uncompressed)")
@@ -145,10 +147,12 @@ class TorchCompressor(Compressor):
                 log.warning("hvd_qsgd: the checkpoint loaded keys its error-feedback residuals by position (a "
                             "compressor that numbered the optimizer's gradients); gradients from Horovod's "
                             "optimizer are matched by its parameter names now, so their residuals start from zero")
-        try:
-            per_node = horovod_ranks_per_node(hvd)
-        except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
-            per_node, fault = 0, fault or e
+        per_node = self._per_node
+        if per_node is None:
+            try:
+                per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
+            except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
+                per_node, fault = 0, fault or e
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
                               ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size(), ranks_per_node=per_node)
         ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
@@ -160,9 +164,11 @@ class TorchCompressor(Compressor):
         backend (no copy for a contiguous float32 CPU tensor); the tensor itself, in its own dtype,
         for the CUDA backend."""
         x = tensor.detach().reshape(-1)
-        if ex.backend is backends.CPU:
-            return x.cpu().float().contiguous().numpy()
-        return x
+        if ex.backend is not backends.CPU:
+            return x
+        if x.dtype is torch.float32 and x.device.type == "cpu" and x.is_contiguous():
+            return x.numpy()
+        return x.cpu().float().contiguous().numpy()
 
     def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange]) -> torch.Tensor:
         if ex is None:
@@ -249,6 +255,7 @@ class TorchCompressor(Compressor):
         self.runner.reset(residuals)
         with self._lock:
             self._grad_names = {}
+            self._per_node = None
 
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the

@@ -83,6 +83,7 @@ class ExchangeRunner(ResidualSteps):
         self.fusion = FusedGroups(self.names)
         self.buffers = FusionBuffers(self.names)
         self._slowdown = report.SlowdownWatch(settings.link_bps())
+        self._controls = {}   # the control vectors made so far, by what they say
 
     # -- compress -----------------------------------------------------------------------------
 
@@ -196,7 +197,13 @@ class ExchangeRunner(ResidualSteps):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
         tags = protocol.exchange_tags(len(ex.set_ranks), self.creation_index, ex.settings.tag(ex.tag_reduction()),
                                       ex.route.key)
-        return protocol.control_vector(ex.world, ex.global_rank, ex.set_rank, tags, failed=ex.fault is not None)
+        key = (ex.world, ex.global_rank, ex.set_rank, tags, ex.fault is not None)
+        vector = self._controls.get(key)
+        if vector is None:  # (made once per tensor and outcome: Horovod reduces a copy in place)
+            if len(self._controls) > 4096:
+                self._controls.clear()
+            vector = self._controls[key] = protocol.control_vector(*key[:4], failed=key[4])
+        return vector.copy()
 
     # -- stages (hvd_qsgd.driver) -------------------------------------------------------------
 
