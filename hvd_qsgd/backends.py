@@ -16,11 +16,10 @@ signatures, same payload bytes for the same input, settings and seed:
 ``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
 reads) and update it in place: the one error-feedback path, on the CPU as on the device.
 
-``choose(device, settings, reduction)`` picks the backend of one exchange, once. A CUDA tensor gets
-``CudaBackend`` when every step of its exchange has a CUDA kernel; otherwise it goes through the
-host (copied down, processed by ``CpuBackend``, the result copied back) and the reason is returned:
-the adapter counts it in ``stats["host_fallbacks"]`` and ``note_fallback`` logs each reason once
-per process. Nothing goes through the host silently.
+``choose(device, settings, reduction)`` picks the backend of one exchange, once: ``CudaBackend`` for
+a CUDA tensor when every step of its exchange has a CUDA kernel; else the host (copied down, run by
+``CpuBackend``, copied back), and the reason, counted in ``stats["host_fallbacks"]`` and logged once
+per process by ``note_fallback``. Nothing goes through the host silently.
 """
 import logging
 import threading
@@ -31,6 +30,7 @@ import numpy as np
 
 from hvd_qsgd import _native, codec, cuda, protocol, reduction
 from hvd_qsgd.errors import MismatchError
+from hvd_qsgd.result_pool import ResultPool
 
 log = logging.getLogger("hvd_qsgd")
 
@@ -109,9 +109,10 @@ class _HostCountedBackend:
 
 
 class CpuBackend(_HostCountedBackend):
-    """The CPU kernels on NumPy arrays (``hvd_qsgd.codec``, ``hvd_qsgd.reduction``)."""
+    """The CPU kernels on NumPy arrays (``hvd_qsgd.codec``, ``hvd_qsgd.reduction``); results in ``pool``."""
 
     name = "cpu"
+    pool = ResultPool()
 
     def encode(self, x32: np.ndarray, settings, seed: int, fingerprint: int, source_dtype: str, where: str,
                residual: Optional[np.ndarray] = None, residual_valid: bool = True):
@@ -190,7 +191,7 @@ class CpuBackend(_HostCountedBackend):
         return [codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)]
 
     def decode_sum(self, payloads: Sequence, alpha: float, where: str) -> np.ndarray:
-        return codec.decode_sum(payloads, alpha, where=where)
+        return codec.decode_sum(payloads, alpha, out=self.pool.take_for(payloads), where=where)
 
     def encode_chunks(self, x32: np.ndarray, settings, step_seed: int, n: int, fingerprint: int,
                       source_dtype: str, where: str, residual: Optional[np.ndarray] = None,
@@ -224,7 +225,7 @@ class CpuBackend(_HostCountedBackend):
                       where: str, error=None) -> np.ndarray:
         """alpha * the decoded chunks back to back (``error``: this rank's failed reduce step, raised
         before by ``raise_if_failed``)."""
-        return reduction.decode_chunks(payloads, alpha, numel, bucket_size, where=where)
+        return reduction.decode_chunks(payloads, alpha, numel, bucket_size, out=self.pool.take(numel), where=where)
 
 
 class CudaBackend(_HostCountedBackend):
@@ -385,8 +386,7 @@ def choose(device_type: str, settings, exchange_reduction: str) -> Tuple[Any, Op
     return (CPU, reason) if reason else (CUDA, None)
 
 
-_logged = set()
-_logged_lock = threading.Lock()
+_logged, _logged_lock = set(), threading.Lock()   # the fallback reasons logged so far
 
 
 def note_fallback(reason: str, stats) -> None:

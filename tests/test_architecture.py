@@ -28,6 +28,7 @@ LAYERS = [
     ("native binding", {"hvd_qsgd._native", "hvd_qsgd._tf_ops", "hvd_qsgd.errors"}),
     ("codec kernels on arrays", {"hvd_qsgd.codec", "hvd_qsgd.cuda", "hvd_qsgd.threads"}),
     ("protocol, chunk steps, codec backends", {"hvd_qsgd.protocol", "hvd_qsgd.reduction", "hvd_qsgd.cost_model",
+                                                "hvd_qsgd.result_pool",
                                                 "hvd_qsgd.error_feedback", "hvd_qsgd.backends"}),
     ("settings and state objects", {"hvd_qsgd.settings", "hvd_qsgd.dynamic", "hvd_qsgd.policy",
                                     "hvd_qsgd.state", "hvd_qsgd.driver", "hvd_qsgd.report",

@@ -187,8 +187,7 @@ class FusionBuffers:
                     raise buf.stage_error
                 raise protocol.MismatchError(f"{ex.where}: {buf.stage_error}") from buf.stage_error
         o = buf.offsets[buf.members.index(ex)]
-        out = buf.gathered[o:o + ex.expect.numel]
-        return out * alpha if alpha != 1.0 else out
+        return buf.gathered[o:o + ex.expect.numel] * alpha   # (a copy: the buffer's array is reused)
 
     def member_done(self, ex):
         """Member ``ex`` has its result: once every member has, the buffer's name is free."""
@@ -196,7 +195,8 @@ class FusionBuffers:
         with buf.lock:
             buf.pending -= 1
             last = buf.pending == 0
-        if last:
+        if last:  # (its result array to the backend's pool again; a member holds its buffer and back)
+            buf.gathered = None
             self._names.release_slot(buf.route.slot)
 
     def clear(self):
