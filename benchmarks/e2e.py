@@ -127,9 +127,9 @@ import time
 from benchmarks import netns
 from benchmarks.common import machine_info, module_main, nonnegative_int, positive_int
 from benchmarks.e2e_launch import run_jobs, run_rendezvous
-from benchmarks.e2e_model import (CLASSES, MODE, PROJECT_N, PROJECT_RATES, fit_efficiency, local_compute,
+from benchmarks.e2e_model import (MODE, PROJECT_N, PROJECT_RATES, describe, fit_efficiency, local_compute,
                                   param_shapes, prediction_rows, projection, unavailable_modes)
-from benchmarks.e2e_report import mb, report, unavailable_lines
+from benchmarks.e2e_report import report, unavailable_lines
 from benchmarks.e2e_worker import run_worker
 
 DEFAULT_OUT = os.path.join("bench_out", "e2e")
@@ -173,6 +173,9 @@ def add_arguments(p):
     p.add_argument("--ranks-per-host", type=positive_int, default=1, metavar="L",
                    help="consecutive ranks sharing one host namespace and its link (default %(default)s); "
                         "every --np a multiple of it")
+    p.add_argument("--net", choices=("mlp", "conv"), default="mlp",
+                   help="the model: the MLP (default) or a ResNet-style conv net (--width: its first stage's "
+                        "channels; --depth: blocks per stage)")
     p.add_argument("--width", type=positive_int, default=4096, help="MLP width W (default %(default)s)")
     p.add_argument("--depth", type=positive_int, default=3,
                    help="hidden Linear(W, W) layers (default %(default)s: 50,384,906 parameters at W=4096)")
@@ -256,14 +259,13 @@ def run_launcher(args):
         return 2
     os.makedirs(args.out, exist_ok=True)
     info = machine_info()
-    shapes = param_shapes(args.width, args.depth)
+    shapes = param_shapes(args.width, args.depth, args.net)
     numel = sum(d for _, d in shapes)
     unavailable = unavailable_modes(args.modes)
     args.run_modes = [m for m in args.modes if m not in unavailable]
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); "
           f"load average {info['load_avg_1min']:.2f}", flush=True)
-    print(f"model: MLP {args.depth} x Linear({args.width}, {args.width}) + Linear({args.width}, {CLASSES}), "
-          f"{numel:,} parameters ({mb(4 * numel)} MB fp32); batch {args.batch} per rank", flush=True)
+    print(f"model: {describe(args, numel)}; batch {args.batch} per rank", flush=True)
     for ln in unavailable_lines(unavailable):
         print(ln, flush=True)
 

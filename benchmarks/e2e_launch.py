@@ -69,7 +69,7 @@ def run_rendezvous(args):
 # ---- one job ---------------------------------------------------------------------------------------
 def _worker_argv(args, json_path):
     return ["-m", "benchmarks.e2e", "--worker", "--json", json_path, "--modes", ",".join(args.run_modes),
-            "--width", str(args.width), "--depth", str(args.depth), "--batch", str(args.batch),
+            "--width", str(args.width), "--depth", str(args.depth), "--net", args.net, "--batch", str(args.batch),
             "--steps", str(args.steps), "--warmup", str(args.warmup), "--seed", str(args.seed),
             "--ranks-per-host", str(getattr(args, "ranks_per_host", 1))]
 

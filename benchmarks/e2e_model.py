@@ -62,8 +62,10 @@ def unavailable_modes(modes):
     return out
 
 
-def param_shapes(width, depth):
-    """(name, numel) of the MLP's parameters, in named_parameters() order."""
+def param_shapes(width, depth, net="mlp"):
+    """(name, numel) of the model's parameters, in named_parameters() order."""
+    if net == "conv":
+        return [(name, p.numel()) for name, p in make_model(width, depth, 0, net).named_parameters()]
     shapes = []
     for i in range(depth):
         shapes += [(f"{2 * i}.weight", width * width), (f"{2 * i}.bias", width)]
@@ -165,15 +167,66 @@ def time_codec(grads, bits_list, copies, want_cast):
     return out
 
 
-def make_model(width, depth, seed):
+def make_model(width, depth, seed, net="mlp"):
+    """The MLP (``depth`` x Linear(width, width), Linear(width, CLASSES)), or with ``net="conv"`` the
+    ResNet-style net of ``conv_net``."""
     import torch
     from torch import nn
 
     torch.manual_seed(seed)
+    if net == "conv":
+        return conv_net(width, depth)
     layers = []
     for _ in range(depth):
         layers += [nn.Linear(width, width), nn.ReLU()]
     return nn.Sequential(*layers, nn.Linear(width, CLASSES))
+
+
+def conv_net(width, depth):
+    """A ResNet-style net on 3 x 32 x 32 images: a 3x3 stem of W channels, three stages of ``depth``
+    basic blocks (two 3x3 convolutions, each with batch norm, and a shortcut) at W, 2W and 4W
+    channels, the 2nd and 3rd halving the image in their first block (a 1x1 convolution on the
+    shortcut), global average pooling, Linear(4W, CLASSES): many gradients, most of them small."""
+    import torch
+    from torch import nn
+
+    class Block(nn.Module):
+        def __init__(self, cin, cout, stride):
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(cin, cout, 3, stride, 1, bias=False), nn.BatchNorm2d(cout), nn.ReLU(),
+                                      nn.Conv2d(cout, cout, 3, 1, 1, bias=False), nn.BatchNorm2d(cout))
+            self.skip = (nn.Sequential() if stride == 1 and cin == cout else
+                         nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False), nn.BatchNorm2d(cout)))
+
+        def forward(self, x):
+            return torch.relu(self.body(x) + self.skip(x))
+
+    layers, cin = [nn.Conv2d(3, width, 3, 1, 1, bias=False), nn.BatchNorm2d(width), nn.ReLU()], width
+    for stage, cout in enumerate((width, 2 * width, 4 * width)):
+        for b in range(depth):
+            layers.append(Block(cin, cout, 2 if stage and b == 0 else 1))
+            cin = cout
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(cin, CLASSES))
+
+
+def make_batch(args, gen):
+    """(x, y): ``args.batch`` synthetic samples for the model ``args.net`` (default the MLP)."""
+    import torch
+
+    net = getattr(args, "net", "mlp")
+    shape = (args.batch, 3, 32, 32) if net == "conv" else (args.batch, args.width)
+    return torch.randn(*shape, generator=gen), torch.randint(0, CLASSES, (args.batch,), generator=gen)
+
+
+def describe(args, numel):
+    """The model, as the printed header and the notes name it."""
+    if getattr(args, "net", "mlp") == "conv":
+        what = (f"ResNet-style conv net, 3 stages of {args.depth} basic blocks at {args.width}/{2 * args.width}/"
+                f"{4 * args.width} channels on 3 x 32 x 32 images, {len(param_shapes(args.width, args.depth, 'conv'))} "
+                "parameter tensors")
+    else:
+        what = f"MLP {args.depth} x Linear({args.width}, {args.width}) + Linear({args.width}, {CLASSES})"
+    return f"{what}, {numel:,} parameters ({4 * numel / 1e6:.1f} MB fp32)"
 
 
 def local_compute(args, modes):
@@ -181,11 +234,10 @@ def local_compute(args, modes):
     import torch.nn.functional as F
 
     torch.set_num_threads(1)
-    model = make_model(args.width, args.depth, args.seed)
+    model = make_model(args.width, args.depth, args.seed, getattr(args, "net", "mlp"))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(args.seed)
-    x = torch.randn(args.batch, args.width, generator=gen)
-    y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
+    x, y = make_batch(args, gen)
     bits_list = sorted({mode_bits(m) for m in modes if mode_bits(m) is not None})
     steps, codec_rounds = [], []
     for r in range(max(1, args.warmup) + args.steps):

@@ -7,7 +7,7 @@ import os
 import time
 
 from benchmarks.common import ms_quartiles
-from benchmarks.e2e_model import CLASSES, PROJECT_N, mode_label, model_wire_bytes
+from benchmarks.e2e_model import PROJECT_N, describe, mode_label, model_wire_bytes
 from benchmarks.netns import parse_rate
 
 DEFINITIONS = dict(
@@ -240,9 +240,7 @@ def differing_params(jobs):
 
 def all_notes(args, info, jobs, model, numel, bad):
     """Every note printed under the tables."""
-    notes = [f"model: MLP {args.depth} x Linear({args.width}, {args.width}) + Linear({args.width}, {CLASSES}), "
-             f"{numel:,} parameters ({mb(4 * numel)} MB fp32 per gradient step); batch {args.batch} per rank, "
-             "synthetic; SGD"]
+    notes = [f"model: {describe(args, numel)} per gradient step; batch {args.batch} per rank, synthetic; SGD"]
     notes += measurement_notes(args, jobs) + model_notes(args, jobs, model) + machine_notes(info, jobs)
     if bad:
         notes.append("CHECK FAILED: parameters differ across ranks: " + ", ".join(bad))
@@ -256,7 +254,7 @@ def results(args, info, shapes, run, model, notes, bad, total):
     """Everything of the run, as written to results.json."""
     from hvd_qsgd import cost_model
 
-    config = {k: getattr(args, k) for k in ("np", "ranks_per_host", "rates", "modes", "width", "depth", "batch",
+    config = {k: getattr(args, k) for k in ("np", "ranks_per_host", "rates", "modes", "net", "width", "depth", "batch",
                                             "steps", "warmup", "seed", "timeout", "model_only")}
     return dict(machine=info, config=config, definitions=DEFINITIONS, numel=sum(d for _, d in shapes),
                 parameters=shapes, measured=bool(run["jobs"]), not_measured_reason=run["not_measured"],

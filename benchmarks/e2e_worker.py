@@ -8,8 +8,8 @@ import os
 import statistics
 import time
 
-from benchmarks.e2e_model import (CLASSES, make_model, mode_bits, mode_fusion_mb, mode_overlap, mode_reduction,
-                                  time_codec)
+from benchmarks.e2e_model import (CLASSES, make_batch, make_model, mode_bits, mode_fusion_mb, mode_overlap,
+                                  mode_reduction, time_codec)
 
 
 def build_runs(args, hvd):
@@ -21,10 +21,10 @@ def build_runs(args, hvd):
     from benchmarks.torch import _Counting
 
     runs = {}
-    local = make_model(args.width, args.depth, args.seed)
+    local = make_model(args.width, args.depth, args.seed, args.net)
     runs["compute"] = dict(model=local, opt=torch.optim.SGD(local.parameters(), lr=1e-3), comp=None)
     for mode in args.modes:
-        model = make_model(args.width, args.depth, args.seed)
+        model = make_model(args.width, args.depth, args.seed, args.net)
         if mode == "none":
             comp = _Counting(hvd.Compression.none)
         elif mode == "fp16":
@@ -158,8 +158,7 @@ def run_worker(args):
     n, rank = hvd.size(), hvd.rank()
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     gen = torch.Generator().manual_seed(args.seed * 1000003 + rank)
-    x = torch.randn(args.batch, args.width, generator=gen)
-    y = torch.randint(0, CLASSES, (args.batch,), generator=gen)
+    x, y = make_batch(args, gen)
     runs = build_runs(args, hvd)
     order = ["compute"] + args.modes
     m = measure(args, hvd, runs, order, x, y)

@@ -19,7 +19,7 @@ def ok_lines(out, scenario):
     return len(re.findall(rf"<stdout>:OK {re.escape(scenario)}(?![\w-])", out))
 
 
-JOIN = ["join-allgather", "join-scatter_allgather", "join-hierarchical", "join-allgather-fused"]
+JOIN = ["join-allgather", "join-scatter_allgather", "join-hierarchical", "join-allgather-fused", "join-buffered"]
 # At 2 Gloo ranks one launch runs the exact steps, the statistics report and then the joins, last:
 # after a join that ended uneven steps an unnamed collective hangs in Horovod itself, with or without
 # compression (docs/compressor.md), and the exact scenarios make unnamed ones. Other rank counts launch
@@ -118,7 +118,8 @@ def test_join_with_uneven_data_gives_horovods_joined_result(np_):
     """hvd.join() with uneven shards under every reduction: the ranks still stepping get the sum of
     their dequantized payloads over n (the joined add zeros, as in Horovod's allreduce, shown with
     hvd.Compression.none alongside), bit-exact; hvd.join() returns as without compression. (The
-    hierarchical reduction, one node here, sends its float32 tensor while ranks have joined.)"""
+    hierarchical reduction, one node here, sends its float32 tensor while ranks have joined; with fusion
+    buffers a buffer goes as one: tests/mp/torch_buffers.py.)"""
     out = two_gloo_launch() if np_ == 2 else launch(np_, "gloo", [WORKER] + JOIN, timeout=240)
     for s in JOIN:
         assert ok_lines(out, s) == np_, f"{s}:\n{out[-3000:]}"

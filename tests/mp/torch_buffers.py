@@ -131,3 +131,52 @@ def check_buffers(n, rank):
         assert st["tensors"] == 3 * len(big) and st["elements"] == 3 * sum(big), (i, st)
         if cfg["reduction"] == "allgather":
             assert st["bytes_sent"] == sent, (i, st["bytes_sent"], sent)
+
+
+def check_join_buffered(n, rank):
+    """hvd.join() with fusion buffers: rank r takes 3 - r steps, then joins. While ranks have joined,
+    a buffer goes through Horovod's allreduce of the stepping ranks' dequantized buffers (the joined
+    add zeros), and each gradient is its slice over n: bit for bit the stepping ranks' own buffers,
+    encoded again here and summed (with at most two ranks stepping, the float32 sum is exact in any
+    order); every member counted as a joined exchange."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+    steps = 3 - rank
+    model = layers()
+    c = TorchCompressor(seed=SEED, fusion_mb=0.2, reduction="allgather", creation_index=2100)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                   named_parameters=model.named_parameters(), compression=c)
+    params = dict(model.named_parameters())
+    big = {k: p.numel() for k, p in params.items() if p.numel() >= 10000}
+    own = {k: torch.zeros(3, v) for k, v in big.items()}    # [step] this rank's dequantized contribution
+    got = {k: torch.zeros(3, v) for k, v in big.items()}
+    for step in range(steps):
+        x, y = batch(rank, step)
+        mine = copy.deepcopy(model)
+        nn.functional.mse_loss(mine(x), y).backward()
+        grads = {k: p.grad for k, p in mine.named_parameters()}
+        before = len(c.runner.buffers.recent)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        for name, occurrence, members in list(c.runner.buffers.recent)[before:]:
+            layout = [(label.rsplit(".p.", 1)[1], o, size) for label, o, size in members]
+            numel = layout[-1][1] + layout[-1][2]
+            fp = buffer_fingerprint(model, layout, numel, "float32")
+            payload = codec.encode(staged(grads, layout, numel), 4, 512, "max",
+                                   protocol.payload_seed(SEED, rank, name, occurrence), "fixed", fp, True)
+            d = codec.decode(payload)
+            for k, o, size in layout:
+                own[k][step] = torch.from_numpy(d[o:o + size])
+        for k in big:
+            got[k][step] = params[k].grad.reshape(-1)
+    hvd.join()   # every rank has joined: collectives work again
+    for k, numel in big.items():
+        contributions = [t.reshape(3, numel) for t in gather(own[k], f"buffers.join.{k}")]
+        for step in range(steps):
+            stepping = [r for r in range(n) if step < 3 - r]
+            if len(stepping) == n:
+                continue  # nobody joined yet: the usual buffers, checked by check_buffers
+            ref = sum(contributions[r][step] for r in stepping) * (1.0 / n)
+            assert torch.equal(got[k][step], ref), f"{k} step {step}: max diff {(got[k][step] - ref).abs().max()}"
+    joined_steps = sum(1 for step in range(steps) if any(step >= 3 - r for r in range(n)))
+    assert c.stats["joined_exchanges"] == joined_steps * len(big), (c.stats, joined_steps)

@@ -315,6 +315,9 @@ def scenario(s):
             check_identical(p.grad, name)
         st = c.stats
         assert st["tensors"] == 3 and st["bytes_sent"] == sent and st["bytes_received"] == received, (st, sent, received)
+    elif s == "join-buffered":
+        from torch_buffers import check_join_buffered
+        check_join_buffered(n, rank)
     elif s.startswith("join-"):
         check_join(s[len("join-"):], n, rank)
     elif s == "report":
