@@ -22,7 +22,7 @@ The choice is logged once (INFO, logger ``hvd_qsgd``).
 import logging
 import os
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from hvd_qsgd import codec
 
@@ -50,12 +50,13 @@ def threads_for(local_ranks: int, env=os.environ, cores: Optional[int] = None,
     return max(1, cores // max(1, int(local_ranks)))
 
 
-def share_cores(local_ranks: int) -> None:
-    """Set the CPU kernels' threads for ``local_ranks`` ranks on this node, once per process (a
-    malformed ``HVD_QSGD_NUM_THREADS`` raises at every call)."""
+def share_cores(local_ranks: Callable[[], int]) -> None:
+    """Set the CPU kernels' threads for the ranks on this node (``local_ranks()``, asked once), once
+    per process (a malformed ``HVD_QSGD_NUM_THREADS`` raises at every call)."""
     global _done
     if _done:
         return
+    local_ranks = local_ranks()
     threads = threads_for(local_ranks)
     with _lock:
         if _done:

@@ -117,7 +117,7 @@ class TorchCompressor(Compressor):
         try:
             if ex.fault is not None:  # the compressor's set or names disagree with Horovod's call
                 raise ex.fault
-            threads.share_cores(hvd.local_size())   # once per process: ranks on a node share its cores
+            threads.share_cores(hvd.local_size)   # once per process: ranks on a node share its cores
             if tensor.device.type not in ("cpu", "cuda"):
                 raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
                                  "the CPU or a CUDA device (move it there, or pass it uncompressed)")

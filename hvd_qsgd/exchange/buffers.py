@@ -103,9 +103,7 @@ class FusionBuffers:
         buf.expect.numel = numel = offsets[-1] + members[-1].expect.numel
         buf.expect.fingerprint = codec.tensor_fingerprint(
             "|".join(f"{m.expect.fingerprint}@{o}" for m, o in zip(members, offsets)), (numel,), buf.expect.dtype)
-        reduction = buf.settings.exchange_reduction(len(buf.set_ranks), numel, buf.per_node if len(buf.set_ranks)
-                                                    == buf.world else None, buf.device_type)
-        run.resolve(buf, reduction)
+        run.resolve(buf)
         self.recent.append((buf.route.exchange, buf.route.occurrence,
                             [(m.route.seed_name, o, m.expect.numel) for m, o in zip(members, offsets)]))
         try:
@@ -128,10 +126,7 @@ class FusionBuffers:
         end = 0
         for m, o in zip(buf.members, buf.offsets):
             out[end:o] = 0
-            if m.source is None:
-                out[o:o + m.expect.numel] = 0
-            else:
-                out[o:o + m.expect.numel] = m.source
+            out[o:o + m.expect.numel] = 0 if m.source is None else m.source
             m.source = None
             end = o + m.expect.numel
         return out[:numel]
@@ -154,11 +149,9 @@ class FusionBuffers:
         each rescaled by its learning rates), and whether any member had one."""
         out, valid = buf.backend.zeros(buf.expect.numel, x), False
         for m, o in zip(buf.members, buf.offsets):
-            old = run.check_residual(m, m.expect.numel)
-            if old is not None:
-                factor = run.residuals.factor(m.route.residual_key, m.lr)
-                part = buf.backend.place(old, x)
-                out[o:o + m.expect.numel] = part if factor == 1.0 else part * factor
+            kept = run.kept_residual(m, x, m.expect.numel)
+            if kept is not None:
+                out[o:o + m.expect.numel] = kept
                 valid = True
         return out, valid
 

@@ -17,13 +17,19 @@ class ResidualSteps:
             return None, False
         if ex.offsets is not None and size is None:  # a fusion buffer: its members' residuals
             return self.buffers.residual(self, ex, x)
-        key, size = ex.route.residual_key, ex.expect.numel if size is None else size
+        size = ex.expect.numel if size is None else size
+        kept = self.kept_residual(ex, x, size)
+        return (ex.backend.zeros(size, x), False) if kept is None else (kept, True)
+
+    def kept_residual(self, ex, x, size):
+        """The residual kept for what this rank encodes of ``ex`` (``size`` elements, checked), where
+        ``x`` is, rescaled by lr_made / lr_now; None if none is kept."""
         old = self.check_residual(ex, size)
         if old is None:
-            return ex.backend.zeros(size, x), False
+            return None
         residual = ex.backend.place(old, x)
-        factor = self.residuals.factor(key, ex.lr)
-        return (residual if factor == 1.0 else residual * factor), True
+        factor = self.residuals.factor(ex.route.residual_key, ex.lr)
+        return residual if factor == 1.0 else residual * factor
 
     def check_residual(self, ex, size):
         """The residual kept for what this rank encodes (None if none), after checking that it has

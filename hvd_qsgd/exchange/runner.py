@@ -101,8 +101,7 @@ class ExchangeRunner(ResidualSteps):
         if self.buffers.takes(ex):
             ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
             return ex
-        self.resolve(ex, s.exchange_reduction(len(set_ranks), numel, ranks_per_node if len(set_ranks) == world
-                                              else None, device_type))
+        self.resolve(ex)
         return ex
 
     def open_exchange(self, route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank, world,
@@ -117,8 +116,12 @@ class ExchangeRunner(ResidualSteps):
             ex.nodes = [g // ranks_per_node for g in set_ranks]
         return ex
 
-    def resolve(self, ex, red):
-        """The exchange's reduction ``red``: its chain, backend (a fallback counted) and node layout."""
+    def resolve(self, ex):
+        """The exchange's reduction (the setting, or what "auto" resolves to for its size, ranks and
+        layout): its chain, backend (a fallback counted) and node layout."""
+        n = len(ex.set_ranks)
+        red = ex.settings.exchange_reduction(n, ex.expect.numel, ex.per_node if n == ex.world else None,
+                                             ex.device_type)
         ex.reduction, ex.chain = red, CHAINS[red]
         ex.backend, fallback = backends.choose(ex.device_type, ex.settings, red)
         if fallback:
