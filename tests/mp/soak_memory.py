@@ -40,13 +40,11 @@ def resident_outside_malloc():
     return kib * 1024 - malloc_heap()
 
 
-def window_medians(series, fraction=0.2):
-    """Medians of the first, the middle and the last ``fraction`` of the series, and the steps
-    between the centres of neighbouring windows."""
-    n, k = len(series), max(1, int(len(series) * fraction))
-    mid = (n - k) // 2
-    return ([float(statistics.median(w)) for w in (series[:k], series[mid:mid + k], series[n - k:])],
-            (n - k) // 2)
+def window_medians(series, windows=5):
+    """Medians of ``windows`` consecutive equal parts of the series, and the steps between the centres
+    of neighbouring parts."""
+    k = max(1, len(series) // windows)
+    return [float(statistics.median(series[i * k:(i + 1) * k])) for i in range(windows)], k
 
 
 def memory_fields(rss, outside):
