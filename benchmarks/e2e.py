@@ -34,8 +34,10 @@ weights, each under ``hvd.DistributedOptimizer(SGD, named_parameters=..., compre
                         hvd_qsgd.QSGD(b, reduction="hierarchical"), with --ranks-per-host > 1
     qsgd<b>-<reduction>-overlap
                         the same with overlap=True (payload collectives start during backward)
-    qsgd<b>-<reduction>-buffered
-                        the same with fusion_mb=64 (gradients quantized together in fusion buffers)
+    qsgd<b>-<reduction>-buffered[M]
+                        the same with fusion_mb=M, 64 without M (gradients quantized together in
+                        fusion buffers); -buffered[M]-overlap: both (a full buffer's payload
+                        collectives start during backward)
 
 Several ranks per host (``--ranks-per-host L``, default 1): each of the n / L host namespaces holds
 L consecutive ranks (Horovod's local rank and size say so), which share its one shaped link; what
@@ -156,7 +158,8 @@ def _modes(text):
     bad = [m for m in modes if not MODE.match(m)]
     if bad or not modes:
         raise argparse.ArgumentTypeError(
-            f"modes are none, fp16, qsgd<b>-allgather, qsgd<b>-scatter, qsgd<b>-hierarchical (b in 1..8), "
+            f"modes are none, fp16, qsgd<b>-allgather, qsgd<b>-scatter, qsgd<b>-hierarchical (b in 1..8), each "
+            f"QSGD mode with -buffered[M], -overlap or -buffered[M]-overlap after it, "
             f"comma-separated: {text!r}")
     if "none" not in modes:
         modes.insert(0, "none")  # the reference of every speedup

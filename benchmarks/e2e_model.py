@@ -13,8 +13,8 @@ CLASSES = 10
 PROJECT_N = 16
 PROJECT_RATES = ("10gbit", "25gbit", "100gbit")
 REDUCTION_OF = {"allgather": "allgather", "scatter": "scatter_allgather", "hierarchical": "hierarchical"}
-MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical)(-overlap|-buffered)?)$")
-BUFFER_MB = 64   # fusion_mb of the "-buffered" modes
+MODE = re.compile(r"^(none|fp16|qsgd([1-8])-(allgather|scatter|hierarchical)(-buffered([1-9][0-9]*)?)?(-overlap)?)$")
+BUFFER_MB = 64   # fusion_mb of the "-buffered" modes without a size
 FLAT_MODEL = ("allgather", "scatter_allgather")  # the reductions this module's (flat, one link) model prices
 
 
@@ -33,13 +33,13 @@ def mode_reduction(mode):
 def mode_overlap(mode):
     """Whether a QSGD mode runs with ``overlap=True`` (its name ends in "-overlap")."""
     m = MODE.match(mode)
-    return bool(m and m.group(4) == "-overlap")
+    return bool(m and m.group(6))
 
 
 def mode_fusion_mb(mode):
-    """The ``fusion_mb`` of a QSGD mode: BUFFER_MB where its name ends in "-buffered", else 0."""
+    """The ``fusion_mb`` of a QSGD mode: M for "-bufferedM", BUFFER_MB for "-buffered", else 0."""
     m = MODE.match(mode)
-    return BUFFER_MB if m and m.group(4) == "-buffered" else 0
+    return 0 if not (m and m.group(4)) else int(m.group(5)) if m.group(5) else BUFFER_MB
 
 
 def mode_label(mode):

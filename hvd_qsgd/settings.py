@@ -107,7 +107,7 @@ class Settings:
                                  f"HVD_QSGD_BANDWIDTH_GBITS, else {cost_model.BANDWIDTH_BPS * 8e-9:g}), "
                                  f"got {link_gbps!r}")
             link_gbps = float(link_gbps)
-        fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, overlap, server_error_feedback)
+        fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, server_error_feedback)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
                    bool(fusion), bool(overlap), encoder, fusion_mb)
@@ -199,7 +199,7 @@ def _tag(settings: Settings, reduction: Optional[str]) -> int:
     return settings._tag_text(reduction)
 
 
-def _check_fusion_mb(fusion_mb: Any, min_numel: int, fusion: bool, overlap: bool, server_error_feedback: bool) -> float:
+def _check_fusion_mb(fusion_mb: Any, min_numel: int, fusion: bool, server_error_feedback: bool) -> float:
     """``fusion_mb`` as a float, checked, and against the settings it cannot go with."""
     if codec.is_bool(fusion_mb) or not isinstance(fusion_mb, (int, float)) or not (
             math.isfinite(fusion_mb) and fusion_mb >= 0):
@@ -210,12 +210,10 @@ def _check_fusion_mb(fusion_mb: Any, min_numel: int, fusion: bool, overlap: bool
     if int(fusion_mb * 2 ** 20) // 4 < min_numel:
         raise ValueError(f"fusion_mb={fusion_mb:g} holds {int(fusion_mb * 2 ** 20) // 4} float32 elements, fewer than "
                          f"min_numel={min_numel}: no compressed tensor would fit in a fusion buffer")
-    for name, on in (("fusion", fusion), ("overlap", overlap), ("server_error_feedback", server_error_feedback)):
+    for name, on in (("fusion", fusion), ("server_error_feedback", server_error_feedback)):
         if on:
             raise ValueError(f"fusion_mb and {name}=True cannot be combined: " + {
                 "fusion": "both fuse a step's tensors (fusion=True keeps each tensor's own payload); pass one",
-                "overlap": "a fusion buffer's collectives start once it is full or at the first decompress, "
-                           "not in each tensor's hook",
                 "server_error_feedback": "the reducing rank's residual belongs to a chunk of one tensor, and a "
                                          "buffer's chunks change with its members"}[name])
     return fusion_mb

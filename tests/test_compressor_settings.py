@@ -27,7 +27,7 @@ def test_defaults_follow_the_paper():
     (dict(encoder="2"), "encoder"), (dict(encoder=True), "encoder"), (dict(encoder=2.0), "encoder"),
     (dict(fusion_mb=-1), "fusion_mb"), (dict(fusion_mb=True), "fusion_mb"), (dict(fusion_mb="64"), "fusion_mb"),
     (dict(fusion_mb=float("nan")), "fusion_mb"), (dict(fusion_mb=0.01), "fusion_mb=0.01 holds 2621 .* min_numel=10000"),
-    (dict(fusion_mb=64, fusion=True), "fusion_mb and fusion=True"), (dict(fusion_mb=64, overlap=True), "fusion_mb and overlap"),
+    (dict(fusion_mb=64, fusion=True), "fusion_mb and fusion=True"),
     (dict(fusion_mb=64, server_error_feedback=True), "fusion_mb and server_error_feedback"),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
@@ -65,6 +65,8 @@ def test_settings_tag_covers_what_ranks_must_share_and_only_that():
                     dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1), dict(fusion_mb=64)):
         assert Settings.make(**{"bits": 4, **changed}).tag() != base.tag(), changed
     assert Settings.make(4, fusion_mb=64).tag() != Settings.make(4, fusion_mb=32).tag()
+    both = Settings.make(4, fusion_mb=64, overlap=True)   # buffers whose collectives start once full
+    assert both.overlap and both.tag() not in (Settings.make(4, fusion_mb=64).tag(), Settings.make(4, overlap=True).tag())
     assert Settings.make(4, fusion_mb=64).fusion_elements() == 16 * 2 ** 20 and base.fusion_elements() == 0
     for local in (dict(seed=3), dict(error_feedback=True), dict(checksum=False)):
         assert Settings.make(4, **local).tag() == base.tag(), local

@@ -10,15 +10,20 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
 
     add         compress: the tensor kept (not copied: Horovod's contract, as for its own
                 allreduce, is that it is not written before synchronize) at its offset; a tensor
-                that does not fit closes the open buffer first and opens the next one. The
-                tensor's control vector carries the buffer and the offset in its exchange key, so
-                ranks that fused differently fail the control check, on every rank, before any
-                rank waits on a buffer
-    close       the member that did not fit, or the first decompress of a member: the members
-                copied into the group's staging array (zeros between them), encoded as one tensor
-                with their error-feedback residuals (each kept under its member's own key), and
-                the buffer's presence allreduce started, with one more entry: the ranks that could
-                not encode it (then nothing more starts, and every member raises on every rank)
+                that does not fit closes the open buffer first and opens the next one, and a buffer
+                too full for any compressed tensor (``min_numel``) closes at once. The tensor's
+                control vector carries the buffer and the offset in its exchange key, so ranks that
+                fused differently fail the control check, on every rank, before any rank waits on a
+                buffer
+    close       when full, or at the first decompress of a member: the members copied into the
+                group's staging array (zeros between them), encoded as one tensor with their
+                error-feedback residuals (each kept under its member's own key), and the buffer's
+                presence allreduce started, with one more entry: the ranks that could not encode it
+                (then nothing more starts, and every member raises on every rank). With
+                ``overlap``, its chain's first collective instead (``ExchangeRunner._start_now``):
+                a full buffer goes on the wire during the backward pass, as DDP's buckets do; a rank
+                that could not encode it sends nothing, which every rank sees, and every member
+                raises on every rank
     finish      the buffer's chain once, with alpha 1; each member: its slice times its alpha
 
 The payload's header records the buffer's numel and the fingerprint of its layout (each member's
@@ -74,6 +79,9 @@ class FusionBuffers:
             ex.fused = buf
             ex.route = ex.route._replace(key=protocol.small_hash(f"{ex.route.key}|{buf.route.slot}|{offset}",
                                                                  protocol.TAG_RANGE ** 2))
+            if _aligned(buf.expect.numel, bucket) + ex.settings.min_numel > cap:  # full: no tensor fits any more
+                del self._open[key]
+                self._close(run, buf)
 
     def _new(self, run, first, key):
         slot = self._names.take_slot()
@@ -84,6 +92,7 @@ class FusionBuffers:
                                 first.settings, 0, first.expect.dtype, first.device_type, first.group,
                                 first.set_ranks, first.global_rank, first.world, first.per_node)
         buf.members, buf.offsets, buf.lock, buf.group_key = [], [], threading.Lock(), key
+        buf.origin = first.origin   # (where an empty payload goes: overlap, a rank that cannot encode it)
         return buf
 
     def close(self, run, ex):
@@ -174,7 +183,8 @@ class FusionBuffers:
                         run.stats.add(elements=sum(m.expect.numel for m in buf.members) - buf.expect.numel,
                                       tensors=len(buf.members) - 1)
                 except Exception as e:
-                    buf.stage_error = e
+                    buf.stage_error = e if buf.fault is None else protocol.MismatchError(
+                        f"{buf.where}: this rank could not encode it: {buf.fault}")
             if buf.stage_error is not None:
                 if isinstance(buf.stage_error, run.collectives.interrupts):
                     raise buf.stage_error

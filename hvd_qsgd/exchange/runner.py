@@ -22,8 +22,9 @@ The stages start from decompress and its waits, never at a moment of a rank's ow
 names an unnamed collective by its per-process handle count, so a payload collective started where
 one rank happened to see its presence allreduce completed, and another rank did not, gave the
 user's next unnamed collective different names on the two ranks, and it hung (docs/compressor.md,
-"Overlap"). With ``Settings.overlap``, start runs the chain's first collective at once, in compress,
-on every rank alike, and makes no presence allreduce (no ``hvd.join`` then).
+"Overlap"). With ``Settings.overlap``, start runs the chain's first collective at once, in compress
+(a fusion buffer's as it closes), on every rank alike, and makes no presence allreduce (no
+``hvd.join`` then).
 
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
 (Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
@@ -171,20 +172,16 @@ class ExchangeRunner(ResidualSteps):
         self.driver.add(ex)
 
     def _start_now(self, ex):
-        """``overlap``: the chain's first collective now, in compress, without a presence allreduce (no
-        ``hvd.join`` support): every rank starts it at the same call, so Horovod's per-process handle
-        numbers, which name unnamed collectives, stay aligned across ranks. A rank that could not
-        encode sends nothing in the same collective; its control vector makes every rank raise."""
+        """``overlap``: the chain's first collective now, in compress (a fusion buffer's: as it closes),
+        without a presence allreduce (no ``hvd.join`` support): every rank starts it at the same call,
+        so Horovod's per-process handle numbers, which name unnamed collectives, stay aligned across
+        ranks. A rank that could not encode takes part in every collective of the chain with nothing:
+        its control vector makes every rank raise (a fusion buffer's members: the empty payload or
+        chunk, which every rank sees), and no rank is left waiting on a collective it skipped."""
         ex.present = list(range(len(ex.set_ranks)))
-        if ex.fault is None:
-            again = ex.chain.start(self, ex)
-        else:
-            empty, again = self._nothing(ex), False
-            ex.handle = (self.collectives.allgather(empty, ex.route.exchange, ex.group) if ex.reduction == "allgather"
-                         else self.collectives.alltoall(empty, [0] * len(ex.set_ranks), f"{ex.route.exchange}.scatter",
-                                                        ex.group))
-            ex.stage = "failed"
-        if again:
+        if ex.fault is not None:
+            ex.payload, ex.own_len, ex.splits = self._nothing(ex), 0, [0] * len(ex.set_ranks)
+        if ex.chain.start(self, ex):
             self.driver.add(ex)
         else:
             ex.started = threading.Event()
@@ -319,7 +316,7 @@ class ExchangeRunner(ResidualSteps):
             verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
             if verdict is None or ex.set_rank is None:
                 raise
-            if ex.settings.overlap and ex.reduction in OVERLAPPED:
+            if carrier.settings.overlap and carrier.reduction in OVERLAPPED:
                 raise protocol.MismatchError(
                     f"{ex.where}: ranks of the set have joined (hvd.join), and with overlap=True its payload "
                     "collective started before that could be known (Horovod cannot carry an allgather or alltoall "

@@ -71,13 +71,16 @@ def check_buffers(n, rank):
     padding) and the payload bytes of the allgather buffers."""
     from hvd_qsgd.adapters.torch import TorchCompressor
     configs = [dict(reduction="allgather"), dict(reduction="scatter_allgather"),
-               dict(reduction="allgather", error_feedback=True), dict(reduction="allgather", dtype=torch.float16)]
+               dict(reduction="allgather", error_feedback=True), dict(reduction="allgather", dtype=torch.float16),
+               dict(reduction="allgather", error_feedback=True, overlap=True),
+               dict(reduction="scatter_allgather", overlap=True)]
     for i, cfg in enumerate(configs):
         cfg = dict(cfg)
         dtype = cfg.pop("dtype", torch.float32)
         dname = str(dtype).replace("torch.", "")
         model = layers().to(dtype)
         c = TorchCompressor(seed=SEED, fusion_mb=0.2, creation_index=2000 + i, **cfg)
+        started = log_payload_collectives(c)
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                        named_parameters=model.named_parameters(), compression=c)
         residuals = {}   # (rank, parameter) -> the reference's error-feedback residual
@@ -87,10 +90,16 @@ def check_buffers(n, rank):
             mine = copy.deepcopy(model)
             nn.functional.mse_loss(mine(x.to(dtype)).float(), y).backward()
             everyone = {name: gather(p.grad, f"buffers.{i}.{step}.{name}") for name, p in mine.named_parameters()}
-            before = len(c.runner.buffers.recent)
+            before, mark = len(c.runner.buffers.recent), len(started)
+            in_flight = []   # payload collectives started when the input's gradient (the last) is computed
+            x = x.to(dtype).requires_grad_(True)
+            x.register_hook(lambda grad: in_flight.append(len(started) - mark))
             opt.zero_grad()
-            nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+            nn.functional.mse_loss(model(x).float(), y).backward()
             opt.step()
+            # overlap: the two buffers filled by the last layers' gradients (full, so closed at once)
+            # are on the wire before backward() ends; without it nothing before the first decompress
+            assert in_flight[0] >= 2 if cfg.get("overlap") else in_flight == [0], (i, in_flight)
             closed = list(c.runner.buffers.recent)[before:]
             check_layouts(closed, model, c.settings.fusion_elements())
             expected = {}
@@ -131,6 +140,50 @@ def check_buffers(n, rank):
         assert st["tensors"] == 3 * len(big) and st["elements"] == 3 * sum(big), (i, st)
         if cfg["reduction"] == "allgather":
             assert st["bytes_sent"] == sent, (i, st["bytes_sent"], sent)
+
+
+def log_payload_collectives(c):
+    """The names of the payload collectives (allgather, alltoall) compressor ``c`` starts, as it
+    starts them."""
+    log = []
+    for kind in ("allgather", "alltoall"):
+        inner = getattr(c.runner.collectives, kind)
+        setattr(c.runner.collectives, kind, lambda *a, _inner=inner, **k: log.append(a[-2]) or _inner(*a, **k))
+    return log
+
+
+def check_buffer_fault(n, rank):
+    """overlap=True, a buffer the last rank cannot encode (an injected failure of its encode): that
+    rank sends nothing in each of the chain's collectives, every member of the buffer raises on every
+    rank (that rank naming its own failure), nobody waits, and the next exchange works."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+    for i, red in enumerate(("allgather", "scatter_allgather")):
+        c = TorchCompressor(seed=SEED, fusion_mb=1, overlap=True, reduction=red, creation_index=2200 + i)
+        encode = c.runner.encode
+
+        def failing(ex, x, lr=None, _encode=encode):
+            if ex.offsets is not None and rank == n - 1:   # a fusion buffer, on the last rank
+                raise RuntimeError("injected encode failure")
+            return _encode(ex, x, lr)
+        c.runner.encode = failing
+        grads = {k: torch.randn(size, generator=torch.Generator().manual_seed(rank)) for k, size in
+                 (("a", 20000), ("b", 30000))}
+        ctxs = {k: c.compress(g) for k, g in grads.items()}
+        handles = {k: hvd.allreduce_async(ctxs[k][0], name=f"buffer-fault.{i}.{k}") for k in grads}
+        for k in grads:
+            try:
+                c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
+            except protocol.MismatchError as e:
+                msg = str(e)
+            else:
+                raise AssertionError(f"{red}: member {k} of a buffer rank {n - 1} could not encode did not raise")
+            assert "fusion buffer" in msg, msg
+            if rank == n - 1:
+                assert "could not encode it: injected encode failure" in msg, msg
+        c.runner.encode = encode
+        t = torch.full((20000,), float(rank + 1))
+        out = hvd.allreduce(t, op=hvd.Sum, compression=c, name=f"buffer-fault.{i}.after")
+        assert torch.all(out == n * (n + 1) / 2), (red, out[:4])   # (a constant quantizes exactly)
 
 
 def check_join_buffered(n, rank):
