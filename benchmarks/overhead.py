@@ -9,7 +9,8 @@ Each tree runs its own copy of this benchmark (``python -m benchmarks.overhead``
 compare with a tree that predates a mode or ``--framework``, copy this file into it.
 
 Each mode (none, QSGD(4) with the "auto" reduction, QSGD(4) allgather, QSGD(4) scatter_allgather,
-QSGD(4) "auto" with ``fusion=True``, with ``overlap=True``, and with ``fusion_mb=64``: fusion buffers)
+QSGD(4) "auto" with ``fusion=True``, with ``overlap=True``, with ``fusion_mb=64``: fusion buffers, and
+with both of the last two)
 trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x) for ``--steps``
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks. The table gives the median step per K and mode,
@@ -29,7 +30,8 @@ from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info,
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
-         "qsgd4-buffered": "auto+buffers"}   # "+<setting>": that setting on ("+buffers": fusion_mb=BUFFER_MB)
+         "qsgd4-buffered": "auto+buffers", "qsgd4-buffered-overlap": "auto+buffers+overlap"}
+# "+<setting>": that setting on ("+buffers": fusion_mb=BUFFER_MB)
 BUFFER_MB = 64
 TF_MODES = [m for m in MODES if "+" not in (MODES[m] or "")]
 
@@ -55,8 +57,9 @@ def compression_of(hvd, hvd_qsgd_module, mode):
     red = MODES[mode]
     if red is None:
         return hvd.Compression.none
-    return hvd_qsgd_module.QSGD(4, reduction=red.split("+")[0], fusion=red.endswith("+fusion"),
-                                overlap=red.endswith("+overlap"), fusion_mb=BUFFER_MB if red.endswith("+buffers") else 0)
+    on = red.split("+")
+    return hvd_qsgd_module.QSGD(4, reduction=on[0], fusion="fusion" in on, overlap="overlap" in on,
+                                fusion_mb=BUFFER_MB if "buffers" in on else 0)
 
 
 def tf_worker(args):
