@@ -175,9 +175,10 @@ class ExchangeRunner(ResidualSteps):
         """``overlap``: the chain's first collective now, in compress (a fusion buffer's: as it closes),
         without a presence allreduce (no ``hvd.join`` support): every rank starts it at the same call,
         so Horovod's per-process handle numbers, which name unnamed collectives, stay aligned across
-        ranks. A rank that could not encode takes part in every collective of the chain with nothing:
-        its control vector makes every rank raise (a fusion buffer's members: the empty payload or
-        chunk, which every rank sees), and no rank is left waiting on a collective it skipped."""
+        ranks. A rank that could not encode starts the same chain with nothing (an empty payload, or
+        empty chunks): its control vector makes every rank raise; a fusion buffer's members, whose
+        control vectors were handed over before the buffer was encoded, raise on the empty payload
+        or chunk, which every rank sees once every collective of the buffer's chain has run."""
         ex.present = list(range(len(ex.set_ranks)))
         if ex.fault is not None:
             ex.payload, ex.own_len, ex.splits = self._nothing(ex), 0, [0] * len(ex.set_ranks)
