@@ -263,12 +263,11 @@ def run_launcher(args):
     os.makedirs(args.out, exist_ok=True)
     info = machine_info()
     shapes = param_shapes(args.width, args.depth, args.net)
-    numel = sum(d for _, d in shapes)
     unavailable = unavailable_modes(args.modes)
     args.run_modes = [m for m in args.modes if m not in unavailable]
     print(f"machine: {info['cpu']}, {info['cores']} cores ({info['usable_cores']} usable); "
           f"load average {info['load_avg_1min']:.2f}", flush=True)
-    print(f"model: {describe(args, numel)}; batch {args.batch} per rank", flush=True)
+    print(f"model: {describe(args, shapes)}; batch {args.batch} per rank", flush=True)
     for ln in unavailable_lines(unavailable):
         print(ln, flush=True)
 

@@ -218,12 +218,13 @@ def make_batch(args, gen):
     return torch.randn(*shape, generator=gen), torch.randint(0, CLASSES, (args.batch,), generator=gen)
 
 
-def describe(args, numel):
-    """The model, as the printed header and the notes name it."""
+def describe(args, shapes):
+    """The model whose parameters are ``shapes`` (``param_shapes``), as the printed header and the
+    notes name it."""
+    numel = sum(d for _, d in shapes)
     if getattr(args, "net", "mlp") == "conv":
         what = (f"ResNet-style conv net, 3 stages of {args.depth} basic blocks at {args.width}/{2 * args.width}/"
-                f"{4 * args.width} channels on 3 x 32 x 32 images, {len(param_shapes(args.width, args.depth, 'conv'))} "
-                "parameter tensors")
+                f"{4 * args.width} channels on 3 x 32 x 32 images, {len(shapes)} parameter tensors")
     else:
         what = f"MLP {args.depth} x Linear({args.width}, {args.width}) + Linear({args.width}, {CLASSES})"
     return f"{what}, {numel:,} parameters ({4 * numel / 1e6:.1f} MB fp32)"

@@ -238,9 +238,9 @@ def differing_params(jobs):
             if r["mode"] != "compute" and not r["params_identical_across_ranks"]]
 
 
-def all_notes(args, info, jobs, model, numel, bad):
+def all_notes(args, info, jobs, model, shapes, bad):
     """Every note printed under the tables."""
-    notes = [f"model: {describe(args, numel)} per gradient step; batch {args.batch} per rank, synthetic; SGD"]
+    notes = [f"model: {describe(args, shapes)} per gradient step; batch {args.batch} per rank, synthetic; SGD"]
     notes += measurement_notes(args, jobs) + model_notes(args, jobs, model) + machine_notes(info, jobs)
     if bad:
         notes.append("CHECK FAILED: parameters differ across ranks: " + ", ".join(bad))
@@ -273,7 +273,7 @@ def report(args, info, shapes, run, model, t_all):
     jobs = run["jobs"]
     numel = sum(d for _, d in shapes)
     bad = differing_params(jobs)
-    run_notes = all_notes(args, info, jobs, model, numel, bad)
+    run_notes = all_notes(args, info, jobs, model, shapes, bad)
     text = "\n".join(table_lines(jobs, model, run["unavailable"], run["not_measured"], shapes)
                      + [f"- {ln}" for ln in run_notes])
     print("\n" + text, flush=True)
@@ -283,8 +283,9 @@ def report(args, info, shapes, run, model, t_all):
         json.dump(results(args, info, shapes, run, model, run_notes, bad, total), f, indent=1)
     with open(os.path.join(args.out, "table.md"), "w") as f:
         f.write(text + "\n")
-    title = (f"hvd_qsgd e2e: MLP {numel:,} params, Horovod Gloo over tbf-shaped veth links"
-             if jobs else f"hvd_qsgd e2e: MODEL ONLY (nothing measured), MLP {numel:,} params")
+    net = "conv net" if getattr(args, "net", "mlp") == "conv" else "MLP"
+    title = (f"hvd_qsgd e2e: {net} {numel:,} params, Horovod Gloo over tbf-shaped veth links"
+             if jobs else f"hvd_qsgd e2e: MODEL ONLY (nothing measured), {net} {numel:,} params")
     plot(os.path.join(args.out, "plot.png"), jobs, model["projection"], args.modes, title)
     print(f"\nwrote {os.path.join(args.out, 'results.json')}, table.md, plot.png ({total:.0f}s in all)")
     return 1 if run["failures"] or bad else 0

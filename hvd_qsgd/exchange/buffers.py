@@ -182,9 +182,9 @@ class FusionBuffers:
                     if buf.stage != "joined":  # counted by member: no padding, one tensor each
                         run.stats.add(elements=sum(m.expect.numel for m in buf.members) - buf.expect.numel,
                                       tensors=len(buf.members) - 1)
-                except Exception as e:
-                    buf.stage_error = e if buf.fault is None else protocol.MismatchError(
-                        f"{buf.where}: this rank could not encode it: {buf.fault}")
+                except Exception as e:  # (a failed collective stays itself, for elastic training)
+                    buf.stage_error = e if buf.fault is None or isinstance(e, run.collectives.interrupts) else \
+                        protocol.MismatchError(f"{buf.where}: this rank could not encode it: {buf.fault}")
             if buf.stage_error is not None:
                 if isinstance(buf.stage_error, run.collectives.interrupts):
                     raise buf.stage_error
