@@ -137,6 +137,21 @@ static void quantize_run_with(const Kernels& K, const float* x, uint64_t n, uint
   }
 }
 
+/* quantize_run then pack, for a run starting at a multiple of 8 (Kernels::quantize_packed) */
+static void quantize_packed_run(const Kernels& K, const float* x, uint64_t n, uint64_t i0, uint64_t seed,
+                                float scale, int bits, uint8_t* dst) {
+  if (!qsgd_scale_quantizes(scale)) {
+    memset(dst, 0, qsgd_packed_bytes(n, bits));
+    return;
+  }
+  while (n) {
+    const uint64_t page_end = ((i0 >> 32) + 1) << 32;
+    const uint64_t m = std::min<uint64_t>(n, page_end - i0);
+    K.quantize_packed(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, dst);
+    x += m, dst += m / 8 * bits, i0 += m, n -= m;
+  }
+}
+
 void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits, int encoder,
                   uint8_t* codes) {
   quantize_run_with(active_kernels(), x, n, i0, seed, scale, bits, encoder, codes);
@@ -299,6 +314,9 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   const int bits = cfg->bits;
   const bool checksum = (cfg->flags & QSGD_FLAG_CHECKSUM) != 0;
   const int encoder = qsgd_encoder_of(cfg->flags);
+  /* buckets of whole groups of 8 codes: each bucket's packed bytes are its own */
+  const bool packed = K.quantize_packed && encoder == 2 && bits >= 2 && cfg->norm != QSGD_NORM_SIGN &&
+                      cfg->bucket_size % 8 == 0;
   /* chunks of whole buckets starting at multiples of 8 elements */
   uint64_t g = 1; /* g = 8 / gcd(B, 8): the fewest buckets spanning a multiple of 8 elements */
   while ((g * B) % 8) g *= 2;
@@ -324,6 +342,10 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
       const float scale = K.bucket_scale(x + lo, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
+      if (packed) { /* quantized and packed in one pass (encoder 2, the avx2 variant) */
+        quantize_packed_run(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, data + lo / 8 * bits);
+        continue;
+      }
       if (bits == 8) { /* 8-bit codes are their own packing: straight into the payload */
         quantize_run_with(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, encoder, data + lo);
         continue;

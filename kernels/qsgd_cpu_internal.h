@@ -73,6 +73,11 @@ struct Kernels {
    * bits) with the bucket's pre and rs (qsgd_math.h) */
   void (*quantize)(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, int encoder,
                    uint8_t* codes);
+  /* Encoder 2, 2 to 8 bits, a scale that quantizes, lo a multiple of 8, within one page: the packed
+   * codes of x[0:n) (elements lo .. lo+n-1) at dst, the bytes quantize then pack would give; nullptr
+   * in variants without it (the encoder then stages byte codes and packs them) */
+  void (*quantize_packed)(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits,
+                          uint8_t* dst);
   /* codes[k] = qsgd_sign_code(x[k]) */
   void (*sign)(const float* x, uint64_t n, uint8_t* codes);
   /* m byte codes -> qsgd_packed_bytes(m, bits) bytes at dst */

@@ -16,7 +16,8 @@
  *             baseline's encode);
  *   avx2      -march=x86-64-v3: the same loops plus hand-written AVX2 for the hot ones (the
  *             quantizer with its counter hash 8 lanes wide in 32-bit multiplies, the packing of
- *             byte codes into bits, the fused unpack-dequantize-add);
+ *             byte codes into bits, the fused unpack-dequantize-add), and for encoder version 2
+ *             the quantizer and the packing in one pass (quantize_packed);
  *   avx512    -march=x86-64-v4: the avx2 variant's loops (compiled for AVX-512) plus a 16-lane loop
  *             for encoder version 2's hash and quantizer;
  *   generic   (other architectures) the C++ loops for the compiler's default target.
@@ -445,6 +446,108 @@ void pack(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
   dispatch_bits(bits, [&](auto b) { pack_t<b.value>(codes, m, dst); });
 }
 
+/* ---- encoder 2's quantizer and packing in one pass (the avx2 variant) ------------------------
+ * The packed codes of elements lo .. lo+n-1 of one page, written at dst (the payload's byte of element
+ * lo; lo a multiple of 8): the bytes quantize (encoder 2) and pack would write, without staging the
+ * byte codes. Per 32 elements: the levels as in quantize8_v2 (the multiplication by pre left out
+ * where pre is 1, which is exact; the uniforms interleaved with 0xB500 instead of 0, which adds
+ * 0xB5000000 = -QSGD_V2_ROUND_BITS mod 2^32 in the same instruction), narrowed to bytes; the sign
+ * bits from x's own, narrowed the same way (signed saturation keeps the sign), set where the level
+ * is not 0; then packed in registers. The last n mod 32 elements go through qsgd_quantize2 and
+ * pack_scalar. Not in the avx512 variant, whose 16-lane loop stays as it was (its kernel table has
+ * no quantize_packed, so its encoder stages the byte codes as before). */
+#if QSGD_HAND_AVX2 && !QSGD_HAND_AVX512
+template <bool PRE>
+inline __m256i level8_v2(const float* x, __m256 pre, __m256 rq, __m256 cap, __m256i u_minus_rbits) {
+  __m256 ax = _mm256_and_ps(_mm256_loadu_ps(x), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
+  if (PRE) ax = _mm256_mul_ps(ax, pre);
+  const __m256 t = _mm256_min_ps(_mm256_mul_ps(ax, rq), cap);
+  const __m256i r = _mm256_castps_si256(_mm256_add_ps(t, _mm256_set1_ps(QSGD_V2_ROUND)));
+  return _mm256_srli_epi32(_mm256_add_epi32(r, u_minus_rbits), 16);
+}
+
+/* 32 byte codes in element order -> their 4 * BITS packed bytes at d (as pack_t) */
+template <int BITS>
+inline void store_packed32(__m256i c, uint8_t* d) {
+  if (BITS == 8) {
+    _mm256_storeu_si256((__m256i*)d, c);
+  } else if (BITS == 4) { /* byte k = c[2k] + 16 c[2k+1] */
+    const __m256i m = _mm256_maddubs_epi16(c, _mm256_set1_epi16(0x1001));
+    const __m256i b = _mm256_packus_epi16(m, m);
+    _mm_storeu_si128((__m128i*)d, _mm256_castsi256_si128(_mm256_permute4x64_epi64(b, 0x08)));
+  } else if (BITS == 2) { /* byte k = c[4k] + 4 c[4k+1] + 16 c[4k+2] + 64 c[4k+3] */
+    const __m256i m = _mm256_madd_epi16(_mm256_maddubs_epi16(c, _mm256_set1_epi16(0x0401)), _mm256_set1_epi32(0x00100001));
+    const __m256i w = _mm256_packus_epi32(m, m);
+    const __m256i b = _mm256_packus_epi16(w, w);
+    const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i*)d, _mm256_castsi256_si128(q));
+  } else { /* pack_t's merge: 2 * BITS bytes in each 128-bit half */
+    alignas(32) int8_t sel[32];
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; ++j) sel[16 * h + j] = (int8_t)(j < BITS ? j : (j < 2 * BITS ? 8 + j - BITS : -1));
+    const __m256i v = _mm256_shuffle_epi8(merge_codes<BITS>(c), _mm256_load_si256((const __m256i*)sel));
+    alignas(32) uint8_t tmp[16 + 2 * BITS];
+    _mm_storeu_si128((__m128i*)tmp, _mm256_castsi256_si128(v));
+    _mm_storeu_si128((__m128i*)(tmp + 2 * BITS), _mm256_extracti128_si256(v, 1));
+    memcpy(d, tmp, 4 * BITS);
+  }
+}
+
+template <int BITS, bool PRE>
+void quantize_packed_t(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo, float scale,
+                       uint8_t* __restrict dst) {
+  const float s = (float)qsgd_levels_of(BITS);
+  const float pre = qsgd_v2_pre(scale), rq = qsgd_v2_recip(scale, pre, s, BITS);
+  const __m256i key_lo = _mm256_set1_epi32((int)(uint32_t)key);
+  const __m256i key_hi = _mm256_set1_epi32((int)(uint32_t)(key >> 32));
+  const __m256 vpre = _mm256_set1_ps(pre), vrq = _mm256_set1_ps(rq), vcap = _mm256_set1_ps(s * 65536.0f);
+  const __m256i high = _mm256_set1_epi16((short)0xB500); /* (0xB500 << 16) + u = u - QSGD_V2_ROUND_BITS */
+  const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  /* pairs 0, 1, 4, 5 | 2, 3, 6, 7 of each 8 (quantize_page_v2) */
+  __m256i pair = _mm256_add_epi32(_mm256_set1_epi32((int)(lo >> 1)), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  const __m256i step8 = _mm256_set1_epi32(8);
+  uint64_t k = 0;
+  for (; k + 32 <= n; k += 32) {
+    const float* xk = x + k;
+    const __m256i y0 = triple32x8(_mm256_add_epi32(_mm256_xor_si256(pair, key_lo), key_hi));
+    const __m256i y1 = triple32x8(_mm256_add_epi32(_mm256_xor_si256(_mm256_add_epi32(pair, step8), key_lo), key_hi));
+    pair = _mm256_add_epi32(pair, _mm256_add_epi32(step8, step8));
+    const __m256i l0 = level8_v2<PRE>(xk, vpre, vrq, vcap, _mm256_unpacklo_epi16(y0, high));
+    const __m256i l1 = level8_v2<PRE>(xk + 8, vpre, vrq, vcap, _mm256_unpackhi_epi16(y0, high));
+    const __m256i l2 = level8_v2<PRE>(xk + 16, vpre, vrq, vcap, _mm256_unpacklo_epi16(y1, high));
+    const __m256i l3 = level8_v2<PRE>(xk + 24, vpre, vrq, vcap, _mm256_unpackhi_epi16(y1, high));
+    /* levels and signs narrowed alike (before the one lane permutation) */
+    const __m256i lv = _mm256_packus_epi16(_mm256_packus_epi32(l0, l1), _mm256_packus_epi32(l2, l3));
+    const __m256i x0 = _mm256_loadu_si256((const __m256i*)xk), x1 = _mm256_loadu_si256((const __m256i*)(xk + 8));
+    const __m256i x2 = _mm256_loadu_si256((const __m256i*)(xk + 16)), x3 = _mm256_loadu_si256((const __m256i*)(xk + 24));
+    const __m256i sg = _mm256_packs_epi16(_mm256_packs_epi32(x0, x1), _mm256_packs_epi32(x2, x3));
+    const __m256i neg = _mm256_and_si256(_mm256_cmpgt_epi8(zero, sg), _mm256_min_epu8(lv, one)); /* 1: x < 0, l > 0 */
+    const __m256i codes = _mm256_or_si256(lv, _mm256_slli_epi16(neg, BITS - 1));
+    store_packed32<BITS>(_mm256_permutevar8x32_epi32(codes, order), dst + k / 8 * BITS);
+  }
+  if (k < n) {
+    uint8_t codes[32];
+    for (uint64_t j = k; j < n; ++j)
+      codes[j - k] = (uint8_t)qsgd_quantize2(x[j], pre, rq, s, qsgd_u16(key, lo + (uint32_t)j), BITS);
+    pack_scalar<BITS>(codes, n - k, dst + k / 8 * BITS);
+  }
+}
+
+void quantize_packed(const float* x, uint64_t n, uint64_t key, uint32_t lo, float scale, int bits, uint8_t* dst) {
+  const bool pre = qsgd_v2_pre(scale) != 1.0f;
+  dispatch_bits(bits, [&](auto b) {
+    if constexpr (b.value >= 2) { /* (encode_fixed uses it for 2 to 8 bits) */
+      if (pre) quantize_packed_t<b.value, true>(x, n, key, lo, scale, dst);
+      else quantize_packed_t<b.value, false>(x, n, key, lo, scale, dst);
+    }
+  });
+}
+#define QSGD_QUANTIZE_PACKED QSGD_ISA::quantize_packed
+#else
+#define QSGD_QUANTIZE_PACKED nullptr
+#endif
+
 /* ---- unpacking: the inverse of pack ------------------------------------------------------------ */
 template <int BITS>
 void unpack_t(const uint8_t* __restrict src, uint64_t m, uint8_t* __restrict codes) {
@@ -610,8 +713,8 @@ uint64_t checksum_terms(const uint8_t* p, uint64_t k0, uint64_t k1) {
 
 extern const Kernels QSGD_CAT(kernels_, QSGD_ISA);
 const Kernels QSGD_CAT(kernels_, QSGD_ISA) = {
-    QSGD_STR(QSGD_ISA), QSGD_ISA::bucket_scale, QSGD_ISA::quantize, QSGD_ISA::sign, QSGD_ISA::pack,
-    QSGD_ISA::decode_step, QSGD_ISA::finish,
+    QSGD_STR(QSGD_ISA), QSGD_ISA::bucket_scale, QSGD_ISA::quantize, QSGD_QUANTIZE_PACKED, QSGD_ISA::sign,
+    QSGD_ISA::pack, QSGD_ISA::decode_step, QSGD_ISA::finish,
     QSGD_ISA::checksum_terms,
 };
 
