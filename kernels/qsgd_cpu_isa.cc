@@ -510,6 +510,11 @@ void quantize_packed_t(const float* __restrict x, uint64_t n, uint64_t key, uint
   uint64_t k = 0;
   for (; k + 32 <= n; k += 32) {
     const float* xk = x + k;
+    /* x 1024 elements ahead (two cache lines per 32 elements), from this loop rather than a separate
+     * one per bucket: measured 13-15% faster encode on an AVX2-only AMD EPYC (docs/performance.md);
+     * a prefetch past the end of x does not fault */
+    _mm_prefetch((const char*)(xk + 1024), _MM_HINT_T0);
+    _mm_prefetch((const char*)(xk + 1040), _MM_HINT_T0);
     const __m256i y0 = triple32x8(_mm256_add_epi32(_mm256_xor_si256(pair, key_lo), key_hi));
     const __m256i y1 = triple32x8(_mm256_add_epi32(_mm256_xor_si256(_mm256_add_epi32(pair, step8), key_lo), key_hi));
     pair = _mm256_add_epi32(pair, _mm256_add_epi32(step8, step8));
