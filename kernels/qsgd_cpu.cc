@@ -122,34 +122,41 @@ const Kernels& active_kernels() {
 
 float bucket_scale(const float* x, uint64_t n, int norm) { return active_kernels().bucket_scale(x, n, norm); }
 
+/* fn(offset, m, i) for the pieces [offset, offset + m) of elements i0 .. i0+n-1 that lie in one page
+ * of 2^32 elements each (i = i0 + offset): the random stream is keyed per page, so no quantizer
+ * call crosses one */
+template <class F>
+static void for_each_page(uint64_t n, uint64_t i0, F&& fn) {
+  for (uint64_t off = 0; off < n;) {
+    const uint64_t i = i0 + off, page_end = ((i >> 32) + 1) << 32;
+    const uint64_t m = std::min<uint64_t>(n - off, page_end - i);
+    fn(off, m, i);
+    off += m;
+  }
+}
+
 static void quantize_run_with(const Kernels& K, const float* x, uint64_t n, uint64_t i0, uint64_t seed,
                               float scale, int bits, int encoder, uint8_t* codes) {
   if (!qsgd_scale_quantizes(scale)) {
     memset(codes, 0, n);
     return;
   }
-  while (n) {
-    /* the random stream is keyed per page of 2^32 elements: never cross a page in one call */
-    const uint64_t page_end = ((i0 >> 32) + 1) << 32;
-    const uint64_t m = std::min<uint64_t>(n, page_end - i0);
-    K.quantize(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, encoder, codes);
-    x += m, codes += m, i0 += m, n -= m;
-  }
+  for_each_page(n, i0, [&](uint64_t off, uint64_t m, uint64_t i) {
+    K.quantize(x + off, m, qsgd_page_key(seed, i), (uint32_t)i, scale, bits, encoder, codes + off);
+  });
 }
 
-/* quantize_run then pack, for a run starting at a multiple of 8 (Kernels::quantize_packed) */
+/* quantize_run then pack, for a run starting at a multiple of 8 (Kernels::quantize_packed; pages
+ * start at multiples of 8 too, so each piece's packed bytes start at a byte) */
 static void quantize_packed_run(const Kernels& K, const float* x, uint64_t n, uint64_t i0, uint64_t seed,
                                 float scale, int bits, uint8_t* dst) {
   if (!qsgd_scale_quantizes(scale)) {
     memset(dst, 0, qsgd_packed_bytes(n, bits));
     return;
   }
-  while (n) {
-    const uint64_t page_end = ((i0 >> 32) + 1) << 32;
-    const uint64_t m = std::min<uint64_t>(n, page_end - i0);
-    K.quantize_packed(x, m, qsgd_page_key(seed, i0), (uint32_t)i0, scale, bits, dst);
-    x += m, dst += m / 8 * bits, i0 += m, n -= m;
-  }
+  for_each_page(n, i0, [&](uint64_t off, uint64_t m, uint64_t i) {
+    K.quantize_packed(x + off, m, qsgd_page_key(seed, i), (uint32_t)i, scale, bits, dst + off / 8 * bits);
+  });
 }
 
 void quantize_run(const float* x, uint64_t n, uint64_t i0, uint64_t seed, float scale, int bits, int encoder,
@@ -296,7 +303,8 @@ extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
 /* ---- encode (fixed) ------------------------------------------------------------------------
  * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
  * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
- * packed into the payload every kStage codes. With the checksum, each chunk adds up the terms of
+ * packed into the payload every kStage codes (or, where the variant has Kernels::quantize_packed,
+ * quantized and packed straight into the payload). With the checksum, each chunk adds up the terms of
  * the payload words wholly inside its packed bytes while they are in cache; the header, the
  * scales and the words straddling two chunks are added at the end. */
 static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,

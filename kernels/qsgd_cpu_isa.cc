@@ -398,6 +398,24 @@ inline __m256i merge_codes(__m256i v) {
   const __m256i lo64 = _mm256_and_si256(v, _mm256_set1_epi64x(0xFFFFFFFFll));
   return _mm256_or_si256(lo64, _mm256_slli_epi64(_mm256_srli_epi64(v, 32), 4 * BITS));
 }
+
+/* merge_codes' result with, in each 128-bit half, the low BITS bytes of both 64-bit lanes side by
+ * side: 2 * BITS packed bytes a half */
+template <int BITS>
+struct MergeSelect {
+  alignas(32) int8_t v[32];
+  constexpr MergeSelect() : v() {
+    for (int h = 0; h < 2; ++h)
+      for (int j = 0; j < 16; ++j) v[16 * h + j] = (int8_t)(j < BITS ? j : (j < 2 * BITS ? 8 + j - BITS : -1));
+  }
+};
+template <int BITS>
+inline constexpr MergeSelect<BITS> kMergeSelect{};   /* (built at compile time) */
+
+template <int BITS>
+inline __m256i merged_halves(__m256i codes) {
+  return _mm256_shuffle_epi8(merge_codes<BITS>(codes), _mm256_load_si256((const __m256i*)kMergeSelect<BITS>.v));
+}
 #endif
 
 template <int BITS>
@@ -412,17 +430,11 @@ void pack_t(const uint8_t* __restrict codes, uint64_t m, uint8_t* __restrict dst
         memcpy(dst + k / 8, &bitsv, 4);
       }
     } else {
-      /* within each 128-bit half: the low BITS bytes of both 64-bit lanes, side by side */
-      alignas(32) int8_t sel[32];
-      for (int h = 0; h < 2; ++h)
-        for (int j = 0; j < 16; ++j)
-          sel[16 * h + j] = (int8_t)(j < BITS ? j : (j < 2 * BITS ? 8 + j - BITS : -1));
-      const __m256i shuf = _mm256_load_si256((const __m256i*)sel);
       const uint64_t full_bytes = m / 8 * BITS;
       /* each block of 32 codes writes 4*BITS bytes, as two 16-byte stores at +0 and +2*BITS: a
        * store may run past the block but never past the m codes' bytes */
       for (; k + 32 <= m && k / 8 * BITS + 2 * BITS + 16 <= full_bytes; k += 32) {
-        const __m256i v = _mm256_shuffle_epi8(merge_codes<BITS>(_mm256_loadu_si256((const __m256i*)(codes + k))), shuf);
+        const __m256i v = merged_halves<BITS>(_mm256_loadu_si256((const __m256i*)(codes + k)));
         uint8_t* d = dst + k / 8 * BITS;
         if (BITS == 4) {
           _mm_storeu_si128((__m128i*)d, _mm256_castsi256_si128(_mm256_permute4x64_epi64(v, 0x08)));
@@ -482,10 +494,7 @@ inline void store_packed32(__m256i c, uint8_t* d) {
     const __m256i q = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64((__m128i*)d, _mm256_castsi256_si128(q));
   } else { /* pack_t's merge: 2 * BITS bytes in each 128-bit half */
-    alignas(32) int8_t sel[32];
-    for (int h = 0; h < 2; ++h)
-      for (int j = 0; j < 16; ++j) sel[16 * h + j] = (int8_t)(j < BITS ? j : (j < 2 * BITS ? 8 + j - BITS : -1));
-    const __m256i v = _mm256_shuffle_epi8(merge_codes<BITS>(c), _mm256_load_si256((const __m256i*)sel));
+    const __m256i v = merged_halves<BITS>(c);
     alignas(32) uint8_t tmp[16 + 2 * BITS];
     _mm_storeu_si128((__m128i*)tmp, _mm256_castsi256_si128(v));
     _mm_storeu_si128((__m128i*)(tmp + 2 * BITS), _mm256_extracti128_si256(v, 1));
