@@ -38,6 +38,7 @@ log = logging.getLogger("hvd_qsgd")
 
 DEFAULT_LINKS_GBPS = (1.0, 10.0, 100.0)
 MIN_EXCHANGES = 50      # exchanges counted before the slowdown check speaks (first calls warm up)
+CHECK_EVERY = 32        # exchanges between two slowdown checks after that (``SlowdownWatch.observe``)
 NEVER_CALLED_STEPS = 3  # optimizer steps with no compression before the no-op warning
 
 
@@ -94,6 +95,17 @@ class SlowdownWatch:
     def __init__(self, bandwidth_bps: Optional[float] = None):
         self.bandwidth_bps = bandwidth_bps
         self._warned = threading.Event()
+        self._calls = 0
+
+    def observe(self, stats_of, where: str) -> bool:
+        """One more exchange: ``check(stats_of())`` at the ``MIN_EXCHANGES``-th call and every
+        ``CHECK_EVERY``-th after it (reading the stats costs more than the exchange's own counting);
+        True if it warned."""
+        self._calls += 1
+        due = self._calls - MIN_EXCHANGES
+        if due < 0 or due % CHECK_EVERY or self._warned.is_set():
+            return False
+        return self.check(stats_of(), where)
 
     def check(self, stats: Dict[str, Any], where: str) -> bool:
         """Check the cumulative stats; True if this call warned."""

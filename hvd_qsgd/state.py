@@ -55,6 +55,7 @@ class ExchangeNames:
         self.in_flight: Set[str] = set()   # parameter names with an exchange pending
         self.pending = 0          # exchanges between compress and decompress
         self.position = 0         # position within the current step
+        self._by_param: Dict[str, tuple] = {}   # parameter name -> (exchange name, control key), made once
 
     def name(self, label: str) -> str:
         return f"{self.prefix}{self.sep}{label}"
@@ -94,8 +95,13 @@ class ExchangeNames:
                 self.in_flight.add(param)
                 occurrence = self.occurrences.get(param, 0)
                 self.occurrences[param] = occurrence + 1
-                exchange = self.name(f"p{self.sep}{param}")
-                key = 2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1
+                named = self._by_param.get(param)
+                if named is None:
+                    if len(self._by_param) > 65536:
+                        self._by_param.clear()
+                    named = self._by_param[param] = (self.name(f"p{self.sep}{param}"),
+                                                     2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1)
+                exchange, key = named
                 return Route(exchange, exchange, occurrence, key, param, param, None)
             seq, self.seq = self.seq, self.seq + 1
             slot = self._take_slot()

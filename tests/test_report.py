@@ -62,6 +62,22 @@ def test_slowdown_warns_once_when_codec_time_exceeds_the_wire_time_saved(caplog)
     assert not report.SlowdownWatch(1e6 / 8).check(busy, "q")
 
 
+def test_the_slowdown_watch_reads_the_stats_at_the_minimum_and_then_every_check_every_exchanges():
+    reads = []
+
+    def stats_of():
+        reads.append(len(reads))
+        return stats(tensors=0)   # too few to warn: every read is a check that stays quiet
+
+    w = report.SlowdownWatch(10e9 / 8)
+    calls = report.MIN_EXCHANGES + 3 * report.CHECK_EVERY
+    assert not any(w.observe(stats_of, "q") for _ in range(calls))
+    assert len(reads) == 4   # the MIN_EXCHANGES-th exchange, then every CHECK_EVERY-th
+    busy = stats(tensors=report.MIN_EXCHANGES, allreduce_bytes=1_250_000, bytes_received=0, encode_s=0.2)
+    warned = [w.observe(lambda: busy, "q") for _ in range(2 * report.CHECK_EVERY)]
+    assert warned.count(True) == 1 and warned.index(True) == report.CHECK_EVERY - 1   # at the next check, once
+
+
 def test_a_compressor_called_every_period_steps_is_not_warned_about_before_its_first_call(caplog):
     """PQASGD calls its compressor at syncs only: with period p the warning waits p - 1 more steps."""
     with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):

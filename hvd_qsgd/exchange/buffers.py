@@ -31,6 +31,7 @@ fingerprint at its offset). A tensor larger than a buffer goes alone, as without
 Counted in ``stats`` by member: elements without the padding, one tensor per member.
 """
 import collections
+import functools
 import threading
 
 from hvd_qsgd import codec, protocol
@@ -76,9 +77,8 @@ class FusionBuffers:
             buf.members.append(ex)
             buf.offsets.append(offset)
             buf.expect.numel = offset + ex.expect.numel
-            ex.fused = buf
-            ex.route = ex.route._replace(key=protocol.small_hash(f"{ex.route.key}|{buf.route.slot}|{offset}",
-                                                                 protocol.TAG_RANGE ** 2))
+            ex.fused, ex.offset = buf, offset
+            ex.route = ex.route._replace(key=_member_key(ex.route.key, buf.route.slot, offset))
             if _aligned(buf.expect.numel, bucket) + ex.settings.min_numel > cap:  # full: no tensor fits any more
                 del self._open[key]
                 self._close(run, buf)
@@ -189,7 +189,7 @@ class FusionBuffers:
                 if isinstance(buf.stage_error, run.collectives.interrupts):
                     raise buf.stage_error
                 raise protocol.MismatchError(f"{ex.where}: {buf.stage_error}") from buf.stage_error
-        o = buf.offsets[buf.members.index(ex)]
+        o = ex.offset
         return buf.gathered[o:o + ex.expect.numel] * alpha   # (a copy: the buffer's array is reused)
 
     def member_done(self, ex):
@@ -213,6 +213,13 @@ class FusionBuffers:
 def _group_of(ex):
     """The buffers a tensor may share: those of its process set, backend, settings and dtype."""
     return (id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype)
+
+
+@functools.lru_cache(maxsize=65536)
+def _member_key(key, slot, offset):
+    """The control vector's exchange key of a member: its own, its buffer's slot and its offset (the
+    same members land at the same places step after step: hashed once each)."""
+    return protocol.small_hash(f"{key}|{slot}|{offset}", protocol.TAG_RANGE ** 2)
 
 
 def _aligned(numel, bucket):

@@ -19,19 +19,21 @@ from hvd_qsgd import protocol
 
 class Exchange:
     """One compressed tensor between compress and decompress: where it goes, how it is encoded, and
-    how far its stages have come. ``origin`` is the adapter's (the tensor's shape, dtype, device)."""
+    how far its stages have come. ``origin`` is the adapter's (the tensor's shape, dtype, device).
+    A field not given is None (the byte counters 0) until set: the defaults are the class's, so that
+    making one costs a dictionary update, not a call per field (one is made per compressed tensor)."""
 
-    __slots__ = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
-                 "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
-                 "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "sent", "received",
-                 "started", "origin", "layout", "nodes", "cross_sent", "cross_received", "cross", "fused",
-                 "members", "lock", "pending", "gathered", "cut", "offsets", "source", "per_node", "device_type",
-                 "group_key")
+    FIELDS = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
+              "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
+              "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "started", "origin",
+              "layout", "nodes", "cross", "fused", "members", "lock", "pending", "gathered", "cut", "offsets", "offset",
+              "source", "per_node", "device_type", "group_key")
+    COUNTERS = ("sent", "received", "cross_sent", "cross_received")
 
     def __init__(self, **fields):
-        for k in self.__slots__:
-            setattr(self, k, fields.get(k))
-        self.sent = self.received = self.cross_sent = self.cross_received = 0
+        if not fields.keys() <= _EXCHANGE_FIELDS:
+            raise TypeError(f"Exchange: unknown fields {sorted(fields.keys() - _EXCHANGE_FIELDS)}")
+        self.__dict__.update(fields)
 
     def remote(self, j):
         """Whether set rank j is on another node than this rank (False where the layout is unknown)."""
@@ -45,6 +47,13 @@ class Exchange:
         """The reduction as the settings tag names it: with its ranks per node where it has a layout,
         so that ranks that disagree on the layout fail the check."""
         return self.reduction if self.layout is None else f"{self.reduction}/{self.layout}"
+
+
+for _name in Exchange.FIELDS:
+    setattr(Exchange, _name, None)
+for _name in Exchange.COUNTERS:
+    setattr(Exchange, _name, 0)
+_EXCHANGE_FIELDS = frozenset(Exchange.FIELDS + Exchange.COUNTERS)
 
 
 def expectation(settings, numel, dtype, fingerprint):

@@ -32,6 +32,7 @@ instead, and finish returns alpha times that sum, alpha = 1/n for Average as Hor
 allreduce gives (``protocol.joined_verdict`` checks the control vector as the stepping ranks').
 Counted in ``stats["joined_exchanges"]`` and logged once.
 """
+import functools
 import logging
 import os
 import threading
@@ -62,6 +63,9 @@ def _note_joined(where, joined):
                     "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
                     "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
 
+
+# a tensor's fingerprint, made once per name, shape and dtype (one is needed per compressed tensor)
+_fingerprint = functools.lru_cache(maxsize=4096)(codec.tensor_fingerprint)
 
 # the reductions whose first collective ``overlap`` starts in compress
 OVERLAPPED = ("allgather", "scatter_allgather")
@@ -98,7 +102,7 @@ class ExchangeRunner(ResidualSteps):
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
         ex = self.open_exchange(route, where, s, numel, dtype, device_type, group, set_ranks, global_rank, world,
-                                ranks_per_node, codec.tensor_fingerprint(route.param or "", shape, dtype))
+                                ranks_per_node, _fingerprint(route.param or "", tuple(shape), dtype))
         if self.buffers.takes(ex):
             ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
             return ex
@@ -293,7 +297,7 @@ class ExchangeRunner(ResidualSteps):
         if carrier.stage != "joined":
             self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
                                                                      4 * ex.expect.numel))
-            self._slowdown.check(self.stats.as_dict(), self.owner)
+            self._slowdown.observe(self.stats.as_dict, self.owner)
         if self.policy.observes:
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
