@@ -73,6 +73,8 @@ def horovod_caller() -> Caller:
             if isinstance(names, dict):
                 name = names.get(local["p"])
                 where = where or f"{_module(frame)}.{frame.f_code.co_name}"
+        if process_set is not None and name is not None:  # all there is to learn (f_locals costs)
+            break
         frame = frame.f_back
     if process_set is None and name is None:
         return NOT_LEARNED

@@ -47,7 +47,6 @@ MARKERS = {
     "test_tf_compressor::test_scatter_allgather_equals_the_reduction_simulation_on_every_rank": {"slow"},  # 26-37 s
     "test_multirank::test_horovod_allgather_of_payloads": {"slow"},                          # up to 33 s
     "test_golden_payloads::test_payload_bytes_match_the_recording": {"slow"},                # 29-35 s
-    "test_environment::test_wheel_carries_the_native_libraries": {"slow"},                   # 65 s: builds a wheel
     "test_environment::test_horovod_check_build_shows_frameworks_and_controllers": {"slow"},  # 30 s [37 s]
     "test_cuda::test_encode_is_byte_identical_to_cpu": {"slow"},                             # 54 s [37 s] emulated
     "test_robustness::test_round_trip_of_more_than_2_31_elements": {"slow"},                 # 51 s [15 s], > 8 GB

@@ -17,6 +17,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
 
 
+@functools.lru_cache(maxsize=1)
+def horovod_check_build():
+    """The output (stdout and stderr) of ``horovodrun --check-build``, run once per test session (it
+    imports every framework: ~40 s on 2 busy cores; two test files read it)."""
+    return subprocess.run([os.path.join(BIN, "horovodrun"), "--check-build"], env=dict(mp_env(), TF_CPP_MIN_LOG_LEVEL="3"),
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300).stdout
+
+
 def mp_env():
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",

@@ -51,7 +51,7 @@ def test_launch_with_16_ranks(tmp_path):
     # 16 Python processes importing torch and Horovod on this machine's 2 cores: measured ~80 s in
     # all, almost all of it start-up; the timeout leaves room for a slower or busier machine.
     # reduction="allgather": the byte identity below is allgather's (the default, auto, is tested at
-    # 16 ranks by tests/test_torch_compressor.py::test_the_default_reduction_pays_at_8_and_16_ranks)
+    # 8 ranks by tests/test_torch_compressor.py::test_the_default_reduction_pays_at_8_ranks)
     r = run(tmp_path, 16, "np16", ["--compression", "qsgd", "--bits", "4", "--max-steps", "3",
                                     "--threads", "1", "--reduction", "allgather"], timeout=420)
     assert r["np"] == 16 and r["steps"] == 3

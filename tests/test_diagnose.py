@@ -13,7 +13,7 @@ import pytest
 import hvd_qsgd
 from hvd_qsgd import backends, codec, install_check
 from hvd_qsgd.settings import Settings
-from tests.helpers import ROOT
+from tests.helpers import ROOT, horovod_check_build
 
 
 def facts(text):
@@ -145,13 +145,11 @@ def test_horovods_build_matches_horovodruns_check_build(command_run):
     lists as available."""
     if importlib.util.find_spec("horovod") is None or importlib.util.find_spec("torch") is None:
         pytest.skip("Horovod with PyTorch is not installed")
-    horovodrun = os.path.join(os.path.dirname(sys.executable), "horovodrun")
-    proc = subprocess.run([horovodrun, "--check-build"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                          text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    check_build = horovod_check_build()
     marks = {}  # name -> available; MPI and Gloo appear twice (controllers first): the first counts
-    for mark, name in re.findall(r"^\s*\[([X ])\] (\w+)", proc.stdout, re.M):
+    for mark, name in re.findall(r"^\s*\[([X ])\] (\w+)", check_build, re.M):
         marks.setdefault(name, mark == "X")
-    assert {"PyTorch", "Gloo", "NCCL"} <= set(marks), proc.stdout
+    assert {"PyTorch", "Gloo", "NCCL"} <= set(marks), check_build
     f = facts(command_run.stdout)
     frameworks = f["frameworks"].split(", ")
     assert ("torch" in frameworks) == marks["PyTorch"]

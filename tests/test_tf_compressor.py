@@ -26,8 +26,10 @@ def ok_count(out, scenario):
     return len(re.findall(rf"<stdout>:OK {re.escape(scenario)}(?![\w-])", out))
 
 
-@pytest.mark.parametrize("np_,controller", [(2, "gloo"), (4, "gloo"), (2, "mpi")])
+@pytest.mark.parametrize("np_,controller", [(2, "gloo"), (2, "mpi")])
 def test_tape_allreduce_and_keras_equal_single_process_decode_on_every_rank(np_, controller):
+    # (at 4 Gloo ranks too until the suite's time had to come down: 70 s on 2 cores; 4 ranks are
+    # test_keras3_tape_and_fit_...'s and test_scatter_allgather_...'s, whose jobs start at 4 too)
     scenarios = ["tape", "allreduce", "keras", "error-feedback", "error-feedback-lr"]
     out = launch(np_, controller, [WORKER] + scenarios, timeout=300)
     for s in scenarios:

@@ -104,11 +104,13 @@ def test_fusion_buffers_equal_their_reference_on_every_rank(np_, controller):
     assert ok_lines(out, "buffers") == np_, out[-3000:]
 
 
-@pytest.mark.parametrize("np_", [8, 16])
-def test_the_default_reduction_pays_at_8_and_16_ranks(np_):
+def test_the_default_reduction_pays_at_8_ranks():
     """hvd_qsgd.QSGD(4) with its defaults under hvd.DistributedOptimizer: the 1,000,000-element
     gradient goes by scatter_allgather and each rank receives <= 1.2 x 2(n-1)/n x d x 4/8 bytes of
-    it (counted in stats); every gradient equals its reference and every replica is identical."""
+    it (counted in stats); every gradient equals its reference and every replica is identical. (At
+    16 ranks too until the suite's time had to come down: 110 s on a 2-core machine, almost all of it
+    16 processes starting; 16 ranks are launched by tests/test_demo.py::test_launch_with_16_ranks.)"""
+    np_ = 8
     out = launch(np_, "gloo", [WORKER, "default-large"], timeout=400)
     assert ok_lines(out, "default-large") == np_, out[-3000:]
 
