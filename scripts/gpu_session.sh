@@ -10,7 +10,7 @@
 # A phase already done on this (warm) machine is skipped, so a second call goes on where the first
 # stopped: GPU_SESSION_PHASES=train LM_SEEDS=2 bash scripts/gpu_session.sh.
 # Everything is written under $GPU_SESSION_WORK (default /tmp/gpu_session); what comes back ($OUT,
-# at most 8 files) is results.tar.gz of it, packed after every phase, plus the summaries.
+# at most 8 files) is results.tar.gz of its logs and results, packed after every phase, plus the summaries.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-$PWD/gpu_session_out}
@@ -27,7 +27,9 @@ export PATH="$SITE/bin:$PATH" PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 log() { echo "[gpu_session $(date -u +%H:%M:%S) +${SECONDS}s] $*" | tee -a "$WORK/out/session.log"; }
 left() { echo $((DEADLINE - SECONDS)); }
 pack() {
-  tar -czf "$RESULTS/results.tar.gz" -C "$WORK" out lm 2>/dev/null || tar -czf "$RESULTS/results.tar.gz" -C "$WORK" out
+  # the logs, tables and JSON only: with the training runs' folders (their saved parameters) the
+  # archive grew past what the device tool brings back (2026-11-27), and nothing came back
+  tar -czf "$RESULTS/results.tar.gz" -C "$WORK" --exclude='*.whl' --exclude='*.pt' out
   cp "$WORK/out/session.log" "$RESULTS/" 2>/dev/null
   for f in check/gpu_check.md horovod/gpu_check_horovod.md train/lm_table.md; do
     [ -f "$WORK/out/$f" ] && cp "$WORK/out/$f" "$RESULTS/"
