@@ -30,6 +30,8 @@ import threading
 import time
 from typing import Any, Callable, List
 
+MAX_SLEEP_S = 2.5e-4   # the longest sleep between two polls of a collective waited on
+
 
 class StagedDriver:
     """Exchanges with a stage in flight (see the module docstring). Thread-safe."""
@@ -77,18 +79,21 @@ class StagedDriver:
                     e.started.set()
 
     def wait(self, handle: Any) -> Any:
-        """The result of ``handle``, advancing the other exchanges meanwhile."""
+        """The result of ``handle``, advancing the other exchanges meanwhile. It is polled, with
+        sleeps from 20 to ``MAX_SLEEP_S`` seconds, and synchronized once complete: a library's own
+        wait may spin (Horovod's PyTorch ``synchronize`` yields in a loop until the handle is done),
+        taking a core from the rank's background thread and from the other ranks on a small
+        machine."""
         delay = 2e-5
         while True:
             with self._lock:
                 others = bool(self._waiting)
-            if not others:
-                return self._synchronize(handle)
-            self.advance()
+            if others:
+                self.advance()
             if self._poll(handle):
                 return self._synchronize(handle)
             time.sleep(delay)
-            delay = min(2 * delay, 1e-3)
+            delay = min(2 * delay, MAX_SLEEP_S)
 
     def finish(self, exchange: Any) -> None:
         """Block until ``exchange``'s last stage has run (by this thread or another)."""

@@ -67,6 +67,10 @@ def _note_joined(where, joined):
 # a tensor's fingerprint, made once per name, shape and dtype (one is needed per compressed tensor)
 _fingerprint = functools.lru_cache(maxsize=4096)(codec.tensor_fingerprint)
 
+# the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
+NO_STAGES = threading.Event()
+NO_STAGES.set()
+
 # the reductions whose first collective ``overlap`` starts in compress
 OVERLAPPED = ("allgather", "scatter_allgather")
 
@@ -155,13 +159,11 @@ class ExchangeRunner(ResidualSteps):
         the control vector reports the fault)."""
         ex.stage = "presence"
         if ex.set_rank is None:  # not in the set: the control check raises on every rank
-            ex.started = threading.Event()
-            ex.started.set()
+            ex.started = NO_STAGES
             return
         if ex.reduction == "buffered":  # its fusion buffer starts the collectives (a fault: zeros there)
             self.buffers.add(self, ex)
-            ex.started = threading.Event()
-            ex.started.set()
+            ex.started = NO_STAGES
             return
         if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
             self.fusion.add(ex, self.start)
@@ -189,8 +191,7 @@ class ExchangeRunner(ResidualSteps):
         if ex.chain.start(self, ex):
             self.driver.add(ex)
         else:
-            ex.started = threading.Event()
-            ex.started.set()
+            ex.started = NO_STAGES
 
     @staticmethod
     def _nothing(ex):
