@@ -24,6 +24,7 @@ rate it was made at, and the server residual of scatter_allgather's reducing ran
 applies are ``hvd_qsgd.error_feedback``'s. The values are whatever the adapter stores (torch
 tensors, NumPy arrays, ``tf.Variable``s); the adapter supplies conversions for checkpoints.
 """
+import functools
 import threading
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
 
@@ -42,6 +43,12 @@ class Route(NamedTuple):
     slot: Optional[int]    # numbered slot taken, or None
 
 
+@functools.lru_cache(maxsize=65536)
+def _named_route(prefix: str, sep: str, param: str) -> tuple:
+    """A parameter's exchange name and control key (made once: one is needed per exchange)."""
+    return f"{prefix}{sep}p{sep}{param}", 2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1
+
+
 class ExchangeNames:
     """The naming state of one compressor (see the module docstring). Thread-safe."""
 
@@ -55,7 +62,6 @@ class ExchangeNames:
         self.in_flight: Set[str] = set()   # parameter names with an exchange pending
         self.pending = 0          # exchanges between compress and decompress
         self.position = 0         # position within the current step
-        self._by_param: Dict[str, tuple] = {}   # parameter name -> (exchange name, control key), made once
 
     def name(self, label: str) -> str:
         return f"{self.prefix}{self.sep}{label}"
@@ -95,13 +101,7 @@ class ExchangeNames:
                 self.in_flight.add(param)
                 occurrence = self.occurrences.get(param, 0)
                 self.occurrences[param] = occurrence + 1
-                named = self._by_param.get(param)
-                if named is None:
-                    if len(self._by_param) > 65536:
-                        self._by_param.clear()
-                    named = self._by_param[param] = (self.name(f"p{self.sep}{param}"),
-                                                     2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1)
-                exchange, key = named
+                exchange, key = _named_route(self.prefix, self.sep, param)
                 return Route(exchange, exchange, occurrence, key, param, param, None)
             seq, self.seq = self.seq, self.seq + 1
             slot = self._take_slot()

@@ -31,7 +31,6 @@ life of the process: so an eager exchange travels as ``hvd_qsgd_<k>_n<slot>`` (t
 unfinished eager exchange holds), and its payload seed, still that of ``hvd_qsgd_<k>_s<seq>``,
 reaches the op through the occurrence input (``protocol.occurrence_seeding``) with the seed attr 0.
 """
-import itertools
 import threading
 import weakref
 from types import SimpleNamespace
@@ -106,7 +105,6 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         self._counters = None
         self._timing = None
         self._slowdown = report.SlowdownWatch(self.settings.link_bps())
-        self._eager_exchanges = itertools.count(1)
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._schedules = {}                            # DQSGD: schedule variables by state key
         self._occurrences = {}
@@ -279,9 +277,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             with tf.control_dependencies(ctx.deps + deps + [self._count_allreduce_bytes(ctx)]):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
             # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
-            # costs a dozen variable reads, so every 64th exchange looks
-            if tf.executing_eagerly() and next(self._eager_exchanges) % 64 == 0:
-                self._slowdown.check(self.stats, repr(self))
+            # costs a dozen variable reads, which the watch does only now and then (report.SlowdownWatch)
+            if tf.executing_eagerly():
+                self._slowdown.observe(lambda: self.stats, repr(self))
             return result
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
