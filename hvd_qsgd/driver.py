@@ -15,10 +15,11 @@ Horovod gives no callback. So:
 * ``decompress`` (``finish``) ``advance``s: the next stage of every exchange whose current
   collective has completed starts now (the PyTorch adapter does not advance from ``compress``: see
   its comment there);
-* waiting for a collective is a poll loop (``wait``) that keeps advancing the other exchanges, with
-  a sleep that doubles from 20 us to 1 ms;
-* ``advance(block_on=ex)`` runs ex's next stage even if its collective is still running (the
-  caller has proved that every rank started it, so waiting on it cannot hang).
+* waiting for a collective (``wait``), or for an exchange's last stage (``finish``), is a poll loop
+  that keeps advancing the other exchanges, with a sleep that doubles from 20 us to ``MAX_SLEEP_S``;
+  the library's own wait is entered only for a collective that has completed (Horovod's PyTorch
+  ``synchronize`` spins, yielding the GIL in a loop: on a machine of few cores per rank that spin
+  took the core the rank's background thread and the other ranks needed).
 
 Stages start as soon as the stage before finishes, in whatever order, and no rank waits on a
 collective another rank has not started. The collectives (``poll``, ``synchronize``) and the stage
@@ -61,11 +62,10 @@ class StagedDriver:
         with self._lock:
             self._waiting = []
 
-    def advance(self, block_on: Any = None) -> None:
-        """Run the next stage of every exchange whose collective has completed (and of ``block_on``,
-        waiting for its collective)."""
+    def advance(self) -> None:
+        """Run the next stage of every exchange whose collective has completed."""
         with self._lock:
-            ready = [e for e in self._waiting if e is block_on or self._poll(e.handle)]
+            ready = [e for e in self._waiting if self._poll(e.handle)]
             self._waiting = [e for e in self._waiting if e not in ready]
         for e in ready:
             again = False
@@ -96,7 +96,12 @@ class StagedDriver:
             delay = min(2 * delay, MAX_SLEEP_S)
 
     def finish(self, exchange: Any) -> None:
-        """Block until ``exchange``'s last stage has run (by this thread or another)."""
+        """Block until ``exchange``'s last stage has run (by this thread or another): the stages of
+        the exchanges whose collectives have completed are run, with sleeps from 20 to
+        ``MAX_SLEEP_S`` seconds between polls (as ``wait``: not the library's wait, which may spin)."""
+        delay = 2e-5
         while not exchange.started.is_set():
-            self.advance(block_on=exchange)
-            exchange.started.wait(1e-3)  # another thread may be running one of its stages
+            self.advance()
+            if exchange.started.wait(delay):  # (set by this thread's advance, or another thread's)
+                return
+            delay = min(2 * delay, MAX_SLEEP_S)
