@@ -5,6 +5,7 @@ It holds the settings, checks them once, and hands each tensor to the adapter of
 below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top of the package.
 """
 import atexit
+import functools
 import sys
 import threading
 import weakref
@@ -18,12 +19,18 @@ from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucke
 
 
 def _framework(tensor: Any) -> str:
-    module = type(tensor).__module__ or ""
+    return _framework_of(type(tensor))
+
+
+@functools.lru_cache(maxsize=64)
+def _framework_of(kind: type) -> str:
+    """The framework of a tensor type (looked up once per type: it is asked at every exchange)."""
+    module = kind.__module__ or ""
     if module.startswith("torch"):
         return "torch"
     if module.startswith(("tensorflow", "keras", "tf_keras")):
         return "tensorflow"
-    raise TypeError(f"hvd_qsgd.QSGD: cannot compress a {type(tensor).__module__}.{type(tensor).__name__}; "
+    raise TypeError(f"hvd_qsgd.QSGD: cannot compress a {kind.__module__}.{kind.__name__}; "
                     "it compresses PyTorch tensors (and TensorFlow tensors where supported)")
 
 
@@ -127,6 +134,9 @@ class QSGD:
         return FixedBits(self.settings)
 
     def _adapter(self, framework: str) -> Any:
+        adapter = self._adapters.get(framework)   # (made once, then only read: no lock needed)
+        if adapter is not None:
+            return adapter
         with self._lock:
             adapter = self._adapters.get(framework)
             if adapter is None:

@@ -163,12 +163,11 @@ class TorchCompressor(Compressor):
         """The tensor flattened as its backend reads it: a float32 NumPy view on the host for the CPU
         backend (no copy for a contiguous float32 CPU tensor); the tensor itself, in its own dtype,
         for the CUDA backend."""
-        x = tensor.detach().reshape(-1)
         if ex.backend is not backends.CPU:
-            return x
-        if x.dtype is torch.float32 and x.device.type == "cpu" and x.is_contiguous():
-            return x.numpy()
-        return x.cpu().float().contiguous().numpy()
+            return tensor.detach().reshape(-1)
+        if tensor.dtype is torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
+            return tensor.detach().numpy().reshape(-1)   # (NumPy's reshape of a view: no dispatch)
+        return tensor.detach().reshape(-1).cpu().float().contiguous().numpy()
 
     def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange]) -> torch.Tensor:
         if ex is None:
