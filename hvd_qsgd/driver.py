@@ -15,11 +15,16 @@ Horovod gives no callback. So:
 * ``decompress`` (``finish``) ``advance``s: the next stage of every exchange whose current
   collective has completed starts now (the PyTorch adapter does not advance from ``compress``: see
   its comment there);
-* waiting for a collective (``wait``), or for an exchange's last stage (``finish``), is a poll loop
-  that keeps advancing the other exchanges, with a sleep that doubles from 20 us to ``MAX_SLEEP_S``;
-  the library's own wait is entered only for a collective that has completed (Horovod's PyTorch
-  ``synchronize`` spins, yielding the GIL in a loop: on a machine of few cores per rank that spin
-  took the core the rank's background thread and the other ranks needed).
+* waiting for a collective is a poll loop (``wait``) that keeps advancing the other exchanges, with
+  a sleep that doubles from 20 us to 1 ms;
+* ``advance(block_on=ex)`` runs ex's next stage even if its collective is still running (the
+  caller has proved that every rank started it, so waiting on it cannot hang).
+
+A collective nothing else is waiting beside is waited for by the library's own wait, which may spin
+(Horovod's PyTorch ``synchronize`` polls and yields the GIL in a loop): a poll loop with sleeps
+instead saved CPU on a 2-core machine shared by two ranks, but made a 64-gradient step 28% slower
+on a quiet 16-core host, where the spin takes a core nobody needed and the sleeps add latency to
+every stage (docs/performance.md, "Waiting on a collective").
 
 Stages start as soon as the stage before finishes, in whatever order, and no rank waits on a
 collective another rank has not started. The collectives (``poll``, ``synchronize``) and the stage
@@ -30,8 +35,6 @@ and gets a ``started`` event, which the driver sets once its last stage has run.
 import threading
 import time
 from typing import Any, Callable, List
-
-MAX_SLEEP_S = 2.5e-4   # the longest sleep between two polls of a collective waited on
 
 
 class StagedDriver:
@@ -62,10 +65,11 @@ class StagedDriver:
         with self._lock:
             self._waiting = []
 
-    def advance(self) -> None:
-        """Run the next stage of every exchange whose collective has completed."""
+    def advance(self, block_on: Any = None) -> None:
+        """Run the next stage of every exchange whose collective has completed (and of ``block_on``,
+        waiting for its collective)."""
         with self._lock:
-            ready = [e for e in self._waiting if self._poll(e.handle)]
+            ready = [e for e in self._waiting if e is block_on or self._poll(e.handle)]
             self._waiting = [e for e in self._waiting if e not in ready]
         for e in ready:
             again = False
@@ -79,29 +83,21 @@ class StagedDriver:
                     e.started.set()
 
     def wait(self, handle: Any) -> Any:
-        """The result of ``handle``, advancing the other exchanges meanwhile. It is polled, with
-        sleeps from 20 to ``MAX_SLEEP_S`` seconds, and synchronized once complete: a library's own
-        wait may spin (Horovod's PyTorch ``synchronize`` yields in a loop until the handle is done),
-        taking a core from the rank's background thread and from the other ranks on a small
-        machine."""
+        """The result of ``handle``, advancing the other exchanges meanwhile."""
         delay = 2e-5
         while True:
             with self._lock:
                 others = bool(self._waiting)
-            if others:
-                self.advance()
+            if not others:
+                return self._synchronize(handle)
+            self.advance()
             if self._poll(handle):
                 return self._synchronize(handle)
             time.sleep(delay)
-            delay = min(2 * delay, MAX_SLEEP_S)
+            delay = min(2 * delay, 1e-3)
 
     def finish(self, exchange: Any) -> None:
-        """Block until ``exchange``'s last stage has run (by this thread or another): the stages of
-        the exchanges whose collectives have completed are run, with sleeps from 20 to
-        ``MAX_SLEEP_S`` seconds between polls (as ``wait``: not the library's wait, which may spin)."""
-        delay = 2e-5
+        """Block until ``exchange``'s last stage has run (by this thread or another)."""
         while not exchange.started.is_set():
-            self.advance()
-            if exchange.started.wait(delay):  # (set by this thread's advance, or another thread's)
-                return
-            delay = min(2 * delay, MAX_SLEEP_S)
+            self.advance(block_on=exchange)
+            exchange.started.wait(1e-3)  # another thread may be running one of its stages
