@@ -20,6 +20,7 @@ import warnings
 import pytest
 
 from tests import helpers
+from tests.digits_checks import run_example
 
 # "module" (every test of tests/<module>.py) or "module::test function" (every parametrization of it)
 # -> markers: what the multirank detection below does not find by itself, and the slow tests.
@@ -127,3 +128,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         for mark in sorted(markers_of(item)):
             item.add_marker(getattr(pytest.mark, mark))
+
+
+@pytest.fixture(scope="session")
+def uncompressed_digits(tmp_path_factory):
+    """examples/pytorch_digits.py uncompressed at 4 ranks, 10 epochs, seed 42: the reference run of the
+    accuracy checks of tests/test_demo.py and tests/test_algorithms_convergence.py (one launch for
+    both). Its results as the example writes them; read, never changed."""
+    return run_example(tmp_path_factory.mktemp("uncompressed_digits"), 4, "examples/pytorch_digits.py", "none",
+                       ["--compression", "none", "--epochs", "10", "--seed", "42"], timeout=240)

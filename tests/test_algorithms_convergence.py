@@ -9,7 +9,8 @@
 * ``--method efsgdm``: ``hvd_qsgd.torch.EFSGDM`` with ``hvd_qsgd.BlockSign(block_size=512)``
   (scatter_allgather, worker and server error feedback),
 
-each against the uncompressed run (``--compression none``, run once for the module).
+each against the uncompressed run (``--compression none``, run once for the suite: the
+``uncompressed_digits`` fixture of tests/conftest.py, which tests/test_demo.py shares).
 
 Tolerance: the one of tests/test_demo.py (``tests.digits_checks.check_parity``). A run's test
 accuracy estimates its model's accuracy p from n = 450 test samples, binomial standard error sqrt(p
@@ -46,8 +47,8 @@ def run(tmp_path, tag, args, timeout=240):
 
 
 @pytest.fixture(scope="module")
-def uncompressed(tmp_path_factory):
-    r = run(tmp_path_factory.mktemp("convergence"), "none", ["--compression", "none"])
+def uncompressed(uncompressed_digits):
+    r = uncompressed_digits   # ["--compression", "none"] + COMMON at NP ranks, shared with tests/test_demo.py
     assert r["params_identical"] and r["steps"] == STEPS, r
     assert r["bytes_sent_total"] == 4 * ALL * STEPS
     return r

@@ -30,9 +30,9 @@ def test_qsgd_bytes_match_the_payload_sizes(tmp_path):
     assert r["test_accuracy"] > 0.85, r
 
 
-def test_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
+def test_qsgd_reaches_the_uncompressed_accuracy(tmp_path, uncompressed_digits):
     common = ["--epochs", "10", "--seed", "42"]
-    none = run(tmp_path, 4, "none", ["--compression", "none"] + common)
+    none = uncompressed_digits   # ["--compression", "none"] + common, 4 ranks (tests/conftest.py)
     q8 = run(tmp_path, 4, "qsgd8", ["--compression", "qsgd", "--bits", "8"] + common)
     q4 = run(tmp_path, 4, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
     for r in (none, q8, q4):

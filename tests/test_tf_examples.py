@@ -68,11 +68,12 @@ def test_tensorflow2_qsgd_reaches_the_uncompressed_accuracy(tmp_path):
     # reduction="allgather": check_runs' byte identity is allgather's (at 4 ranks the default, auto,
     # sends the 262,144-element gradient by scatter_allgather)
     common = ["--epochs", "10", "--seed", "42", "--reduction", "allgather"]
+    # QSGD(4) only: QSGD(8)'s variance bound is below QSGD(4)'s (Lemma 3.1), and its parity is
+    # tests/test_demo.py's (PyTorch); a third TensorFlow launch of 4 ranks took 50 s of the suite
     none = run(tmp_path, 4, TF2, "none", ["--compression", "none"] + common)
-    q8 = run(tmp_path, 4, TF2, "qsgd8", ["--compression", "qsgd", "--bits", "8"] + common)
     q4 = run(tmp_path, 4, TF2, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
-    check_runs(none, [q8, q4], 4, 10)
-    check_parity(none, [q8, q4])
+    check_runs(none, [q4], 4, 10)
+    check_parity(none, [q4])
 
 
 def test_keras3_qsgd4_reaches_the_uncompressed_accuracy(tmp_path):
