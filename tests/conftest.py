@@ -20,7 +20,7 @@ import warnings
 import pytest
 
 from tests import helpers
-from tests.digits_checks import run_example
+from tests.digits_checks import ACCURACY_ARGS, ACCURACY_NP, run_example
 
 # "module" (every test of tests/<module>.py) or "module::test function" (every parametrization of it)
 # -> markers: what the multirank detection below does not find by itself, and the slow tests.
@@ -132,8 +132,9 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session")
 def uncompressed_digits(tmp_path_factory):
-    """examples/pytorch_digits.py uncompressed at 4 ranks, 10 epochs, seed 42: the reference run of the
-    accuracy checks of tests/test_demo.py and tests/test_algorithms_convergence.py (one launch for
-    both). Its results as the example writes them; read, never changed."""
-    return run_example(tmp_path_factory.mktemp("uncompressed_digits"), 4, "examples/pytorch_digits.py", "none",
-                       ["--compression", "none", "--epochs", "10", "--seed", "42"], timeout=240)
+    """examples/pytorch_digits.py uncompressed with the accuracy checks' ranks, epochs and seed
+    (``digits_checks.ACCURACY_*``): the reference run of tests/test_demo.py's and
+    tests/test_algorithms_convergence.py's checks (one launch for both). Its results as the example
+    writes them; read, never changed."""
+    return run_example(tmp_path_factory.mktemp("uncompressed_digits"), ACCURACY_NP, "examples/pytorch_digits.py",
+                       "none", ["--compression", "none"] + ACCURACY_ARGS, timeout=240)

@@ -17,6 +17,13 @@ RAW = 512 + 512 + 512 * 10 + 10
 ALL = sum(QUANTIZED.values()) + RAW
 
 
+# the PyTorch accuracy checks' runs (tests/test_demo.py, tests/test_algorithms_convergence.py): ranks,
+# epochs, seed; their uncompressed reference is one run for both (``uncompressed_digits``,
+# tests/conftest.py)
+ACCURACY_NP, ACCURACY_EPOCHS = 4, 10
+ACCURACY_ARGS = ["--epochs", str(ACCURACY_EPOCHS), "--seed", "42"]
+
+
 def steps(np_, epochs, batch=32):
     """Optimizer steps of a run: each rank's shard of the training set in batches, every epoch."""
     return epochs * math.ceil(TRAIN_SAMPLES // np_ / batch)

@@ -33,13 +33,14 @@ epoch 6 on)."""
 import pytest
 
 from hvd_qsgd import codec, protocol
-from tests.digits_checks import ALL, QUANTIZED, RAW, check_parity, run_example, steps
+from tests.digits_checks import (ACCURACY_ARGS, ACCURACY_EPOCHS, ACCURACY_NP, ALL, QUANTIZED, RAW, check_parity,
+                                 run_example, steps)
 
 SCRIPT = "examples/pytorch_digits.py"
-NP = 4
-EPOCHS = 10
+NP = ACCURACY_NP           # 4
+EPOCHS = ACCURACY_EPOCHS   # 10
 STEPS = steps(NP, EPOCHS)   # 110: 336 samples per rank, batch 32
-COMMON = ["--epochs", str(EPOCHS), "--seed", "42"]
+COMMON = ACCURACY_ARGS     # 10 epochs, seed 42
 
 
 def run(tmp_path, tag, args, timeout=240):

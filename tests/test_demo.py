@@ -2,8 +2,8 @@
 ``hvd.DistributedOptimizer(compression=hvd_qsgd.QSGD(...))``: byte accounting, training parity with
 the uncompressed run, and a 16-rank launch on this machine."""
 from hvd_qsgd import codec
-from tests.digits_checks import (ALL, QUANTIZED, RAW, check_parity, check_qsgd_stats, run_example,
-                                 steps as digits_steps)
+from tests.digits_checks import (ACCURACY_ARGS, ACCURACY_NP, ALL, QUANTIZED, RAW, check_parity, check_qsgd_stats,
+                                 run_example, steps as digits_steps)
 
 SCRIPT = "examples/pytorch_digits.py"
 
@@ -31,10 +31,10 @@ def test_qsgd_bytes_match_the_payload_sizes(tmp_path):
 
 
 def test_qsgd_reaches_the_uncompressed_accuracy(tmp_path, uncompressed_digits):
-    common = ["--epochs", "10", "--seed", "42"]
-    none = uncompressed_digits   # ["--compression", "none"] + common, 4 ranks (tests/conftest.py)
-    q8 = run(tmp_path, 4, "qsgd8", ["--compression", "qsgd", "--bits", "8"] + common)
-    q4 = run(tmp_path, 4, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
+    common = ACCURACY_ARGS   # 10 epochs, seed 42, at ACCURACY_NP = 4 ranks
+    none = uncompressed_digits   # ["--compression", "none"] + common (tests/conftest.py)
+    q8 = run(tmp_path, ACCURACY_NP, "qsgd8", ["--compression", "qsgd", "--bits", "8"] + common)
+    q4 = run(tmp_path, ACCURACY_NP, "qsgd4", ["--compression", "qsgd", "--bits", "4"] + common)
     for r in (none, q8, q4):
         assert r["params_identical"], r
         assert r["steps"] == none["steps"] == digits_steps(4, 10)
