@@ -478,8 +478,7 @@ def mismatch(kind, n, rank):
         order = ("a", "b") if rank == 0 else ("b", "a")
         ctxs = {k: c.compress(tensors[k]) for k in order}
         handles = {k: hvd.allreduce_async(ctxs[k][0], name=f"order.{k}") for k in order}
-        for k in order:
-            c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
+        decompress_after_all(c, order, handles, ctxs)
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
     elif kind == "join-overlap":
@@ -504,8 +503,7 @@ def mismatch(kind, n, rank):
         order = ("a", "b") if rank == 0 else ("b", "a")
         ctxs = {k: c.compress(params[k].grad) for k in order}
         handles = {k: hvd.allreduce_async(ctxs[k][0], name=f"buffered.{k}") for k in order}
-        for k in order:
-            c.decompress(hvd.synchronize(handles[k]), ctxs[k][1])
+        decompress_after_all(c, order, handles, ctxs)
     elif kind in ("fused-shapes", "fusion-setting"):
         # two tensors in one fused exchange, the first of another shape on rank 1; or fusion on rank 0 only
         c = hvd_qsgd.QSGD(4, fusion=kind == "fused-shapes" or rank == 0)
@@ -542,6 +540,17 @@ def mismatch(kind, n, rank):
         hvd.reducescatter(t, compression=hvd_qsgd.QSGD(4))
     else:
         raise SystemExit(f"unknown mismatch {kind}")
+
+
+def decompress_after_all(c, order, handles, ctxs):
+    """Every handle synchronized before the first decompress, then decompressed in this rank's order.
+    The ranks' first handles differ here: had rank 0 decompressed (raised, and exited) as soon as its
+    own first handle was done, rank 1's first one could still be in Horovod's negotiation, and
+    Horovod's shutdown would fail it before its control check ran (seen once in CI: rank 1 got
+    "Horovod has been shut down" instead of the MismatchError)."""
+    outputs = {k: hvd.synchronize(handles[k]) for k in order}
+    for k in order:
+        c.decompress(outputs[k], ctxs[k][1])
 
 
 def check_join(red, n, rank):
