@@ -130,8 +130,8 @@ class TorchCompressor(Compressor):
     def _open(self, tensor):
         """The exchange of ``tensor``: its process set and name (Horovod's call, or the compressor's;
         a disagreement is this exchange's fault, raised on every rank through the control vector)."""
-        caller = horovod_caller()
-        ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, hvd.size())
+        caller, world = horovod_caller(), hvd.size()
+        ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, world)
         with self._lock:
             param = self._param_name(tensor)
         fault = None if disagreement is None else protocol.MismatchError(disagreement)
@@ -154,7 +154,7 @@ class TorchCompressor(Compressor):
             except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
                 per_node, fault = 0, fault or e
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
-                              ps, process_set_ranks(ps, hvd.size()), hvd.rank(), hvd.size(), ranks_per_node=per_node)
+                              ps, process_set_ranks(ps, world), hvd.rank(), world, ranks_per_node=per_node)
         ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
         return ex
 
@@ -173,8 +173,8 @@ class TorchCompressor(Compressor):
         if ex is None:
             return tensor
         out = self.runner.finish(ex, tensor.detach().cpu().numpy())
-        out = (torch.from_numpy(out) if isinstance(out, np.ndarray) else out).view(ex.origin[0])
         shape, dtype, device = ex.origin
+        out = torch.from_numpy(out.reshape(shape)) if isinstance(out, np.ndarray) else out.view(shape)
         if out.dtype != dtype or out.device != device:
             out = out.to(device=device, dtype=dtype)
         return out

@@ -35,6 +35,15 @@ class Exchange:
             raise TypeError(f"Exchange: unknown fields {sorted(fields.keys() - _EXCHANGE_FIELDS)}")
         self.__dict__.update(fields)
 
+    @classmethod
+    def of(cls, fields, **more):
+        """An exchange of ``fields`` (another exchange's, as ``__dict__`` holds them) and ``more``,
+        unchecked: for fields taken from an exchange made by ``__init__``."""
+        ex = cls.__new__(cls)
+        ex.__dict__.update(fields)
+        ex.__dict__.update(more)
+        return ex
+
     def remote(self, j):
         """Whether set rank j is on another node than this rank (False where the layout is unknown)."""
         return self.nodes is not None and self.nodes[j] != self.nodes[self.set_rank]

@@ -47,6 +47,7 @@ from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
+from hvd_qsgd.exchange.openings import Openings
 from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore
@@ -93,6 +94,7 @@ class ExchangeRunner(ResidualSteps):
         self.buffers = FusionBuffers(self.names)
         self._slowdown = report.SlowdownWatch(settings.link_bps())
         self._controls = {}   # the control vectors made so far, by what they say
+        self.openings = Openings()   # what each tensor's exchanges start with (``open``)
 
     # -- compress -----------------------------------------------------------------------------
 
@@ -105,13 +107,13 @@ class ExchangeRunner(ResidualSteps):
         s = self.policy.settings_for(route.residual_key)
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
-        ex = self.open_exchange(route, where, s, numel, dtype, device_type, group, set_ranks, global_rank, world,
-                                ranks_per_node, _fingerprint(route.param or "", tuple(shape), dtype))
-        if self.buffers.takes(ex):
-            ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
-            return ex
-        self.resolve(ex)
-        return ex
+        key = (s, numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks), global_rank,
+               world, ranks_per_node)
+        opening = self.openings.get(key) or self.openings.make(self, key, route, where, group, set_ranks,
+                                                               _fingerprint(route.param or "", tuple(shape), dtype))
+        if opening.fallback:
+            backends.note_fallback(opening.fallback, self.stats)
+        return Exchange.of(opening.fields, route=route, where=where)
 
     def open_exchange(self, route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank, world,
                       ranks_per_node, fingerprint=0):
@@ -125,19 +127,21 @@ class ExchangeRunner(ResidualSteps):
             ex.nodes = [g // ranks_per_node for g in set_ranks]
         return ex
 
-    def resolve(self, ex):
+    def resolve(self, ex, count=True):
         """The exchange's reduction (the setting, or what "auto" resolves to for its size, ranks and
-        layout): its chain, backend (a fallback counted) and node layout."""
+        layout): its chain, backend and node layout; the backend's fallback (counted with ``count``),
+        or None."""
         n = len(ex.set_ranks)
         red = ex.settings.exchange_reduction(n, ex.expect.numel, ex.per_node if n == ex.world else None,
                                              ex.device_type)
         ex.reduction, ex.chain = red, CHAINS[red]
         ex.backend, fallback = backends.choose(ex.device_type, ex.settings, red)
-        if fallback:
+        if fallback and count:
             backends.note_fallback(fallback, self.stats)
         if red == "hierarchical":
             layout, fault = node_layout(ex.per_node, ex.set_ranks, ex.world, ex.where)
             ex.layout, ex.fault = layout, ex.fault or fault
+        return fallback
 
     def encode(self, ex, x, lr=None):
         """This rank's payload(s) of ``x`` (the tensor flattened, as ``ex.backend`` reads it), timed."""
@@ -372,6 +376,7 @@ class ExchangeRunner(ResidualSteps):
         """Forget every exchange in progress, and with ``residuals`` the error-feedback residuals (and
         the bits policy's state); the exchange counters are kept."""
         self.names.reset()
+        self.openings.clear()
         self.driver.reset()
         self.fusion.clear()
         self.buffers.clear()
