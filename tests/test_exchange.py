@@ -240,3 +240,26 @@ def test_a_layout_that_does_not_split_the_ranks_is_a_fault_on_every_rank():
 
     faults = on_threads(4, rank)
     assert all(isinstance(f, ValueError) and "do not split into nodes of 3" in str(f) for f in faults), faults
+    faults = on_threads(4, rank)  # (an opening that found a fault is not kept: each exchange raises it)
+    assert all(isinstance(f, ValueError) and "do not split into nodes of 3" in str(f) for f in faults), faults
+
+
+def test_each_exchange_of_a_tensor_starts_from_its_opening_and_owns_its_fields():
+    """A tensor's opening (hvd_qsgd.exchange.openings) is made once and copied: each exchange has its
+    own route and fields (one's fault is not the next one's), the same expectation and resolved
+    reduction, and a backend's fallback is counted for every exchange."""
+    s = Settings.make(bits=4, min_numel=1)
+    runner = ExchangeRunner(ThreadGroup(1), 0, s, FixedBits(s), owner="test")
+    a = runner.open("w", 5000, "float32", (50, 100), "cpu", None, [0, 1], 0, 2)
+    runner.names.finish(a.route)   # (its decompress: the next exchange of "w" is its next occurrence)
+    b = runner.open("w", 5000, "float32", (50, 100), "cpu", None, [0, 1], 0, 2)
+    assert a.route.occurrence == 0 and b.route.occurrence == 1 and a.where == b.where == "hvd_qsgd: tensor 'w'"
+    assert a.reduction == b.reduction in ("allgather", "scatter_allgather") and a.chain is b.chain
+    assert vars(a.expect) == vars(b.expect) and a.expect.numel == 5000
+    a.fault, a.payload = ValueError("a's own"), "a's own"
+    assert b.fault is None and b.payload is None
+    runner.open("w", 5000, "float32", (5000,), "cpu", None, [0, 1], 0, 2)  # another shape: its own opening
+    assert len(runner.openings._kept) == 2
+    cuda = [runner.open("c", 5000, "float32", (5000,), "cuda", None, [0, 1], 0, 2) for _ in range(3)]
+    if all(ex.backend.name == "cpu" for ex in cuda):  # no CUDA backend here: each exchange a counted fallback
+        assert runner.stats.as_dict()["host_fallbacks"] == 3

@@ -96,6 +96,25 @@ def test_a_reduction_over_other_ranks_than_the_compressors_set_is_named(world, p
             protocol.check_control(reduce(vectors, op), world, members, "t")
 
 
+def test_a_vector_that_passed_passes_again_only_for_its_world_and_set():
+    """check_control keeps the alpha of a vector that passed: the same vector passes again with the
+    same alpha; against another set or world it is checked anew, and raises."""
+    world, members = 4, [0, 1, 2, 3]
+    tags = protocol.exchange_tags(world, 3, 999, 2 * 4099)
+    r = reduce(contributions(world, members, Tags(tags)), "average")
+    assert protocol.check_control(r, world, members, "t") == 0.25
+    assert protocol.check_control(r.copy(), world, members, "t") == 0.25   # (kept)
+    with pytest.raises(MismatchError, match=r"reduced over global ranks \[0, 1, 2, 3\]"):
+        protocol.check_control(r, world, [0, 1], "t")
+    with pytest.raises(MismatchError, match="entries instead of"):
+        protocol.check_control(r, 40, list(range(40)), "t")
+    bad = list(tags)
+    bad[2] += 1
+    r_bad = reduce(contributions(world, members, Tags(tags, {2: tuple(bad)})), "average")
+    with pytest.raises(MismatchError, match="disagree on the compressor settings"):
+        protocol.check_control(r_bad, world, members, "t")
+
+
 def test_ranks_outside_the_set_and_failed_ranks_are_reported():
     world, members = 4, [0, 1]
     tags = protocol.exchange_tags(2, 0, 1, 2)
