@@ -4,6 +4,7 @@
     python -m benchmarks overhead --np 2 --tensors 1,16,64 --numel 20000
     python -m benchmarks overhead --trees /path/to/other/checkout,.     # two versions side by side
     python -m benchmarks overhead --framework tensorflow --modes none,qsgd4-allgather,qsgd4-scatter
+    python -m benchmarks overhead --calls --trees /path/to/other/checkout,.   # per call, one process
 
 Each tree runs its own copy of this benchmark (``python -m benchmarks.overhead`` in the tree): to
 compare with a tree that predates a mode or ``--framework``, copy this file into it.
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 
+from benchmarks import overhead_calls
 from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info, module_main
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
@@ -51,15 +53,19 @@ def add_arguments(p):
                    help="the framework whose Horovod binding carries the step (default %(default)s; "
                         "TensorFlow has no fused or overlap mode)")
     p.add_argument("--json", help=argparse.SUPPRESS)
+    p.add_argument("--calls", action="store_true",
+                   help="time the compressor's compress and decompress per call in one process instead "
+                        "(benchmarks/overhead_calls.py; PyTorch)")
+    p.add_argument("--calls-worker", action="store_true", help=argparse.SUPPRESS)
 
 
-def compression_of(hvd, hvd_qsgd_module, mode):
+def compression_of(hvd, hvd_qsgd_module, mode, **more):
     red = MODES[mode]
     if red is None:
         return hvd.Compression.none
     on = red.split("+")
     return hvd_qsgd_module.QSGD(4, reduction=on[0], fusion="fusion" in on, overlap="overlap" in on,
-                                fusion_mb=BUFFER_MB if "buffers" in on else 0)
+                                fusion_mb=BUFFER_MB if "buffers" in on else 0, **more)
 
 
 def tf_worker(args):
@@ -135,6 +141,8 @@ def worker(args):
 def run(args):
     if args.worker:
         return worker(args)
+    if getattr(args, "calls_worker", False):
+        return overhead_calls.worker(args)
     tensorflow = args.framework == "tensorflow"
     args.modes = args.modes or ",".join(TF_MODES if tensorflow else MODES)
     unknown = [m for m in args.modes.split(",") if m not in (TF_MODES if tensorflow else MODES)]
@@ -144,6 +152,8 @@ def run(args):
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     ks = [int(v) for v in args.tensors.split(",")]
     modes = args.modes.split(",")
+    if getattr(args, "calls", False):
+        return overhead_calls.run(args, trees, ks, modes)
     table = {}
     for k in ks:
         for tree in [t for _ in range(args.repeats) for t in trees]:

@@ -54,9 +54,8 @@ class _HostCountedBackend:
         return [int(v) for v in lens]
 
     def check_size(self, x, expected: int, message) -> None:  # MismatchError(message(found)) if it differs
-        found = self.length(x)
-        if found != expected:
-            raise MismatchError(message(found))
+        if self.length(x) != expected:
+            raise MismatchError(message(self.length(x)))
 
     def decode_report(self, buffer, lens, count: int, expect, where: str):
         """(the checked decode-sum of the ``count`` payloads in ``buffer``, None) or (nothing, why not)."""
@@ -84,13 +83,14 @@ class _HostCountedBackend:
     def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
         """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked
         against ``expect``; the payloads' lengths)."""
-        payloads = self.split(gathered, count, own_len, where)
-        return self._checked_sum(payloads, alpha, expect, where), [self.length(p) for p in payloads]
+        payloads = self.split(gathered, count, own_len, where, headers := [])   # (headers read once, there)
+        return self._checked_sum(payloads, alpha, expect, where, headers), [self.length(p) for p in payloads]
 
-    def _checked_sum(self, payloads, alpha, expect, where):
-        """alpha * the decoded sum of ``payloads``, once every header agreed with ``expect``."""
-        protocol.check_gathered(self.read_headers(payloads, where), expect, where)
-        return self.decode_sum(payloads, alpha, where)
+    def _checked_sum(self, payloads, alpha, expect, where, headers=None):
+        """alpha * the decoded sum of ``payloads``, once their headers (read here, or given) agreed with ``expect``."""
+        headers = headers or self.read_headers(payloads, where)
+        protocol.check_gathered(headers, expect, where)
+        return self.decode_sum(payloads, alpha, where, headers)
 
     def unframe(self, gathered, n: int, where: str) -> list:
         """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their
@@ -120,12 +120,11 @@ class CpuBackend(_HostCountedBackend):
         v = x32 + residual (x32 alone when not ``residual_valid``), and residual = v - decode(payload)
         where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
         s = settings
-        if residual is None:
-            return codec.encode(x32, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum,
-                                name=where, source_dtype=source_dtype, encoder=s.encoder)
-        v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
+        v = x32 if residual is None else x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
         q = codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum, name=where,
                          source_dtype=source_dtype, encoder=s.encoder)
+        if residual is None:
+            return q
         with np.errstate(invalid="ignore", over="ignore"):
             d = v - codec.decode(q, where)
         residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
@@ -183,15 +182,16 @@ class CpuBackend(_HostCountedBackend):
         """A host payload (uint8) where this backend reads ``like``."""
         return payload
 
-    def split(self, gathered, count: int, own_len: int, where: str) -> List[np.ndarray]:
-        """The ranks' payloads in an allgather's result, cut at each header's length."""
-        return codec.split_payloads(gathered, count=count, where=f"{where}: gathered payloads")
+    def split(self, gathered, count: int, own_len: int, where: str, headers=None) -> List[np.ndarray]:
+        """The ranks' payloads in an allgather's result, cut at each header's length (put in ``headers``)."""
+        return codec.split_payloads(gathered, count=count, where=f"{where}: gathered payloads", headers=headers)
 
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
         return [codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)]
 
-    def decode_sum(self, payloads: Sequence, alpha: float, where: str) -> np.ndarray:
-        return codec.decode_sum(payloads, alpha, out=self.pool.take_for(payloads), where=where)
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None) -> np.ndarray:
+        out = self.pool.take(headers[0].numel) if headers else self.pool.take_for(payloads)
+        return codec.decode_sum(payloads, alpha, out=out, where=where, headers=headers)
 
     def encode_chunks(self, x32: np.ndarray, settings, step_seed: int, n: int, fingerprint: int,
                       source_dtype: str, where: str, residual: Optional[np.ndarray] = None,
@@ -299,7 +299,7 @@ class CudaBackend(_HostCountedBackend):
         import torch
         return torch.from_numpy(payload).to(like.device, non_blocking=True)
 
-    def split(self, gathered, count: int, own_len: int, where: str) -> list:
+    def split(self, gathered, count: int, own_len: int, where: str, headers=None) -> list:
         """Fixed coding: every rank's payload has the length of this rank's. Elias coding (lengths
         differ): cut at each header's length (``cuda.split_payloads``). The coding is read from the
         first payload's header (one byte of a small device-to-host copy)."""
@@ -313,7 +313,7 @@ class CudaBackend(_HostCountedBackend):
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
         return cuda.read_headers(payloads, where)
 
-    def decode_sum(self, payloads: Sequence, alpha: float, where: str):
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None):
         return cuda.decode_sum(payloads, alpha, where=where)
 
     def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str,

@@ -289,10 +289,12 @@ def validate(payload: Any, where: str = "payload") -> Header:
     return header
 
 
-def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffer") -> List[np.ndarray]:
+def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffer",
+                   headers: Optional[List[Header]] = None) -> List[np.ndarray]:
     """Split concatenated payloads (what an allgather returns) using each header's length.
 
     Returns views into ``buffer``. With ``count``, exactly that many payloads must fill the buffer.
+    ``headers``: a list each payload's header is appended to (read once: ``decode_sum`` takes them).
     """
     buf = _as_bytes(buffer, where)
     out, off = [], 0
@@ -300,6 +302,8 @@ def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffe
         h = read_header(buf[off:], f"{where}: payload {len(out)} at byte {off}")
         out.append(buf[off: off + h.payload_len])
         off += h.payload_len
+        if headers is not None:
+            headers.append(h)
     if off != buf.size or (count is not None and len(out) != count):
         raise PayloadError(
             f"{where}: expected {count if count is not None else 'whole'} payloads filling "
@@ -308,16 +312,19 @@ def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffe
 
 
 def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.ndarray] = None,
-               accumulate: bool = False, where: str = "decode_sum") -> np.ndarray:
+               accumulate: bool = False, where: str = "decode_sum",
+               headers: Optional[Sequence[Header]] = None) -> np.ndarray:
     """``out = [out +] scale * (decode(p_0) + decode(p_1) + ...)`` in one fused pass, summing in list
     order in float32 (so every caller that passes the same payloads in the same order gets
     bit-identical results). All payloads must describe the same tensor (numel, fingerprint, bits,
     bucket size, coding, norm, dtype); each is validated completely before ``out`` is written.
+    ``headers``: the payloads' headers as ``read_header`` gave them (else read here).
     Returns a float32 array of numel elements."""
     ps = [_as_bytes(p, f"{where}: payload {i}") for i, p in enumerate(payloads)]
     if not ps:
         raise ValueError(f"{where}: no payloads")
-    headers = [read_header(p, f"{where}: payload {i} of {len(ps)}") for i, p in enumerate(ps)]
+    if headers is None or len(headers) != len(ps):
+        headers = [read_header(p, f"{where}: payload {i} of {len(ps)}") for i, p in enumerate(ps)]
     h0 = headers[0]
     for i, h in enumerate(headers[1:], 1):
         for field in ("numel", "fingerprint", "bits", "bucket_size", "coding", "norm", "dtype"):

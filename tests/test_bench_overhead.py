@@ -1,5 +1,6 @@
 """``python -m benchmarks overhead``: TensorFlow's mode runs a tiny 2-rank job and prints a step time
-for every tree and mode; a mode TensorFlow does not have is refused before anything is launched."""
+for every tree and mode; a mode TensorFlow does not have is refused before anything is launched;
+``--calls`` times the compressor's calls in one process."""
 import re
 import sys
 from types import SimpleNamespace
@@ -23,3 +24,17 @@ def test_tensorflow_overhead_tiny():
     assert "tensorflow, 2 Gloo ranks" in stdout, stdout[-3000:]
     row = re.search(r"^\| \. \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", stdout, re.M)
     assert row and all(float(v) > 0 for v in row.groups()), stdout[-3000:]
+
+
+def test_calls_mode_times_compress_and_decompress_in_one_process():
+    """``--calls``: a row per K and mode, the compressor's calls timed (QSGD's compress costs more than
+    Horovod's own none, whose compress returns the tensor), without horovodrun."""
+    cmd = [sys.executable, "-m", "benchmarks", "overhead", "--calls", "--tensors", "3", "--steps", "30",
+           "--warmup", "1", "--modes", "none,qsgd4-buffered"]
+    returncode, stdout = run_bounded(cmd, 240)
+    assert returncode == 0, stdout[-5000:]
+    assert "one process (Horovod of one rank)" in stdout, stdout[-3000:]
+    rows = dict(re.findall(r"^\| \. \| 3 \| (\S+) \| ([\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+) \|$", stdout, re.M))
+    assert set(rows) == {"none", "qsgd4-buffered"}, stdout[-3000:]
+    none, buffered = ([float(v) for v in rows[m].split(" | ")] for m in ("none", "qsgd4-buffered"))
+    assert buffered[0] > none[0] and buffered[2] > 0 and buffered[3] > 0, stdout[-3000:]

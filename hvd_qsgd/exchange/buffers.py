@@ -63,7 +63,7 @@ class FusionBuffers:
     def add(self, run, ex):
         """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)
         in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
-        key = _group_of(ex)
+        key = ex.group_key or group_of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
         bucket, cap = ex.settings.bucket_size, ex.settings.fusion_elements()
         with self._lock:
             buf = self._open.get(key)
@@ -210,7 +210,7 @@ class FusionBuffers:
             self._open = {}
 
 
-def _group_of(ex):
+def group_of(ex):
     """The buffers a tensor may share: those of its process set, backend, settings and dtype."""
     return (id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype)
 

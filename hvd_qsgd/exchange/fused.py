@@ -156,7 +156,7 @@ class FusedAllgatherChain:
         t0 = time.perf_counter()
         payloads = FusedAllgatherChain._cut(run, ex)[k::len(ex.members)]   # member k's, rank after rank
         try:
-            protocol.check_gathered(b.read_headers(payloads, where), member.expect, where)
+            protocol.check_gathered(headers := b.read_headers(payloads, where), member.expect, where)
         except Exception:
             if ex.cut == "by headers":  # cut at this rank's lengths: cut again at the headers', whose checks say what differs
                 raise
@@ -164,8 +164,8 @@ class FusedAllgatherChain:
                 ex.cut = "by headers"
                 ex.payload = b.split_fused(ex.gathered, n, _lengths(ex), True, ex.where)
             payloads = ex.payload[k::len(ex.members)]
-            protocol.check_gathered(b.read_headers(payloads, where), member.expect, where)
-        out = b.decode_sum(payloads, alpha, where)
+            protocol.check_gathered(headers := b.read_headers(payloads, where), member.expect, where)
+        out = b.decode_sum(payloads, alpha, where, headers)
         remote = ex.remote_ranks()
         run.stats.add(elements=member.expect.numel, bytes_sent=member.own_len, tensors=1,
                       decode_s=time.perf_counter() - t0,

@@ -11,7 +11,7 @@ each exchange of that tensor is opened anew and raises it, on every rank.
 """
 from types import SimpleNamespace
 
-from hvd_qsgd.exchange.buffers import FusionBuffers
+from hvd_qsgd.exchange.buffers import FusionBuffers, group_of
 
 KEPT = 4096   # openings kept at most (then the store starts again: DQSGD's settings vary by step)
 UNIQUE = ("route", "where")   # the fields that are each exchange's own
@@ -27,16 +27,18 @@ class Openings:
     def get(self, key):
         return self._kept.get(key)
 
-    def make(self, run, key, route, where, group, set_ranks, fingerprint):
-        """The opening of ``key`` = (settings, numel, dtype, shape, name, device type, id(group),
+    def make(self, run, key, route, where, settings, group, set_ranks, fingerprint):
+        """The opening of ``key`` = (id(settings), numel, dtype, shape, name, device type, id(group),
         tuple(set_ranks), global rank, world, ranks per node), made through ``run`` and kept (with
-        ``group`` in its fields: the id stays that group's)."""
-        s, numel, dtype, _, _, device_type, _, _, global_rank, world, per_node = key
-        ex = run.open_exchange(route, where, s, numel, dtype, device_type, group, set_ranks, global_rank, world,
-                               per_node, fingerprint)
+        ``settings`` and ``group`` in its fields, so that their ids stay theirs while it is kept; the
+        bits policies hand out one settings object per bit width)."""
+        _, numel, dtype, _, _, device_type, _, _, global_rank, world, per_node = key
+        ex = run.open_exchange(route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank,
+                               world, per_node, fingerprint)
         fallback = None
         if FusionBuffers.takes(ex):
             ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
+            ex.group_key = group_of(ex)  # (the buffers it may share)
         else:
             fallback = run.resolve(ex, count=False)
         opening = SimpleNamespace(fields={k: v for k, v in ex.__dict__.items() if k not in UNIQUE},

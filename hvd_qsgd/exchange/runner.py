@@ -107,9 +107,9 @@ class ExchangeRunner(ResidualSteps):
         s = self.policy.settings_for(route.residual_key)
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
-        key = (s, numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks), global_rank,
-               world, ranks_per_node)
-        opening = self.openings.get(key) or self.openings.make(self, key, route, where, group, set_ranks,
+        key = (id(s), numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks), global_rank,
+               world, ranks_per_node)   # (ids: the opening holds its settings and group, so each id stays theirs)
+        opening = self.openings.get(key) or self.openings.make(self, key, route, where, s, group, set_ranks,
                                                                _fingerprint(route.param or "", tuple(shape), dtype))
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
