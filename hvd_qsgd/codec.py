@@ -323,7 +323,7 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     ps = [_as_bytes(p, f"{where}: payload {i}") for i, p in enumerate(payloads)]
     if not ps:
         raise ValueError(f"{where}: no payloads")
-    if headers is None or len(headers) != len(ps):
+    if headers is None:
         headers = [read_header(p, f"{where}: payload {i} of {len(ps)}") for i, p in enumerate(ps)]
     h0 = headers[0]
     for i, h in enumerate(headers[1:], 1):

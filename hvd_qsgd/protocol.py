@@ -49,6 +49,7 @@ Horovod's ``gradient_predivide_factor``, which splits 1/n into a pre- and post-s
 ``prescale * postscale`` (times 1/n for Average) for ``hvd.allreduce``'s explicit factors.
 """
 import ctypes
+import functools
 import hashlib
 
 import numpy as np
@@ -103,10 +104,23 @@ def control_vector(world_size, global_rank, set_rank, tags, failed=False):
     return v
 
 
-# reduced control vectors that passed (``check_control`` without ``present``), with their alpha: the
-# verdict is a function of the vector, the world size and the set alone
-PASSED_KEPT = 4096
-_passed = {}
+@functools.lru_cache(maxsize=4096)
+def _native_verdict(vector, world_size, set_ranks, present):
+    """(status, alpha, detail) of the native check of a reduced control vector (its float64 bytes)
+    over the set's global ranks and, where ranks have joined, the set ranks ``present`` (tuples). A
+    function of its arguments alone, so a tensor's vector, the same step after step, is checked once."""
+    r = np.frombuffer(vector, dtype=np.float64)
+    ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
+    alpha, detail = ctypes.c_double(0.0), ctypes.c_int32(0)
+    if present is None:
+        st = _native.load().qsgd_check_control(r.ctypes.data, r.size, world_size, ranks.ctypes.data,
+                                               ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
+    else:
+        who = np.ascontiguousarray(present, dtype=np.int32)
+        st = _native.load().qsgd_check_control_present(r.ctypes.data, r.size, world_size, ranks.ctypes.data,
+                                                       ranks.size, who.ctypes.data, who.size, ctypes.byref(alpha),
+                                                       ctypes.byref(detail))
+    return st, alpha.value, detail.value
 
 
 def check_control(reduced, world_size, set_ranks, where, fault_message=None, present=None):
@@ -118,41 +132,23 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None, pre
     (and the presence every rank reduced alike) decides, so the verdict is the same on every rank.
     """
     r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
-    passed = None
-    if present is None:  # a vector that passed before passes again (a tensor's, step after step)
-        passed = (r.tobytes(), int(world_size), tuple(set_ranks))
-        alpha = _passed.get(passed)
-        if alpha is not None:
-            return alpha
-    ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
-    alpha, detail = ctypes.c_double(0.0), ctypes.c_int32(0)
-    if present is None:
-        st = _native.load().qsgd_check_control(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
-                                               ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
-        if st == _native.OK:
-            if len(_passed) >= PASSED_KEPT:
-                _passed.clear()
-            _passed[passed] = alpha.value
-    else:
-        who = np.ascontiguousarray(present, dtype=np.int32)
-        st = _native.load().qsgd_check_control_present(r.ctypes.data, r.size, int(world_size), ranks.ctypes.data,
-                                                       ranks.size, who.ctypes.data, who.size, ctypes.byref(alpha),
-                                                       ctypes.byref(detail))
+    st, alpha, detail = _native_verdict(r.tobytes(), int(world_size), tuple(set_ranks),
+                                        None if present is None else tuple(present))
     if st == _native.OK:
-        return alpha.value
+        return alpha
     if st == _native.E_CTRL_LENGTH:
         raise MismatchError(f"{where}: the control tensor came back with {r.size} entries instead of "
                             f"{control_length(world_size)}: QSGD compression works with allreduce (Sum or "
                             "Average), not with reducescatter or other collectives")
     if st == _native.E_CTRL_FAULT:
-        raise MismatchError(fault_message or f"{where}: {detail.value} rank(s) could not encode this tensor "
+        raise MismatchError(fault_message or f"{where}: {detail} rank(s) could not encode this tensor "
                                              "(their error says why)")
     if st == _native.E_CTRL_OP:
         raise MismatchError(_op_message(where))
     if st == _native.E_CTRL_MEMBERS:
         raise MismatchError(_membership_message(r, world_size, set_ranks, where))
     if st == _native.E_CTRL_TAG:
-        raise MismatchError(_tag_message(where, TAG_NAMES[detail.value]))
+        raise MismatchError(_tag_message(where, TAG_NAMES[detail]))
     raise MismatchError(f"{where}: {_native.status_string(st)}")
 
 

@@ -32,7 +32,6 @@ instead, and finish returns alpha times that sum, alpha = 1/n for Average as Hor
 allreduce gives (``protocol.joined_verdict`` checks the control vector as the stepping ranks').
 Counted in ``stats["joined_exchanges"]`` and logged once.
 """
-import functools
 import logging
 import os
 import threading
@@ -41,7 +40,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hvd_qsgd import backends, codec, cost_model, protocol, report
+from hvd_qsgd import backends, cost_model, protocol, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
@@ -64,9 +63,6 @@ def _note_joined(where, joined):
                     "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
                     "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
 
-
-# a tensor's fingerprint, made once per name, shape and dtype (one is needed per compressed tensor)
-_fingerprint = functools.lru_cache(maxsize=4096)(codec.tensor_fingerprint)
 
 # the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
 NO_STAGES = threading.Event()
@@ -107,10 +103,8 @@ class ExchangeRunner(ResidualSteps):
         s = self.policy.settings_for(route.residual_key)
         where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
                           f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
-        key = (id(s), numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks), global_rank,
-               world, ranks_per_node)   # (ids: the opening holds its settings and group, so each id stays theirs)
-        opening = self.openings.get(key) or self.openings.make(self, key, route, where, s, group, set_ranks,
-                                                               _fingerprint(route.param or "", tuple(shape), dtype))
+        opening = self.openings.of(self, route, where, s, numel, dtype, shape, device_type, group, set_ranks,
+                                   global_rank, world, ranks_per_node)
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
         return Exchange.of(opening.fields, route=route, where=where)
