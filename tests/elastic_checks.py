@@ -9,7 +9,7 @@ import re
 import sys
 import time
 
-from tests.helpers import BIN, ROOT, mp_env, run_bounded
+from tests.helpers import HOROVODRUN, ROOT, mp_env, run_bounded
 from tests.digits_checks import check_parity
 
 DISCOVER = os.path.join(ROOT, "tests", "mp", "discover_hosts.sh")
@@ -24,11 +24,12 @@ def run_elastic(worker, tmp_path, extra, timeout):
     ``worker`` with the kill, commit and rejoin steps above and the arguments ``extra``."""
     env = mp_env()
     env.update(HVD_QSGD_ELASTIC_DIR=str(tmp_path), HOROVOD_GLOO_TIMEOUT_SECONDS="20")
-    cmd = [os.path.join(BIN, "horovodrun"), "-np", "3", "--min-np", "2", "--max-np", "3",
-           "--host-discovery-script", DISCOVER, "--gloo", "--network-interface", "lo",
-           "--blacklist-cooldown-range", "1", "2", "--elastic-timeout", "60",
-           sys.executable, worker, "--out", str(tmp_path), *extra, "--epochs", str(EPOCHS),
-           "--kill-step", str(KILL_STEP), "--commit-every", str(COMMIT_EVERY), "--rejoin-step", str(REJOIN_STEP)]
+    cmd = HOROVODRUN + ["-np", "3", "--min-np", "2", "--max-np", "3",
+                        "--host-discovery-script", DISCOVER, "--gloo", "--network-interface", "lo",
+                        "--blacklist-cooldown-range", "1", "2", "--elastic-timeout", "60",
+                        sys.executable, worker, "--out", str(tmp_path), *extra, "--epochs", str(EPOCHS),
+                        "--kill-step", str(KILL_STEP), "--commit-every", str(COMMIT_EVERY),
+                        "--rejoin-step", str(REJOIN_STEP)]
     t0 = time.monotonic()
     returncode, out = run_bounded(cmd, timeout, env=env)
     return returncode, out, time.monotonic() - t0

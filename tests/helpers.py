@@ -3,6 +3,7 @@ root, the virtual environment's bin/, the environment of a multi-rank job, and b
 
 Plain functions, not pytest hooks: test modules import them from here (``from tests.helpers import
 launch``), never from conftest.py or from another test module."""
+import atexit
 import functools
 import os
 import re
@@ -10,11 +11,17 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.dirname(sys.executable)
+# the suite's horovodrun: Horovod's launcher with its build probes answered once per session
+# (tests/launcher.py; the answers in LAUNCH_PROBES, removed when the session ends)
+HOROVODRUN = [sys.executable, os.path.join(ROOT, "tests", "launcher.py")]
+LAUNCH_PROBES = os.path.join(tempfile.gettempdir(), f"hvd_qsgd_launch_probes.{os.getpid()}.json")
+atexit.register(lambda: os.path.exists(LAUNCH_PROBES) and os.remove(LAUNCH_PROBES))
 
 
 @functools.lru_cache(maxsize=1)
@@ -29,7 +36,7 @@ def mp_env():
     env = dict(os.environ)
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=ROOT + os.pathsep + env.get("PYTHONPATH", ""), PYTHONUNBUFFERED="1",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", HVD_QSGD_LAUNCH_PROBES=LAUNCH_PROBES)
     env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
     return env
 
@@ -45,7 +52,7 @@ def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
     if controller == "mpirun":
         cmd = [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
     else:
-        cmd = [os.path.join(BIN, "horovodrun"), "-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
+        cmd = HOROVODRUN + ["-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
         if controller == "mpi":
             cmd += ["--mpi-args=--oversubscribe --bind-to none"]
     cmd += [sys.executable] + list(argv)
