@@ -6,8 +6,9 @@ MPI): ``horovod.common.util.gloo_built`` / ``mpi_built`` import each framework's
 a new process, TensorFlow's first. On the 2-core machines the suite runs on that is 6 s of every
 launch (measured: a 2-rank job that only calls ``hvd.init()`` takes 10.6-12.7 s through
 ``horovodrun``, 4.4-5.9 s through this script), a tenth of the suite. Here the first launch of a
-session runs each probe for real and keeps its answer in the file named by ``HVD_QSGD_LAUNCH_PROBES``
-(``tests/helpers.py`` names one per pytest process); later launches read it. Everything else --
+session runs each probe for real and keeps a "built" answer in the file named by
+``HVD_QSGD_LAUNCH_PROBES`` (``tests/helpers.py`` names one per pytest process); later launches read
+it. Any other answer is not kept: the next launch probes again, as ``horovodrun`` would. Everything else --
 arguments, rendezvous, the ranks, their environment and output -- is ``horovodrun``'s.
 Without ``HVD_QSGD_LAUNCH_PROBES`` this is plain ``horovodrun``.
 
@@ -42,10 +43,13 @@ def answer_probes_once(launch, path):
         real = getattr(launch, name)
 
         def probe(verbose=False, _name=name, _real=real):
-            if _name not in answers:
-                answers[_name] = _real(verbose=verbose)
+            if answers.get(_name) is True:
+                return True
+            found = _real(verbose=verbose)
+            if found is True:   # (a "not built" answer is not kept: the next launch asks again)
+                answers[_name] = True
                 _write(path, answers)
-            return answers[_name]
+            return found
 
         setattr(launch, name, probe)
 
