@@ -3,14 +3,14 @@ all the ``horovodrun`` script runs), with its build probes answered once per tes
 
 At every launch, before it starts a rank, ``horovodrun`` asks whether Horovod was built with Gloo (or
 MPI): ``horovod.common.util.gloo_built`` / ``mpi_built`` import each framework's Horovod extension in
-a new process, TensorFlow's first. On the 2-core machines the suite runs on that is 6 s of every
-launch (measured: a 2-rank job that only calls ``hvd.init()`` takes 10.6-12.7 s through
-``horovodrun``, 4.4-5.9 s through this script), a tenth of the suite. Here the first launch of a
-session runs each probe for real and keeps a "built" answer in the file named by
-``HVD_QSGD_LAUNCH_PROBES`` (``tests/helpers.py`` names one per pytest process); later launches read
-it. Any other answer is not kept: the next launch probes again, as ``horovodrun`` would. Everything else --
-arguments, rendezvous, the ranks, their environment and output -- is ``horovodrun``'s.
-Without ``HVD_QSGD_LAUNCH_PROBES`` this is plain ``horovodrun``.
+a new process, TensorFlow's first. On the 2-core machines the suite runs on that is about 6 s of
+every launch (a 2-rank job that only calls ``hvd.init()``: 10.6-12.7 s through ``horovodrun``,
+4.4-5.9 s through this script), and a fifth of the suite's time (66:10 -> 53:01, docs/install.md).
+Here the first launch of a session runs each probe for real and keeps a "built" answer in the file
+named by ``HVD_QSGD_LAUNCH_PROBES`` (``tests/helpers.py`` names one per pytest process); later
+launches read it. Any other answer is not kept: the next launch probes again, as ``horovodrun``
+would. Everything else -- arguments, rendezvous, the ranks, their environment and output -- is
+``horovodrun``'s. Without ``HVD_QSGD_LAUNCH_PROBES`` this is plain ``horovodrun``.
 
 Usage: python tests/launcher.py HOROVODRUN_ARGUMENTS...
 """
