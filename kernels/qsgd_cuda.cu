@@ -28,10 +28,16 @@
 namespace {
 
 constexpr int kThreads = 256;
-/* Blocks per SM the encoder's register budget is set for (6: 40 registers a thread). On the H100 the
- * encoder timed the same with 4, 5 and 6 (docs/gpu.md): it is issue-bound, not latency-bound. */
+/* Blocks per SM the encoder's register budget is set for. 4 (64 registers a thread) holds a bucket's
+ * groups in registers between its two passes without spilling; with 6 (40 registers) the held groups
+ * spilled and encode ran at half the speed (H100, 2026-11-27: 4-bit encode at 256M 79% of the copy
+ * with 4, 34% with 6; docs/gpu.md). The scaled-sign encoder holds nothing and keeps 6, where it ran
+ * faster (70% against 62%). */
 #ifndef QSGD_ENCODE_MIN_BLOCKS
-#define QSGD_ENCODE_MIN_BLOCKS 6
+#define QSGD_ENCODE_MIN_BLOCKS 4
+#endif
+#ifndef QSGD_SIGN_ENCODE_MIN_BLOCKS
+#define QSGD_SIGN_ENCODE_MIN_BLOCKS 6
 #endif
 constexpr uint64_t kMaxBlocks = 1u << 20; /* grid-stride kernels: enough blocks to fill any GPU */
 
@@ -282,16 +288,88 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
  * residual is written in the same pass: v - 1 * (0 + decode(code)), exactly what decode_sum of the
  * payload gives, where that is finite (else the residual keeps its value; 0 where none was valid).
  * Grid-stride over the buckets; warps stay whole, as the shuffles need. */
+/* One group of the fast path: its codes from v (the group's v[0 .. n) as Source::load8 gives them),
+ * stored, and with error feedback its new residual written. */
 template <int BITS, bool SIGN, typename T, bool EF>
-__global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
+__device__ __forceinline__ void encode_group(const Source<T, EF>& src, uint64_t i0, int n, const float* v, bool q,
+                                             const Quant& quant, float step, uint64_t seed, uint64_t key0,
+                                             uint8_t* __restrict__ data) {
+  uint64_t codes = 0;
+  if (q) {
+    const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
+    codes = quant.v2 ? quantize_group<BITS, SIGN, true>(v, n, (uint32_t)i0, quant, key)
+                     : quantize_group<BITS, SIGN, false>(v, n, (uint32_t)i0, quant, key);
+  }
+  store_codes<BITS>(data, i0, n, codes);
+  if (EF) {
+    float e[8];
+    for (int j = 0; j < n; ++j) {
+      const float d = v[j] - 1.0f * (0.0f + dequantize_dev<BITS>((uint32_t)(codes >> (j * BITS)) & ((1u << BITS) - 1u), step));
+      /* a non-finite d keeps the residual's value (not yet rewritten: the group's stores follow) */
+      e[j] = (qsgd_f2u(d) & 0x7F800000u) != 0x7F800000u ? d : (src.valid ? src.r[i0 + j] : 0.0f);
+    }
+    if (src.vec && n == 8) {
+      reinterpret_cast<float4*>(src.r + i0)[0] = make_float4(e[0], e[1], e[2], e[3]);
+      reinterpret_cast<float4*>(src.r + i0)[1] = make_float4(e[4], e[5], e[6], e[7]);
+    } else {
+      for (int j = 0; j < n; ++j) src.r[i0 + j] = e[j];
+    }
+  }
+}
+
+/* Buckets of at most kHeldGroups * 256 elements under the max norm keep each lane's groups in
+ * registers from the scale's pass to the quantizer's: x (and the residual) are read once, all of a
+ * lane's loads are in flight together, and the second pass loads nothing. */
+constexpr int kHeldGroups = 2;
+
+/* The fast path, for bucket sizes that are multiples of 8 (every group lies in one bucket): one warp
+ * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
+ * groups j, j + 32, ...). A bucket of up to kHeldGroups * 256 elements under the max norm is held in
+ * registers between the two passes (above); a larger one, or the L2 and sign norms (which keep the
+ * lane order of warp_bucket_scale), re-read x from the L1 cache. The max norm reads the bucket in the
+ * groups' 16-byte loads (a maximum is the same in any order). (Measured on an H200: lanes taking
+ * quads of 4, so that a warp's loads cover whole sectors, ran 1.6x slower: quads double the
+ * per-group work; docs/gpu.md.) With error feedback (EF) each element's new residual is written in
+ * the same pass: v - 1 * (0 + decode(code)), exactly what decode_sum of the payload gives, where that
+ * is finite (else the residual keeps its value; 0 where none was valid). Grid-stride over the
+ * buckets; warps stay whole, as the shuffles need. */
+template <int BITS, bool SIGN, typename T, bool EF>
+__global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS : QSGD_ENCODE_MIN_BLOCKS)
     encode_buckets_kernel(const Source<T, EF> src, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
                           uint64_t nb, float* __restrict__ scales, uint8_t* __restrict__ data) {
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
   const int lane = threadIdx.x & 31;
   const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
   const float s = (float)qsgd_levels_of(BITS);
+  const bool held = !SIGN && norm == QSGD_NORM_MAX && src.vec && B <= 256u * kHeldGroups;
   for (uint64_t b = ((uint64_t)blockIdx.x * blockDim.x + threadIdx.x) / 32; b < nb; b += warps) {
     const uint64_t lo = b * B, hi = umin64(numel, lo + B);
+    if (held && (hi - lo) % 8 == 0) { /* whole groups only (a tail bucket's last group takes the path below) */
+      float v[kHeldGroups][8];
+      bool in[kHeldGroups];
+      uint32_t m = 0;
+#pragma unroll
+      for (int k = 0; k < kHeldGroups; ++k) {
+        in[k] = lo + 8 * (uint64_t)lane + 256 * k < hi;
+        if (in[k]) src.load8(lo + 8 * (uint64_t)lane + 256 * k, 8, v[k]);
+      }
+#pragma unroll
+      for (int k = 0; k < kHeldGroups; ++k)
+#pragma unroll
+        for (int j = 0; j < 8; ++j) /* static indices keep v in registers */
+          if (in[k]) m = max(m, __float_as_uint(v[k][j]) & 0x7FFFFFFFu);
+      for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+      const float scale = qsgd_scale_from_absmax_bits(m);
+      if (lane == 0) scales[b] = scale;
+      const Quant quant(scale, s, BITS, v2 != 0);
+      const bool q = qsgd_scale_quantizes(scale); /* else all-zero codes */
+#pragma unroll
+      for (int k = 0; k < kHeldGroups; ++k)
+        if (in[k])
+          encode_group<BITS, SIGN, T, EF>(src, lo + 8 * (uint64_t)lane + 256 * k, 8, v[k], q, quant,
+                                          qsgd_step_of(scale, s), seed, key0, data);
+      continue;
+    }
     float scale;
     if (norm == QSGD_NORM_MAX && src.vec) {
       uint32_t m = 0;
@@ -312,29 +390,9 @@ __global__ void __launch_bounds__(kThreads, QSGD_ENCODE_MIN_BLOCKS)
     const Quant quant(scale, s, BITS, v2 != 0);
     for (uint64_t i0 = lo + 8 * (uint64_t)lane; i0 < hi; i0 += 256) {
       const int n = (int)umin64(8, hi - i0);
-      uint64_t codes = 0;
       float v[8];
       if (q || EF) src.load8(i0, n, v);
-      if (q) {
-        const uint64_t key = i0 >> 32 ? qsgd_page_key(seed, i0) : key0; /* a group never crosses a 2^32 page */
-        codes = quant.v2 ? quantize_group<BITS, SIGN, true>(v, n, (uint32_t)i0, quant, key)
-                         : quantize_group<BITS, SIGN, false>(v, n, (uint32_t)i0, quant, key);
-      }
-      store_codes<BITS>(data, i0, n, codes);
-      if (EF) {
-        float e[8];
-        for (int j = 0; j < n; ++j) {
-          const float d = v[j] - 1.0f * (0.0f + dequantize_dev<BITS>((uint32_t)(codes >> (j * BITS)) & ((1u << BITS) - 1u), step));
-          const float keep = src.valid ? src.r[i0 + j] : 0.0f;
-          e[j] = (qsgd_f2u(d) & 0x7F800000u) != 0x7F800000u ? d : keep;
-        }
-        if (src.vec && n == 8) {
-          reinterpret_cast<float4*>(src.r + i0)[0] = make_float4(e[0], e[1], e[2], e[3]);
-          reinterpret_cast<float4*>(src.r + i0)[1] = make_float4(e[4], e[5], e[6], e[7]);
-        } else {
-          for (int j = 0; j < n; ++j) src.r[i0 + j] = e[j];
-        }
-      }
+      encode_group<BITS, SIGN, T, EF>(src, i0, n, v, q, quant, step, seed, key0, data);
     }
   }
 }
