@@ -278,16 +278,6 @@ __device__ __forceinline__ void store_codes(uint8_t* __restrict__ data, uint64_t
   else qsgd_store_le(dst, codes, (n * BITS + 7) / 8);
 }
 
-/* The fast path, for bucket sizes that are multiples of 8 (every group lies in one bucket): one warp
- * per bucket computes the scale and then quantizes and packs the bucket's groups (lane j takes
- * groups j, j + 32, ...), re-reading x from the L1 cache rather than from memory. The max norm reads
- * the bucket in the groups' 16-byte loads (a maximum is the same in any order); the L2 and sign
- * norms keep the lane order of warp_bucket_scale. (Measured on an H200: lanes taking quads of 4, so
- * that a warp's loads cover whole sectors, ran 1.6x slower: the kernel is bound by its instructions,
- * and quads double the per-group work; docs/gpu.md.) With error feedback (EF) each element's new
- * residual is written in the same pass: v - 1 * (0 + decode(code)), exactly what decode_sum of the
- * payload gives, where that is finite (else the residual keeps its value; 0 where none was valid).
- * Grid-stride over the buckets; warps stay whole, as the shuffles need. */
 /* One group of the fast path: its codes from v (the group's v[0 .. n) as Source::load8 gives them),
  * stored, and with error feedback its new residual written. */
 template <int BITS, bool SIGN, typename T, bool EF>
