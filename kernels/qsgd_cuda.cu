@@ -124,6 +124,12 @@ struct Source {
   }
 };
 
+/* The largest m of the warp's 32 lanes, on every lane. The whole warp must call it. */
+__device__ __forceinline__ uint32_t warp_max(uint32_t m) {
+  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  return m;
+}
+
 /* The scale of bucket [lo, hi), computed by the 32 lanes of one warp (lane j reads elements lo + j,
  * lo + j + 32, ... in order; the sums fold lane j += lane j ^ off, off = 16, 8, 4, 2, 1, which is the
  * fold of qsgd_math.h on lane 0 and, the additions being commutative, the same value on every lane).
@@ -132,7 +138,7 @@ template <class Src>
 __device__ __forceinline__ float warp_bucket_scale(const Src& src, uint64_t lo, uint64_t hi, int norm, int lane) {
   uint32_t m = 0;
   for (uint64_t i = lo + lane; i < hi; i += 32) m = max(m, __float_as_uint(src.at(i)) & 0x7FFFFFFFu);
-  for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+  m = warp_max(m);
   if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
   double acc = 0.0;
   for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(src.at(i), norm);
@@ -348,7 +354,7 @@ __global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS :
 #pragma unroll
         for (int j = 0; j < 8; ++j) /* static indices keep v in registers */
           if (in[k]) m = max(m, __float_as_uint(v[k][j]) & 0x7FFFFFFFu);
-      for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+      m = warp_max(m);
       const float scale = qsgd_scale_from_absmax_bits(m);
       if (lane == 0) scales[b] = scale;
       const Quant quant(scale, s, BITS, v2 != 0);
@@ -369,7 +375,7 @@ __global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS :
         src.load8(i0, n, v);
         for (int j = 0; j < n; ++j) m = max(m, __float_as_uint(v[j]) & 0x7FFFFFFFu);
       }
-      for (int off = 16; off > 0; off /= 2) m = max(m, __shfl_xor_sync(0xFFFFFFFFu, m, off));
+      m = warp_max(m);
       scale = qsgd_scale_from_absmax_bits(m);
     } else {
       scale = warp_bucket_scale(src, lo, hi, norm, lane);
