@@ -40,7 +40,7 @@ step bench $PY -m benchmarks kernels --device cuda --sizes "$SIZES" --bits 2,4,8
 # instructions per element of the encoders, version 2 against version 1 (ncu, where the machine has it)
 if command -v ncu >/dev/null; then
   for enc in 2 1; do
-    step "ncu_encoder$enc" timeout 120 ncu --kernel-name regex:'encode_buckets|decode_sum_kernel' --metrics \
+    step "ncu_encoder$enc" timeout 120 ncu --kernel-name regex:'encode_buckets|decode_sum_kernel|checksum_kernel' --metrics \
       smsp__inst_executed.sum,gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed \
       $PY scripts/gpu_profile.py $((64 << 20)) 4 512 "$enc"
   done

@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # A/B of CUDA library variants on the GPU machine, side by side in one run (docs/gpu.md):
-#   bash scripts/gpu_kernel_ab.sh NAME=SOURCE[:MIN_BLOCKS] ...
+#   bash scripts/gpu_kernel_ab.sh NAME=SOURCE[:MIN_BLOCKS][,BENCHMARK_ARG...] ...
 # Each variant is kernels/qsgd_cuda.cu's SOURCE (a path: this tree's file, or another tree's copy
 # carried beside it) built for the visible GPU with QSGD_ENCODE_MIN_BLOCKS=MIN_BLOCKS (default: the
 # source's own), with setup.py's flags. The CPU library is built in place once; then the kernel
 # benchmark runs once per variant in the order given (name the baseline first and last to see the
 # drift between runs), each with that variant's library in place, every row checked against the CPU
-# library. AB_SIZES, AB_BITS, AB_ENCODERS choose the rows (default 64M,256M / 2,4,8 / 2). Results
+# library; the arguments after a comma are added to that variant's benchmark command (e.g.
+# nock=kernels/qsgd_cuda.cu,--no-checksum). AB_SIZES, AB_BITS, AB_ENCODERS choose the rows (default
+# 64M,256M / 2,4,8 / 2); AB_NCU=1 (or a comma-separated list of names) adds ncu counts. Results
 # under $OUT (default ./gpu_ab_out): ab.md (the runs' tables), one JSON per run, the build logs.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ lib=hvd_qsgd/_lib_cuda$suffix
 # the variants' libraries, compiled side by side, while the CPU library builds in place
 declare -A built
 for spec in "$@"; do
-  name=${spec%%=*}; rest=${spec#*=}; src=${rest%%:*}; mb=${rest#"$src"}; mb=${mb#:}
+  name=${spec%%=*}; rest=${spec#*=}; rest=${rest%%,*}; src=${rest%%:*}; mb=${rest#"$src"}; mb=${mb#:}
   [ -n "${built[$name]:-}" ] && continue
   built[$name]=$WORK/$name/lib.so; mkdir -p "$WORK/$name"
   ( nvcc -O3 --fmad=false -std=c++17 -Xcompiler -fPIC -shared -cudart static \
@@ -41,19 +43,22 @@ cp "$lib" "$WORK/in_place.so" 2>/dev/null
 } >"$OUT/ab.md"
 run=0
 for spec in "$@"; do
-  name=${spec%%=*}; run=$((run + 1))
+  name=${spec%%=*}; run=$((run + 1)); args=""
+  case $spec in *,*) args=${spec#*,}; args=${args//,/ } ;; esac
   cp "${built[$name]}" "$lib" || continue
-  echo "## run $run: $name" >>"$OUT/ab.md"
+  echo "## run $run: $name${args:+ ($args)}" >>"$OUT/ab.md"
   $PY -m benchmarks kernels --device cuda --sizes "${AB_SIZES:-64M,256M}" --bits "${AB_BITS:-2,4,8}" \
-    --encoder "${AB_ENCODERS:-2}" --json "$OUT/run${run}_$name.json" >"$WORK/run$run.log" 2>&1
+    --encoder "${AB_ENCODERS:-2}" $args --json "$OUT/run${run}_$name.json" >"$WORK/run$run.log" 2>&1
   echo "exit $?" >>"$OUT/ab.md"
   sed -n '/^  size/,$p' "$WORK/run$run.log" | grep -v '^wrote' >>"$OUT/ab.md"
 done
-# AB_NCU=1: each variant's 4-bit encoders (plain and error feedback) and decode under ncu, 64M elements
-if [ "${AB_NCU:-0}" = 1 ] && command -v ncu >/dev/null; then
+# AB_NCU: each variant's (or each named one's) 4-bit encoders (plain and error feedback) and decode
+# under ncu, 64M elements
+if [ "${AB_NCU:-0}" != 0 ] && command -v ncu >/dev/null; then
   for name in "${!built[@]}"; do
+    [ "$AB_NCU" = 1 ] || case ",$AB_NCU," in *",$name,"*) ;; *) continue ;; esac
     cp "${built[$name]}" "$lib" || continue
-    timeout 60 ncu --kernel-name regex:'encode_buckets|decode_sum_kernel' --metrics \
+    timeout 60 ncu --kernel-name regex:'encode_buckets|decode_sum_kernel|checksum_kernel' --metrics \
       smsp__inst_executed.sum,gpu__time_duration.sum,sm__throughput.avg.pct_of_peak_sustained_elapsed,dram__throughput.avg.pct_of_peak_sustained_elapsed,lts__throughput.avg.pct_of_peak_sustained_elapsed \
       $PY scripts/gpu_profile.py $((64 << 20)) 4 512 2 >"$OUT/ncu_$name.log" 2>&1
     echo "## ncu: $name" >>"$OUT/ab.md"
