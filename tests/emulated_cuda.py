@@ -1,7 +1,7 @@
 """The CUDA library's source compiled for the host, and the wrappers run on it.
 
 ``build(directory)`` compiles kernels/qsgd_cuda.cu as host C++ against tests/cuda_emu/cuda_runtime.h
-(a block's lanes as threads, real shuffles and atomics; 'device' pointers are host pointers) and
+(a warp's lanes as fibers, real shuffles and atomics; 'device' pointers are host pointers) and
 ``load(path)`` opens it with the CUDA library's argument types. This checks the kernels' arithmetic,
 indexing, packing, reduction order and validation on any machine, not the GPU's memory model,
 streams or speed: a result from it is an emulated result.

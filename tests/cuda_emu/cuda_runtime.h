@@ -2,12 +2,15 @@
  * A host emulation of the small part of the CUDA runtime that kernels/qsgd_cuda.cu uses, so that
  * its kernels can be compiled as C++ and run on a machine without a GPU (tests/test_cuda_emulated.py).
  *
- * A launch runs 32 host threads, one per warp lane; each lane thread walks every (block, warp) of
- * the grid in the same order and executes its own thread of that warp. __shfl_xor_sync is a real
- * exchange between the 32 lane threads (two barriers), atomics are std::atomic_ref, "device memory"
- * is host memory and streams are ignored (everything is synchronous). This checks the kernels'
- * arithmetic, indexing, packing, reduction order and validation; it says nothing about the GPU's
- * memory model, alignment faults or stream ordering, which only a GPU run checks.
+ * A launch runs the 32 lanes of a warp as fibers (ucontext) on the launching thread; each lane walks
+ * every (block, warp) of the grid in the same order and executes its own thread of that warp, until it
+ * reaches a shuffle, where it waits for the other 31 (they run in turn). __shfl_xor_sync is a real
+ * exchange between the 32 lanes, atomics are std::atomic_ref, "device memory" is host memory and
+ * streams are ignored (everything is synchronous). This checks the kernels' arithmetic, indexing,
+ * packing, reduction order and validation; it says nothing about the GPU's memory model, alignment
+ * faults or stream ordering, which only a GPU run checks. (The lanes were OS threads meeting at a
+ * std::barrier, 32 thread switches a shuffle: tests/test_cuda.py's emulated half took 245 s on 2
+ * cores, 114 s with fibers; its 3-rank job under horovodrun 93 s, 56 s.)
  *
  * Limits: every warp of a launch that shuffles must be full and take uniform control flow around
  * the shuffles (true of qsgd_cuda.cu); there is no shared memory.
@@ -19,9 +22,11 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <ucontext.h>
+
 #include <atomic>
-#include <barrier>
-#include <thread>
+#include <functional>
+#include <memory>
 #include <tuple>
 #include <vector>
 
@@ -42,10 +47,52 @@ enum { cudaSuccess = 0 };
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2, cudaMemcpyDeviceToDevice = 3 };
 
 namespace qsgd_emu {
-inline thread_local dim3 tid, bid;
-inline dim3 bdim, gdim;
-inline std::barrier<>* lanes_barrier = nullptr;
-inline uint64_t slots[32];
+/* The launching thread's state: a launch runs on one thread, and the lanes' fibers on it share it. */
+inline thread_local dim3 tid, bid, bdim, gdim;
+inline thread_local uint64_t slots[32];
+
+constexpr unsigned kLanes = 32;
+constexpr size_t kLaneStack = 256 * 1024;
+
+/* The lanes of the launch running on this thread: the scheduler's context, each lane's, and the
+ * shuffle barrier (arrived lanes, and its generation, which moves on when the 32nd arrives). */
+struct Lanes {
+  ucontext_t scheduler;
+  ucontext_t ctx[kLanes];
+  dim3 tid[kLanes], bid[kLanes];
+  bool done[kLanes];
+  unsigned current = 0, arrived = 0;
+  uint64_t generation = 0;
+  std::function<void(unsigned)> body;
+};
+inline thread_local Lanes* lanes = nullptr;
+inline thread_local std::vector<std::unique_ptr<char[]>> stacks; /* kept from launch to launch */
+
+/* Back to the scheduler; on return this lane's thread and block indices are its own again. */
+inline void yield_lane() {
+  Lanes& l = *lanes;
+  const unsigned me = l.current;
+  l.tid[me] = tid, l.bid[me] = bid;
+  swapcontext(&l.ctx[me], &l.scheduler);
+  tid = l.tid[me], bid = l.bid[me];
+}
+
+/* Every lane waits here until all 32 have arrived. */
+inline void lanes_barrier() {
+  Lanes& l = *lanes;
+  const uint64_t g = l.generation;
+  if (++l.arrived == kLanes) {
+    l.arrived = 0;
+    ++l.generation;
+    return;
+  }
+  while (l.generation == g) yield_lane();
+}
+
+inline void lane_entry(int lane) {
+  lanes->body((unsigned)lane);
+  lanes->done[lane] = true;
+}
 
 template <class... P>
 struct Launch {
@@ -55,22 +102,38 @@ struct Launch {
   void operator()(A&&... a) {
     std::tuple<P...> args(static_cast<P>(a)...);
     gdim = grid, bdim = block;
-    std::barrier<> bar(32);
-    lanes_barrier = &bar;
-    std::vector<std::thread> lanes;
-    for (unsigned lane = 0; lane < 32; ++lane)
-      lanes.emplace_back([&, lane] {
-        for (unsigned by = 0; by < grid.y; ++by)
-          for (unsigned bx = 0; bx < grid.x; ++bx)
-            for (unsigned w = 0; w * 32 < block.x; ++w) {
-              const unsigned t = w * 32 + lane;
-              if (t >= block.x) continue;
-              bid = dim3(bx, by), tid = dim3(t);
-              std::apply(kernel, args);
-            }
-      });
-    for (auto& l : lanes) l.join();
-    lanes_barrier = nullptr;
+    Lanes l;
+    l.body = [&](unsigned lane) {
+      for (unsigned by = 0; by < grid.y; ++by)
+        for (unsigned bx = 0; bx < grid.x; ++bx)
+          for (unsigned w = 0; w * 32 < block.x; ++w) {
+            const unsigned t = w * 32 + lane;
+            if (t >= block.x) continue;
+            bid = dim3(bx, by), tid = dim3(t);
+            std::apply(kernel, args);
+          }
+    };
+    while (stacks.size() < kLanes) stacks.emplace_back(new char[kLaneStack]);
+    Lanes* const outer = lanes;
+    lanes = &l;
+    for (unsigned lane = 0; lane < kLanes; ++lane) {
+      l.done[lane] = false;
+      getcontext(&l.ctx[lane]);
+      l.ctx[lane].uc_stack.ss_sp = stacks[lane].get();
+      l.ctx[lane].uc_stack.ss_size = kLaneStack;
+      l.ctx[lane].uc_link = &l.scheduler;
+      makecontext(&l.ctx[lane], reinterpret_cast<void (*)()>(lane_entry), 1, (int)lane);
+    }
+    for (unsigned left = kLanes; left;) {
+      left = 0;
+      for (unsigned lane = 0; lane < kLanes; ++lane) {
+        if (l.done[lane]) continue;
+        l.current = lane;
+        swapcontext(&l.scheduler, &l.ctx[lane]);
+        left += !l.done[lane];
+      }
+    }
+    lanes = outer;
   }
 };
 
@@ -93,9 +156,9 @@ inline T __shfl_xor_sync(unsigned, T v, int off) {
   uint64_t u = 0;
   memcpy(&u, &v, sizeof(T));
   qsgd_emu::slots[lane] = u;
-  qsgd_emu::lanes_barrier->arrive_and_wait();
+  qsgd_emu::lanes_barrier();
   const uint64_t r = qsgd_emu::slots[lane ^ (unsigned)off];
-  qsgd_emu::lanes_barrier->arrive_and_wait();
+  qsgd_emu::lanes_barrier();
   T out;
   memcpy(&out, &r, sizeof(T));
   return out;
