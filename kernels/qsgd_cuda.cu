@@ -14,7 +14,10 @@
 #include <cuda_fp16.h>
 #endif
 
+#include <map>
+#include <mutex>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "qsgd.h"
@@ -324,6 +327,77 @@ __device__ __forceinline__ void encode_group(const Source<T, EF>& src, uint64_t 
   }
 }
 
+/* The little-endian 64-bit word at p (4-byte aligned: every payload is): two 32-bit loads. */
+__device__ __forceinline__ uint64_t load_word(const uint8_t* p) {
+  const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
+  return (uint64_t)q[0] | ((uint64_t)q[1] << 32);
+}
+
+/* The payload's checksum (qsgd_math.h), summed (mod 2^64) into kChecksumSlots partial sums, each on
+ * a 128-byte line of its own, warp w adding into slot w % kChecksumSlots; checksum_store_kernel (one
+ * warp) adds the slots, stores the final value in its place and leaves the slots zero for the
+ * stream's next payload (checksum_slots). With one sum every warp's atomic waited for the one before:
+ * the checksum kernel took 18 us for the 34 MB payload of 64M elements at 4 bits on an H200, where
+ * reading it takes about 7; with 32 slots 13.7 us.
+ *
+ * With QSGD_FUSED_CHECKSUM the fused encoder adds the terms of the words that lie whole in each
+ * bucket's data but the last (it has just stored them), and checksum_rest_kernel the others: the
+ * header, the scales, the words across two buckets and the last bucket's (ChecksumRest). */
+#ifndef QSGD_FUSED_CHECKSUM
+#define QSGD_FUSED_CHECKSUM 0
+#endif
+constexpr bool kFusedChecksum = QSGD_FUSED_CHECKSUM != 0;
+constexpr int kChecksumSlots = 256;
+constexpr int kChecksumSlotWords = 16;
+constexpr uint64_t kChecksumSlotBytes = 8ull * kChecksumSlots * kChecksumSlotWords;
+
+/* The words of a payload the checksum kernel takes: with buckets of P data bytes (P a multiple of 8)
+ * starting at byte D, of which the encoder summed the words whole in the first `fused` buckets, the
+ * words [0, n0) (header and scales), the word across buckets b and b + 1 at floor((D + (b + 1) P) / 8)
+ * for b + 1 = 1 .. n1 (when D is not a multiple of 8), and the words from s2 on. Without fused
+ * buckets (n0 = n1 = s2 = 0): every word. */
+struct ChecksumRest {
+  uint64_t n0, n1, s2, D, P;
+};
+
+inline ChecksumRest checksum_rest(uint64_t D, uint64_t P, uint64_t fused) {
+  if (!fused) return ChecksumRest{0, 0, 0, D, P};
+  return ChecksumRest{(D + 7) / 8, D % 8 ? fused - 1 : 0, (D + fused * P) / 8, D, P};
+}
+
+/* The words of bucket b's data that lie whole in it, [first, end): what the fused encoder adds. */
+__host__ __device__ __forceinline__ void bucket_words(uint64_t D, uint64_t P, uint64_t b, uint64_t* first,
+                                                      uint64_t* end) {
+  *first = (D + b * P + 7) / 8;
+  *end = (D + (b + 1) * P) / 8;
+}
+
+/* Word k's term: the checksum field reads as zero, the last word is zero-padded. */
+__device__ __forceinline__ uint64_t checksum_word_term(const uint8_t* p, uint64_t len, uint64_t k) {
+  uint64_t w = 8 * k + 8 <= len ? load_word(p + 8 * k) : qsgd_load_le(p + 8 * k, (int)(len - 8 * k));
+  if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
+  return qsgd_checksum_term(w, k);
+}
+
+/* A warp's sum into its slot (all 32 lanes call it). */
+__device__ __forceinline__ void checksum_add(unsigned long long* __restrict__ slots, uint64_t acc, uint64_t warp) {
+  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  if ((threadIdx.x & 31) == 0 && acc) atomicAdd(&slots[warp % kChecksumSlots * kChecksumSlotWords], (unsigned long long)acc);
+}
+
+/* QSGD_FUSED_CHECKSUM: the terms of the words whole in bucket b's data (of the payload out, nb
+ * buckets of B elements), once the warp's stores of them are visible to it, added into the warp's
+ * slot. Not inlined: the encoder's registers (the held groups) stay as they are without it. */
+template <int BITS>
+__device__ __noinline__ void bucket_checksum(const uint8_t* out, uint64_t nb, uint32_t B, uint64_t b,
+                                             unsigned long long* slots) {
+  __syncwarp();
+  uint64_t first, end, acc = 0;
+  bucket_words(QSGD_HEADER_BYTES + 4 * nb, (uint64_t)B * BITS / 8, b, &first, &end);
+  for (uint64_t k = first + (threadIdx.x & 31); k < end; k += 32) acc += qsgd_checksum_term(load_word(out + 8 * k), k);
+  checksum_add(slots, acc, b);
+}
+
 /* Buckets of at most kHeldGroups * 256 elements under the max norm keep each lane's groups in
  * registers from the scale's pass to the quantizer's: x (and the residual) are read once, all of a
  * lane's loads are in flight together, and the second pass loads nothing. */
@@ -343,9 +417,12 @@ constexpr int kHeldGroups = 2;
 template <int BITS, bool SIGN, typename T, bool EF>
 __global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS : QSGD_ENCODE_MIN_BLOCKS)
     encode_buckets_kernel(const Source<T, EF> src, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
-                          uint64_t nb, float* __restrict__ scales, uint8_t* __restrict__ data, const Opening opening) {
+                          uint64_t nb, float* __restrict__ scales, uint8_t* __restrict__ data, const Opening opening,
+                          unsigned long long* __restrict__ ck_slots) {
   if (blockIdx.x == 0 && threadIdx.x == 0) write_opening(opening); /* one launch fewer ahead of this one */
   const uint64_t warps = (uint64_t)gridDim.x * blockDim.x / 32;
+  /* QSGD_FUSED_CHECKSUM, given slots: the words whole in every bucket's data but the last */
+  const bool fuse_ck = kFusedChecksum && ck_slots != nullptr;
   const int lane = threadIdx.x & 31;
   const uint64_t key0 = qsgd_page_key(seed, 0); /* the key of the first 2^32 elements */
   const float s = (float)qsgd_levels_of(BITS);
@@ -376,6 +453,7 @@ __global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS :
         if (in[k])
           encode_group<BITS, SIGN, T, EF>(src, lo + 8 * (uint64_t)lane + 256 * k, 8, v[k], q, quant,
                                           qsgd_step_of(scale, s), seed, key0, data);
+      if (fuse_ck && b + 1 < nb) bucket_checksum<BITS>(opening.out, nb, B, b, ck_slots);
       continue;
     }
     float scale;
@@ -402,6 +480,7 @@ __global__ void __launch_bounds__(kThreads, SIGN ? QSGD_SIGN_ENCODE_MIN_BLOCKS :
       if (q || EF) src.load8(i0, n, v);
       encode_group<BITS, SIGN, T, EF>(src, i0, n, v, q, quant, step, seed, key0, data);
     }
+    if (fuse_ck && b + 1 < nb) bucket_checksum<BITS>(opening.out, nb, B, b, ck_slots);
   }
 }
 
@@ -449,11 +528,6 @@ struct Jobs {
   __host__ __device__ __forceinline__ const PayloadJob& operator[](int p) const { return dev ? dev[p] : inl[p]; }
 };
 
-/* The little-endian 64-bit word at p (4-byte aligned: every payload is): two 32-bit loads. */
-__device__ __forceinline__ uint64_t load_word(const uint8_t* p) {
-  const uint32_t* q = reinterpret_cast<const uint32_t*>(p);
-  return (uint64_t)q[0] | ((uint64_t)q[1] << 32);
-}
 
 /* sum of the checksum terms of payload p (blockIdx.y) into sums[p] */
 
@@ -549,33 +623,26 @@ __global__ void decode_sum_kernel(const Jobs jobs, int count, uint64_t numel,
     out[i0 + j] = accumulate ? out[i0 + j] + alpha * acc[j] : alpha * acc[j];
 }
 
-/* The payload's checksum (qsgd_math.h): checksum_kernel sums the terms of its words into
- * kChecksumSlots partial sums (mod 2^64), the warp w's into slot w % kChecksumSlots, each slot on a
- * 128-byte line of its own; checksum_store_kernel (one warp) adds the slots and stores the final value
- * in its place. With one sum every warp's atomic waited for the one before: the kernel took 18 us for
- * the 34 MB payload of 64M elements at 4 bits on an H200, where reading it takes about 7. */
-constexpr int kChecksumSlots = 32;
-constexpr int kChecksumSlotWords = 16;
-constexpr uint64_t kChecksumScratchBytes = 8ull * kChecksumSlots * kChecksumSlotWords;
-
-__global__ void checksum_kernel(const uint8_t* __restrict__ p, uint64_t len, unsigned long long* __restrict__ sums) {
-  const uint64_t words = len / 8;
+__global__ void checksum_kernel(const uint8_t* __restrict__ p, uint64_t len, const ChecksumRest r,
+                                unsigned long long* __restrict__ slots) {
+  const uint64_t words = (len + 7) / 8;
+  const uint64_t count = r.n0 + r.n1 + (words - r.s2);
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint64_t acc = 0;
-  for (uint64_t k = t0; k < words; k += stride) {
-    uint64_t w = load_word(p + 8 * k);
-    if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
-    acc += qsgd_checksum_term(w, k);
+  for (uint64_t t = t0; t < count; t += stride) {
+    const uint64_t k = t < r.n0 ? t : t < r.n0 + r.n1 ? (r.D + (t - r.n0 + 1) * r.P) / 8 : r.s2 + (t - r.n0 - r.n1);
+    acc += checksum_word_term(p, len, k);
   }
-  if (t0 == 0 && len % 8) acc += qsgd_checksum_term(qsgd_load_le(p + 8 * words, (int)(len % 8)), words);
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
-  if ((threadIdx.x & 31) == 0 && acc)
-    atomicAdd(&sums[(t0 / 32) % kChecksumSlots * kChecksumSlotWords], (unsigned long long)acc);
+  checksum_add(slots, acc, t0 / 32);
 }
 
-__global__ void checksum_store_kernel(uint8_t* p, uint64_t len, const unsigned long long* sums) {
-  uint64_t acc = threadIdx.x < kChecksumSlots ? sums[threadIdx.x * kChecksumSlotWords] : 0;
+__global__ void checksum_store_kernel(uint8_t* p, uint64_t len, unsigned long long* slots) {
+  uint64_t acc = 0;
+  for (int j = threadIdx.x; j < kChecksumSlots; j += 32) {
+    acc += slots[j * kChecksumSlotWords];
+    slots[j * kChecksumSlotWords] = 0;
+  }
   for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
   if (threadIdx.x == 0) qsgd_store_le(p + QSGD_CHECKSUM_OFFSET, qsgd_checksum_final(acc, len), 8);
 }
@@ -825,14 +892,15 @@ void launch_pack(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int 
 
 template <int BITS, typename T, bool EF>
 void launch_encode_buckets(const Source<T, EF>& src, uint64_t numel, uint32_t B, uint64_t seed, int v2, int norm,
-                           uint64_t nb, float* scales, uint8_t* data, const Opening& opening, cudaStream_t st) {
+                           uint64_t nb, float* scales, uint8_t* data, const Opening& opening,
+                           unsigned long long* ck_slots, cudaStream_t st) {
   const unsigned blocks = (unsigned)umin64(blocks_for(nb * 32), kMaxBlocks);
   if (BITS == 1 && norm == QSGD_NORM_SIGN)
     QSGD_LAUNCH((encode_buckets_kernel<BITS, true, T, EF>), blocks, kThreads, st)(src, numel, B, seed, v2, norm, nb,
-                                                                                 scales, data, opening);
+                                                                                 scales, data, opening, ck_slots);
   else
     QSGD_LAUNCH((encode_buckets_kernel<BITS, false, T, EF>), blocks, kThreads, st)(src, numel, B, seed, v2, norm, nb,
-                                                                                  scales, data, opening);
+                                                                                  scales, data, opening, ck_slots);
 }
 
 #define QSGD_BITS_DISPATCH(bits, fn, ...)   \
@@ -857,10 +925,11 @@ void launch_codes(const float* x, uint64_t numel, uint32_t B, uint64_t seed, int
 /* The fused encoder on x of element type T, with (EF) or without error feedback. */
 template <typename T, bool EF>
 void launch_fused(const void* x, float* residual, bool valid, bool vec, uint64_t numel, const qsgd_config* cfg,
-                  uint64_t nb, float* scales, uint8_t* data, const Opening& opening, cudaStream_t st) {
+                  uint64_t nb, float* scales, uint8_t* data, const Opening& opening, unsigned long long* ck_slots,
+                  cudaStream_t st) {
   const Source<T, EF> src{static_cast<const T*>(x), residual, valid, vec};
   QSGD_BITS_DISPATCH(cfg->bits, launch_encode_buckets, src, numel, cfg->bucket_size, cfg->seed,
-                     qsgd_encoder_of(cfg->flags) == 2, cfg->norm, nb, scales, data, opening, st);
+                     qsgd_encoder_of(cfg->flags) == 2, cfg->norm, nb, scales, data, opening, ck_slots, st);
 }
 
 /* out[i] = to_f32(x[i]) (+ r[i] when r is not null): the general path's fp32 input. */
@@ -904,18 +973,55 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
                                float alpha, float* out, uint64_t n, int32_t accumulate, int32_t* d_status,
                                bool reset_status, cudaStream_t s);
 
-/* The checksum of the len-byte payload at out (its header written) into its place, on stream s. */
-static cudaError_t launch_checksum(uint8_t* out, uint64_t len, cudaStream_t s) {
-  unsigned long long* sums = nullptr;
-  cudaError_t e = cudaMallocAsync(reinterpret_cast<void**>(&sums), kChecksumScratchBytes, s);
-  if (e != cudaSuccess) return e;
-  e = cudaMemsetAsync(sums, 0, kChecksumScratchBytes, s);
-  if (e == cudaSuccess) {
-    QSGD_LAUNCH(checksum_kernel, (unsigned)umin64(blocks_for((len + 7) / 8), 1024), kThreads, s)(out, len, sums);
-    QSGD_LAUNCH(checksum_store_kernel, 1, 32, s)(out, len, sums);
+/* The checksum's slots of each device and stream, zero between payloads (checksum_store_kernel
+ * leaves them so): kChecksumSlotBytes a stream, allocated at its first checksum and kept, so that no
+ * allocation stands before the encoder's launch (an allocation from the stream-ordered pool, trimmed
+ * at every synchronisation, cost the fused encoder a third of its speed at 64M elements on an H200).
+ * A stream whose checksum launches failed has its slots dropped (they may not be zero). */
+class ChecksumSlots {
+ public:
+  unsigned long long* get(cudaStream_t s) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return nullptr;
+    std::lock_guard<std::mutex> lock(mu_);
+    unsigned long long*& slots = kept_[{device, s}];
+    if (!slots) {
+      void* p = nullptr;
+      if (cudaMalloc(&p, kChecksumSlotBytes) != cudaSuccess) return nullptr;
+      if (cudaMemsetAsync(p, 0, kChecksumSlotBytes, s) != cudaSuccess) {
+        (void)cudaFree(p);
+        return nullptr;
+      }
+      slots = static_cast<unsigned long long*>(p);
+    }
+    return slots;
   }
-  const cudaError_t f = cudaFreeAsync(sums, s);
-  return e != cudaSuccess ? e : f;
+  void drop(cudaStream_t s) {
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = kept_.find({device, s});
+    if (it == kept_.end()) return;
+    (void)cudaFree(it->second);
+    kept_.erase(it);
+  }
+
+ private:
+  std::mutex mu_;
+  std::map<std::pair<int, cudaStream_t>, unsigned long long*> kept_;
+};
+static ChecksumSlots checksum_slots;
+
+/* The checksum of the len-byte payload at out (its header written) into its place, on stream s:
+ * the words rest names (the others the fused encoder added), then the slots' sum. */
+static cudaError_t launch_checksum(uint8_t* out, uint64_t len, const ChecksumRest& rest, unsigned long long* slots,
+                                   cudaStream_t s) {
+  const uint64_t count = rest.n0 + rest.n1 + ((len + 7) / 8 - rest.s2);
+  QSGD_LAUNCH(checksum_kernel, (unsigned)umin64(blocks_for(count), 1024), kThreads, s)(out, len, rest, slots);
+  QSGD_LAUNCH(checksum_store_kernel, 1, 32, s)(out, len, slots);
+  const cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess) checksum_slots.drop(s);
+  return e;
 }
 
 /* The payload of x (x_dtype elements, read natively) and, with a residual, error feedback
@@ -937,18 +1043,28 @@ static int32_t encode_core(const void* x, int32_t x_dtype, uint64_t numel, const
   const bool ef = residual != nullptr && numel;
   valid = valid && ef;
   const Opening opening{out, *cfg, numel, len, 0u};
+  /* the checksum: the fused encoder adds the words whole in its buckets' data (QSGD_FUSED_CHECKSUM;
+   * data in whole words: bucket_size * bits a multiple of 64), checksum_kernel the rest */
+  unsigned long long* slots = nullptr;
+  if (cfg->flags & QSGD_FLAG_CHECKSUM) {
+    slots = checksum_slots.get(s);
+    if (!slots) return QSGD_E_CUDA;
+  }
+  const uint64_t P = (uint64_t)cfg->bucket_size * cfg->bits / 8;
+  const bool fuse_ck = kFusedChecksum && slots && cfg->bucket_size % 8 == 0 && P % 8 == 0 && nb > 1;
+  unsigned long long* fused_slots = fuse_ck ? slots : nullptr;
   uint8_t* tmp = nullptr; /* the general path's fp32 copy of v, then its new residual, then a status */
   if (cfg->bucket_size % 8 == 0) {
     const bool vec = ((uintptr_t)x & 15) == 0 && (!ef || ((uintptr_t)residual & 15) == 0);
     if (x_dtype == QSGD_DTYPE_F32)
-      ef ? launch_fused<float, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s)
-         : launch_fused<float, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s);
+      ef ? launch_fused<float, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s)
+         : launch_fused<float, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s);
     else if (x_dtype == QSGD_DTYPE_F16)
-      ef ? launch_fused<f16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s)
-         : launch_fused<f16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s);
+      ef ? launch_fused<f16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s)
+         : launch_fused<f16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s);
     else
-      ef ? launch_fused<bf16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s)
-         : launch_fused<bf16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, s);
+      ef ? launch_fused<bf16_t, true>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s)
+         : launch_fused<bf16_t, false>(x, residual, valid, vec, numel, cfg, nb, scales, data, opening, fused_slots, s);
   } else {
     QSGD_LAUNCH(header_kernel, 1, 1, s)(opening);
     const float* x32 = static_cast<const float*>(x);
@@ -969,7 +1085,8 @@ static int32_t encode_core(const void* x, int32_t x_dtype, uint64_t numel, const
     QSGD_BITS_DISPATCH(cfg->bits, launch_pack, x32, numel, cfg->bucket_size, cfg->seed,
                        qsgd_encoder_of(cfg->flags) == 2, cfg->norm, scales, data, s);
   }
-  if (cfg->flags & QSGD_FLAG_CHECKSUM) QSGD_CUDA_TRY(launch_checksum(out, len, s));
+  if (slots)
+    QSGD_CUDA_TRY(launch_checksum(out, len, checksum_rest(QSGD_HEADER_BYTES + 4 * nb, P, fuse_ck ? nb - 1 : 0), slots, s));
   if (tmp && ef) { /* the general path's error feedback: tmp = v + (-1) * decode(q), kept where finite */
     float* v = reinterpret_cast<float*>(tmp);
     int32_t* d_status = reinterpret_cast<int32_t*>(tmp + (4 * numel + 15) / 16 * 16);
@@ -1148,7 +1265,14 @@ extern "C" int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64
   }
   QSGD_LAUNCH(header_kernel, 1, 1, s)(Opening{out, *cfg, numel, len, (uint32_t)seg_buckets});
   if (nseg) QSGD_LAUNCH(elias_place_kernel, (unsigned)nseg, kThreads, s)(slots, slot_words, seg_bytes, table, streams);
-  if (cfg->flags & QSGD_FLAG_CHECKSUM) QSGD_CUDA_TRY(launch_checksum(out, len, s));
+  if (cfg->flags & QSGD_FLAG_CHECKSUM) {
+    unsigned long long* slots = checksum_slots.get(s);
+    if (!slots) {
+      QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
+      return QSGD_E_CUDA;
+    }
+    QSGD_CUDA_TRY(launch_checksum(out, len, checksum_rest(0, 0, 0), slots, s));
+  }
   QSGD_CUDA_TRY(cudaFreeAsync(scratch, s));
   QSGD_CUDA_TRY(cudaGetLastError());
   return QSGD_OK;

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # A/B of CUDA library variants on the GPU machine, side by side in one run (docs/gpu.md):
-#   bash scripts/gpu_kernel_ab.sh NAME=SOURCE[:MIN_BLOCKS][,BENCHMARK_ARG...] ...
+#   bash scripts/gpu_kernel_ab.sh NAME=SOURCE[:MIN_BLOCKS][+MACRO=VALUE...][,BENCHMARK_ARG...] ...
 # Each variant is kernels/qsgd_cuda.cu's SOURCE (a path: this tree's file, or another tree's copy
 # carried beside it) built for the visible GPU with QSGD_ENCODE_MIN_BLOCKS=MIN_BLOCKS (default: the
-# source's own), with setup.py's flags. The CPU library is built in place once; then the kernel
+# source's own) and the macros after a '+' (e.g. fused=kernels/qsgd_cuda.cu+QSGD_FUSED_CHECKSUM=1), with
+# setup.py's flags. The CPU library is built in place once; then the kernel
 # benchmark runs once per variant in the order given (name the baseline first and last to see the
 # drift between runs), each with that variant's library in place, every row checked against the CPU
 # library; the arguments after a comma are added to that variant's benchmark command (e.g.
@@ -24,11 +25,13 @@ lib=hvd_qsgd/_lib_cuda$suffix
 # the variants' libraries, compiled side by side, while the CPU library builds in place
 declare -A built
 for spec in "$@"; do
-  name=${spec%%=*}; rest=${spec#*=}; rest=${rest%%,*}; src=${rest%%:*}; mb=${rest#"$src"}; mb=${mb#:}
+  name=${spec%%=*}; rest=${spec#*=}; rest=${rest%%,*}
+  defs=""; case $rest in *+*) defs=${rest#*+}; rest=${rest%%+*} ;; esac
+  src=${rest%%:*}; mb=${rest#"$src"}; mb=${mb#:}
   [ -n "${built[$name]:-}" ] && continue
   built[$name]=$WORK/$name/lib.so; mkdir -p "$WORK/$name"
   ( nvcc -O3 --fmad=false -std=c++17 -Xcompiler -fPIC -shared -cudart static \
-      -gencode "arch=compute_$arch,code=sm_$arch" -Ikernels ${mb:+-DQSGD_ENCODE_MIN_BLOCKS=$mb} -Xptxas -v \
+      -gencode "arch=compute_$arch,code=sm_$arch" -Ikernels ${mb:+-DQSGD_ENCODE_MIN_BLOCKS=$mb} ${defs:+-D${defs//+/ -D}} -Xptxas -v \
       "$src" -o "$WORK/$name/lib.so" >"$OUT/build_$name.log" 2>&1 || echo "build of $name failed" ) &
 done
 HVD_QSGD_WITHOUT_CUDA=1 $PY setup.py -q build_ext --inplace >"$OUT/build_cpu.log" 2>&1 || echo "CPU library build failed"

@@ -25,14 +25,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = "HVD_QSGD_EMULATED_CUDA_LIB"  # a built library's path, handed to multi-rank workers
 
 
-def build(directory):
-    """The path of the emulated library built in ``directory``; RuntimeError without a compiler."""
+def build(directory, defines=()):
+    """The path of the emulated library built in ``directory`` (``defines``: ``NAME=VALUE`` macros, e.g.
+    a kernel variant the GPU build does not take by default); RuntimeError without a compiler."""
     cxx = shutil.which(os.environ.get("CXX", "g++"))
     if cxx is None:
         raise RuntimeError("no C++ compiler to build the emulated CUDA library")
     so = os.path.join(str(directory), "libqsgd_cuda_emu.so")
     cmd = [cxx, "-O2", "-std=c++20", "-x", "c++", "-fPIC", "-shared", "-pthread", "-ffp-contract=off",
-           "-fno-trapping-math", "-Itests/cuda_emu", "-Ikernels", "kernels/qsgd_cuda.cu", "-o", so]
+           "-fno-trapping-math", *(f"-D{d}" for d in defines), "-Itests/cuda_emu", "-Ikernels",
+           "kernels/qsgd_cuda.cu", "-o", so]
     subprocess.run(cmd, cwd=ROOT, check=True)
     return so
 

@@ -240,6 +240,41 @@ def test_encode_is_byte_identical_to_cpu(backend, encoder):
                                                                     f"encoder={encoder}")
 
 
+def test_fused_checksum_variant_is_byte_identical_to_cpu(tmp_path_factory):
+    """The kernels built with QSGD_FUSED_CHECKSUM=1 (the fused encoder adds the checksum terms of the
+    words whole in its buckets' data, checksum_kernel the rest; not the GPU build's default until it is
+    measured on a GPU), emulated: the payloads of every bit width, buckets whose data are whole words
+    (bucket_size * bits a multiple of 64) and not, even and odd bucket counts (data starting on a word
+    or 4 bytes past one), a short last bucket, the held and re-reading paths, error feedback and
+    float16 input, equal the CPU library's, checksums included (a term left out or counted twice
+    changes the checksum)."""
+    try:
+        lib = emulated_cuda.load(emulated_cuda.build(tmp_path_factory.mktemp("cuda_emu_fused_ck"),
+                                                     ("QSGD_FUSED_CHECKSUM=1",)))
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    dev = EmulatedBackend(lib)
+    rng = np.random.default_rng(21)
+    for bits in range(1, 9):
+        for bucket, n in ((512, 512 * 6), (512, 512 * 5 + 100), (1024, 1024 * 3), (8, 8 * 9), (16, 16 * 7 + 8), (24, 24 * 5)):
+            x = rng.standard_normal(n).astype(np.float32)
+            kw = dict(bits=bits, bucket_size=bucket, seed=bits * 7 + n)
+            np.testing.assert_array_equal(dev.encode(x, **kw), codec.encode(x, **kw), err_msg=f"{kw} n={n}")
+    x = rng.standard_normal(512 * 7 + 64).astype(np.float32)
+    for bits in (2, 4, 8):
+        kw = dict(bits=bits, bucket_size=512, seed=5)
+        r0 = (rng.standard_normal(x.size) * 0.01).astype(np.float32)
+        want_q, want_r = _ef_reference(x, r0, True, **kw)
+        r = r0.copy()
+        np.testing.assert_array_equal(dev.encode_ex(x, "float32", residual=r, **kw), want_q,
+                                      err_msg=f"error feedback, bits={bits}")
+        np.testing.assert_array_equal(r.view(np.uint32), want_r.view(np.uint32), err_msg=f"residual, bits={bits}")
+        half = _half_inputs("float16", x.size, rng)
+        np.testing.assert_array_equal(dev.encode_ex(half, "float16", **kw),
+                                      codec.encode(_as_fp32(half, "float16"), source_dtype="float16", **kw),
+                                      err_msg=f"float16, bits={bits}")
+
+
 def test_l2_scale_summation_order_matches_cpu(backend):
     """The bucket whose L2 scale exposes the order in which squares are summed (see
     tests/test_codec_format.py): the device must fold its 32 lanes exactly as the CPU does."""

@@ -34,6 +34,7 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+#define __noinline__ __attribute__((noinline))
 #define __launch_bounds__(...)
 
 struct dim3 {
@@ -194,6 +195,13 @@ inline cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) {
   return *p ? cudaSuccess : 2;
 }
 inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { free(p); return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = malloc(n ? n : 1);
+  return *p ? cudaSuccess : 2;
+}
+inline cudaError_t cudaFree(void* p) { free(p); return cudaSuccess; }
+inline void __syncwarp() { qsgd_emu::lanes_barrier(); }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
   memset(p, v, n);
   return cudaSuccess;
