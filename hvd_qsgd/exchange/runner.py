@@ -262,7 +262,16 @@ class ExchangeRunner(ResidualSteps):
         """The exchange's result (the backend's float32 array of numel elements), once the reduced
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
-        fused = None if group is None else group.close(self, ex)   # a fused exchange or a fusion buffer
+        try:
+            fused = None if group is None else group.close(self, ex)   # a fused exchange or a fusion buffer
+        except Exception:
+            # its first collective could not start: Horovod has stopped, as it does when a rank that
+            # found this step's mismatch raised and exited first. The control vector, reduced already,
+            # names that mismatch here too, where it shows one; else the error stands
+            self.names.finish(ex.route)
+            group.clear()
+            protocol.check_control(reduced_control, ex.world, ex.set_ranks, ex.where)
+            raise
         carrier = fused or ex   # the exchange whose collectives carry ex's payload
         try:
             alpha = self._check_control(ex, reduced_control, carrier)
