@@ -144,6 +144,14 @@ __device__ __forceinline__ uint32_t warp_max(uint32_t m) {
   return m;
 }
 
+/* The sum of v over the warp's 32 lanes, folded lane j += lane j ^ off for off = 16, 8, 4, 2, 1 (the
+ * same value on every lane). The whole warp must call it. */
+template <class T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int off = 16; off > 0; off /= 2) v = v + __shfl_xor_sync(0xFFFFFFFFu, v, off);
+  return v;
+}
+
 /* The scale of bucket [lo, hi), computed by the 32 lanes of one warp (lane j reads elements lo + j,
  * lo + j + 32, ... in order; the sums fold lane j += lane j ^ off, off = 16, 8, 4, 2, 1, which is the
  * fold of qsgd_math.h on lane 0 and, the additions being commutative, the same value on every lane).
@@ -156,7 +164,7 @@ __device__ __forceinline__ float warp_bucket_scale(const Src& src, uint64_t lo, 
   if (norm == QSGD_NORM_MAX) return qsgd_scale_from_absmax_bits(m);
   double acc = 0.0;
   for (uint64_t i = lo + lane; i < hi; i += 32) acc += qsgd_lane_term(src.at(i), norm);
-  for (int off = 16; off > 0; off /= 2) acc = acc + __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  acc = warp_sum(acc);
   return norm == QSGD_NORM_SIGN ? qsgd_scale_from_l1(acc, hi - lo, m) : qsgd_scale_from_sumsq(acc, m);
 }
 
@@ -341,7 +349,7 @@ __device__ __forceinline__ uint64_t load_word(const uint8_t* p) {
  * reading it takes about 7; with 32 slots 13.7 us.
  *
  * With QSGD_FUSED_CHECKSUM the fused encoder adds the terms of the words that lie whole in each
- * bucket's data but the last (it has just stored them), and checksum_rest_kernel the others: the
+ * bucket's data but the last (it has just stored them), and checksum_kernel the others: the
  * header, the scales, the words across two buckets and the last bucket's (ChecksumRest). */
 #ifndef QSGD_FUSED_CHECKSUM
 #define QSGD_FUSED_CHECKSUM 0
@@ -358,6 +366,8 @@ constexpr uint64_t kChecksumSlotBytes = 8ull * kChecksumSlots * kChecksumSlotWor
  * buckets (n0 = n1 = s2 = 0): every word. */
 struct ChecksumRest {
   uint64_t n0, n1, s2, D, P;
+  /* how many words of a len-byte payload it names */
+  __host__ __device__ uint64_t count(uint64_t len) const { return n0 + n1 + ((len + 7) / 8 - s2); }
 };
 
 inline ChecksumRest checksum_rest(uint64_t D, uint64_t P, uint64_t fused) {
@@ -381,7 +391,7 @@ __device__ __forceinline__ uint64_t checksum_word_term(const uint8_t* p, uint64_
 
 /* A warp's sum into its slot (all 32 lanes call it). */
 __device__ __forceinline__ void checksum_add(unsigned long long* __restrict__ slots, uint64_t acc, uint64_t warp) {
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  acc = warp_sum(acc);
   if ((threadIdx.x & 31) == 0 && acc) atomicAdd(&slots[warp % kChecksumSlots * kChecksumSlotWords], (unsigned long long)acc);
 }
 
@@ -528,31 +538,21 @@ struct Jobs {
   __host__ __device__ __forceinline__ const PayloadJob& operator[](int p) const { return dev ? dev[p] : inl[p]; }
 };
 
-
 /* sum of the checksum terms of payload p (blockIdx.y) into sums[p] */
-
 __global__ void verify_terms_kernel(const Jobs jobs,
                                     unsigned long long* __restrict__ sums,
                                     int32_t* __restrict__ status) {
   const PayloadJob job = jobs[blockIdx.y];
-  const uint64_t words = job.len / 8;
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   uint64_t sum = 0;
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (job.flags & QSGD_FLAG_CHECKSUM) {
-    for (uint64_t k = t0; k < words; k += stride) {
-      uint64_t w = load_word(job.ptr + 8 * k);
-      if (k == QSGD_CHECKSUM_OFFSET / 8) w = 0;
-      sum += qsgd_checksum_term(w, k);
-    }
-    if (t0 == 0 && job.len % 8)
-      sum += qsgd_checksum_term(qsgd_load_le(job.ptr + 8 * words, (int)(job.len % 8)), words);
-  }
+  if (job.flags & QSGD_FLAG_CHECKSUM)
+    for (uint64_t k = t0; k < (job.len + 7) / 8; k += stride) sum += checksum_word_term(job.ptr, job.len, k);
   for (uint64_t b = t0; b < job.nb; b += stride) {
     const uint32_t u = (uint32_t)qsgd_load_le(job.ptr + QSGD_HEADER_BYTES + 4 * b, 4);
     if ((u & 0x80000000u) && (u & 0x7FFFFFFFu) <= 0x7F800000u) atomicCAS(status, 0, QSGD_E_SCALE);
   }
-  for (int off = 16; off > 0; off /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, off);
+  sum = warp_sum(sum);
   if ((threadIdx.x & 31) == 0 && sum) atomicAdd(&sums[blockIdx.y], (unsigned long long)sum);
 }
 
@@ -625,8 +625,7 @@ __global__ void decode_sum_kernel(const Jobs jobs, int count, uint64_t numel,
 
 __global__ void checksum_kernel(const uint8_t* __restrict__ p, uint64_t len, const ChecksumRest r,
                                 unsigned long long* __restrict__ slots) {
-  const uint64_t words = (len + 7) / 8;
-  const uint64_t count = r.n0 + r.n1 + (words - r.s2);
+  const uint64_t count = r.count(len);
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   uint64_t acc = 0;
@@ -643,7 +642,7 @@ __global__ void checksum_store_kernel(uint8_t* p, uint64_t len, unsigned long lo
     acc += slots[j * kChecksumSlotWords];
     slots[j * kChecksumSlotWords] = 0;
   }
-  for (int off = 16; off > 0; off /= 2) acc += __shfl_xor_sync(0xFFFFFFFFu, acc, off);
+  acc = warp_sum(acc);
   if (threadIdx.x == 0) qsgd_store_le(p + QSGD_CHECKSUM_OFFSET, qsgd_checksum_final(acc, len), 8);
 }
 
@@ -1016,8 +1015,7 @@ static ChecksumSlots checksum_slots;
  * the words rest names (the others the fused encoder added), then the slots' sum. */
 static cudaError_t launch_checksum(uint8_t* out, uint64_t len, const ChecksumRest& rest, unsigned long long* slots,
                                    cudaStream_t s) {
-  const uint64_t count = rest.n0 + rest.n1 + ((len + 7) / 8 - rest.s2);
-  QSGD_LAUNCH(checksum_kernel, (unsigned)umin64(blocks_for(count), 1024), kThreads, s)(out, len, rest, slots);
+  QSGD_LAUNCH(checksum_kernel, (unsigned)umin64(blocks_for(rest.count(len)), 1024), kThreads, s)(out, len, rest, slots);
   QSGD_LAUNCH(checksum_store_kernel, 1, 32, s)(out, len, slots);
   const cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) checksum_slots.drop(s);

@@ -190,16 +190,13 @@ inline int atomicCAS(int* p, int compare, int val) {
 inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
 inline cudaError_t cudaGetLastError() { return cudaSuccess; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-inline cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) {
-  *p = malloc(n ? n : 1);
-  return *p ? cudaSuccess : 2;
-}
 inline cudaError_t cudaFreeAsync(void* p, cudaStream_t) { free(p); return cudaSuccess; }
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t cudaMalloc(void** p, size_t n) {
   *p = malloc(n ? n : 1);
   return *p ? cudaSuccess : 2;
 }
+inline cudaError_t cudaMallocAsync(void** p, size_t n, cudaStream_t) { return cudaMalloc(p, n); }
 inline cudaError_t cudaFree(void* p) { free(p); return cudaSuccess; }
 inline void __syncwarp() { qsgd_emu::lanes_barrier(); }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
