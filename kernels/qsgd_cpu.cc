@@ -351,7 +351,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
       const float scale = K.bucket_scale(x + lo, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
-      if (packed) { /* quantized and packed in one pass (encoder 2, the avx2 variant) */
+      if (packed) { /* quantized and packed in one pass (encoder 2; the avx2 and avx512 variants) */
         quantize_packed_run(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, data + lo / 8 * bits);
         continue;
       }

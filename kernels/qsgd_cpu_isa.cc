@@ -18,8 +18,9 @@
  *             quantizer with its counter hash 8 lanes wide in 32-bit multiplies, the packing of
  *             byte codes into bits, the fused unpack-dequantize-add), and for encoder version 2
  *             the quantizer and the packing in one pass (quantize_packed);
- *   avx512    -march=x86-64-v4: the avx2 variant's loops (compiled for AVX-512) plus a 16-lane loop
- *             for encoder version 2's hash and quantizer;
+ *   avx512    -march=x86-64-v4: the avx2 variant's loops (compiled for AVX-512) plus 16-lane loops
+ *             for encoder version 2's hash and quantizer, and its quantize-and-pack 64 elements a
+ *             pass (quantize_packed64);
  *   generic   (other architectures) the C++ loops for the compiler's default target.
  */
 #include <math.h>
@@ -32,8 +33,8 @@
 #include "qsgd_math.h"
 
 /* The hand-written AVX2 loops are the avx2 and the avx512 variants'; the avx512 variant adds its own
- * 16-lane loop for encoder version 2's quantizer (the hash, the quantizer and the narrowing to byte
- * codes). `python -m benchmarks kernels --isa all` times every variant side by side. */
+ * 16-lane loops for encoder version 2 (the staged quantizer, and the one-pass quantize-and-pack).
+ * `python -m benchmarks kernels --isa all` times every variant side by side. */
 #if defined(__AVX2__)
 #define QSGD_HAND_AVX2 1
 #include <immintrin.h>
@@ -458,7 +459,7 @@ void pack(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
   dispatch_bits(bits, [&](auto b) { pack_t<b.value>(codes, m, dst); });
 }
 
-/* ---- encoder 2's quantizer and packing in one pass (the avx2 variant) ------------------------
+/* ---- encoder 2's quantizer and packing in one pass (the avx2 and avx512 variants) ----------
  * The packed codes of elements lo .. lo+n-1 of one page, written at dst (the payload's byte of element
  * lo; lo a multiple of 8): the bytes quantize (encoder 2) and pack would write, without staging the
  * byte codes. Per 32 elements: the levels as in quantize8_v2 (the multiplication by pre left out
@@ -466,9 +467,9 @@ void pack(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst) {
  * 0xB5000000 = -QSGD_V2_ROUND_BITS mod 2^32 in the same instruction), narrowed to bytes; the sign
  * bits from x's own, narrowed the same way (signed saturation keeps the sign), set where the level
  * is not 0; then packed in registers. The last n mod 32 elements go through qsgd_quantize2 and
- * pack_scalar. Not in the avx512 variant, whose 16-lane loop stays as it was (its kernel table has
- * no quantize_packed, so its encoder stages the byte codes as before). */
-#if QSGD_HAND_AVX2 && !QSGD_HAND_AVX512
+ * pack_scalar. The avx512 variant runs the same steps 64 elements a time on 16 lanes first
+ * (quantize_packed64), the sign bits as mask registers. */
+#if QSGD_HAND_AVX2
 template <bool PRE>
 inline __m256i level8_v2(const float* x, __m256 pre, __m256 rq, __m256 cap, __m256i u_minus_rbits) {
   __m256 ax = _mm256_and_ps(_mm256_loadu_ps(x), _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF)));
@@ -502,6 +503,75 @@ inline void store_packed32(__m256i c, uint8_t* d) {
   }
 }
 
+#if QSGD_HAND_AVX512
+/* level8_v2 on 16 lanes; also x's lanes whose sign bit is set */
+template <bool PRE>
+inline __m512i level16_v2(const float* x, __m512 pre, __m512 rq, __m512 cap, __m512i u_minus_rbits, __mmask16* xneg) {
+  const __m512i xi = _mm512_loadu_si512(x);
+  *xneg = _mm512_movepi32_mask(xi);
+  __m512 ax = _mm512_castsi512_ps(_mm512_and_si512(xi, _mm512_set1_epi32(0x7FFFFFFF)));
+  if (PRE) ax = _mm512_mul_ps(ax, pre);
+  const __m512 t = _mm512_min_ps(_mm512_mul_ps(ax, rq), cap);
+  const __m512i r = _mm512_castps_si512(_mm512_add_ps(t, _mm512_set1_ps(QSGD_V2_ROUND)));
+  return _mm512_srli_epi32(_mm512_add_epi32(r, u_minus_rbits), 16);
+}
+
+/* 64 byte codes in element order -> their 8 * BITS packed bytes at d (as pack_t) */
+template <int BITS>
+inline void store_packed64(__m512i c, uint8_t* d) {
+  if (BITS == 8) {
+    _mm512_storeu_si512(d, c);
+  } else if (BITS == 4) { /* word k = c[2k] + 16 c[2k+1], narrowed to bytes in order */
+    _mm256_storeu_si256((__m256i*)d, _mm512_cvtepi16_epi8(_mm512_maddubs_epi16(c, _mm512_set1_epi16(0x1001))));
+  } else if (BITS == 2) { /* dword k = c[4k] + 4 c[4k+1] + 16 c[4k+2] + 64 c[4k+3] */
+    const __m512i m = _mm512_madd_epi16(_mm512_maddubs_epi16(c, _mm512_set1_epi16(0x0401)), _mm512_set1_epi32(0x00100001));
+    _mm_storeu_si128((__m128i*)d, _mm512_cvtepi32_epi8(m));
+  } else {
+    store_packed32<BITS>(_mm512_castsi512_si256(c), d);
+    store_packed32<BITS>(_mm512_extracti64x4_epi64(c, 1), d + 4 * BITS);
+  }
+}
+
+/* quantize_packed_t's steps 64 elements a time on 16 lanes: two hashes of 16 pairs (the avx512
+ * quantize_page_v2's lane order, so unpacking a hash's 16-bit halves gives elements 0..15 and
+ * 16..31 in order); the four level vectors narrowed to bytes, whose dwords (4 elements each) come
+ * out as level vector j's block b at dword 4b + j and are put back in element order by one
+ * permutation; the sign bit added where x's sign bit is set and the level is not 0 (64 mask bits in
+ * element order). Returns the elements done (n rounded down to 64). */
+template <int BITS, bool PRE>
+inline uint64_t quantize_packed64(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo, float pre,
+                                  float rq, float s, uint8_t* __restrict dst) {
+  const __m512i key_lo = _mm512_set1_epi32((int)(uint32_t)key);
+  const __m512i key_hi = _mm512_set1_epi32((int)(uint32_t)(key >> 32));
+  const __m512 vpre = _mm512_set1_ps(pre), vrq = _mm512_set1_ps(rq), vcap = _mm512_set1_ps(s * 65536.0f);
+  const __m512i high = _mm512_set1_epi16((short)0xB500); /* (0xB500 << 16) + u = u - QSGD_V2_ROUND_BITS */
+  const __m512i sign = _mm512_set1_epi8((char)(1 << (BITS - 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)(lo >> 1)),
+                                  _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  const __m512i step16 = _mm512_set1_epi32(16);
+  uint64_t k = 0;
+  for (; k + 64 <= n; k += 64) {
+    const float* xk = x + k;
+    for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(xk + 1024 + 16 * line), _MM_HINT_T0);
+    const __m512i y0 = triple32x16(_mm512_add_epi32(_mm512_xor_si512(pair, key_lo), key_hi));
+    const __m512i y1 = triple32x16(_mm512_add_epi32(_mm512_xor_si512(_mm512_add_epi32(pair, step16), key_lo), key_hi));
+    pair = _mm512_add_epi32(pair, _mm512_add_epi32(step16, step16));
+    __mmask16 n0, n1, n2, n3;
+    const __m512i l0 = level16_v2<PRE>(xk, vpre, vrq, vcap, _mm512_unpacklo_epi16(y0, high), &n0);
+    const __m512i l1 = level16_v2<PRE>(xk + 16, vpre, vrq, vcap, _mm512_unpackhi_epi16(y0, high), &n1);
+    const __m512i l2 = level16_v2<PRE>(xk + 32, vpre, vrq, vcap, _mm512_unpacklo_epi16(y1, high), &n2);
+    const __m512i l3 = level16_v2<PRE>(xk + 48, vpre, vrq, vcap, _mm512_unpackhi_epi16(y1, high), &n3);
+    const __m512i lv = _mm512_permutexvar_epi32(
+        order, _mm512_packus_epi16(_mm512_packus_epi32(l0, l1), _mm512_packus_epi32(l2, l3)));
+    const __mmask64 neg = _mm512_test_epi8_mask(lv, lv) &
+                          ((uint64_t)n0 | (uint64_t)n1 << 16 | (uint64_t)n2 << 32 | (uint64_t)n3 << 48);
+    store_packed64<BITS>(_mm512_mask_add_epi8(lv, neg, lv, sign), dst + k / 8 * BITS);
+  }
+  return k;
+}
+#endif
+
 template <int BITS, bool PRE>
 void quantize_packed_t(const float* __restrict x, uint64_t n, uint64_t key, uint32_t lo, float scale,
                        uint8_t* __restrict dst) {
@@ -514,9 +584,12 @@ void quantize_packed_t(const float* __restrict x, uint64_t n, uint64_t key, uint
   const __m256i zero = _mm256_setzero_si256(), one = _mm256_set1_epi8(1);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   /* pairs 0, 1, 4, 5 | 2, 3, 6, 7 of each 8 (quantize_page_v2) */
-  __m256i pair = _mm256_add_epi32(_mm256_set1_epi32((int)(lo >> 1)), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
-  const __m256i step8 = _mm256_set1_epi32(8);
   uint64_t k = 0;
+#if QSGD_HAND_AVX512
+  k = quantize_packed64<BITS, PRE>(x, n, key, lo, pre, rq, s, dst);
+#endif
+  __m256i pair = _mm256_add_epi32(_mm256_set1_epi32((int)((lo + (uint32_t)k) >> 1)), _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+  const __m256i step8 = _mm256_set1_epi32(8);
   for (; k + 32 <= n; k += 32) {
     const float* xk = x + k;
     /* x 1024 elements ahead (two cache lines per 32 elements), from this loop rather than a separate
