@@ -19,7 +19,9 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 group's staging array (zeros between them), encoded as one tensor with their
                 error-feedback residuals (each kept under its member's own key), and the buffer's
                 presence allreduce started, with one more entry: the ranks that could not encode it
-                (then nothing more starts, and every member raises on every rank). With
+                (then nothing more starts, and every member raises on every rank). At a member's
+                decompress, where that member's reduced control vector shows every rank stepping
+                alike, the chain's first collective instead, as with ``overlap`` below. With
                 ``overlap``, its chain's first collective instead (``ExchangeRunner._start_now``):
                 a full buffer goes on the wire during the backward pass, as DDP's buckets do; a rank
                 that could not encode it sends nothing, which every rank sees, and every member
@@ -95,12 +97,15 @@ class FusionBuffers:
         buf.origin = first.origin   # (where an empty payload goes: overlap, a rank that cannot encode it)
         return buf
 
-    def close(self, run, ex):
-        """Member ``ex``'s buffer, closed on the first call for it (the first decompress of a member)."""
+    def close(self, run, ex, direct=None):
+        """Member ``ex``'s buffer, closed on the first call for it (the first decompress of a member);
+        ``direct()``: whether its first collective is its chain's, without a presence allreduce (the
+        member's reduced control vector shows every rank stepping alike)."""
         buf = ex.fused
         with self._lock:
             if self._open.get(buf.group_key) is buf:
                 del self._open[buf.group_key]
+                buf.direct = direct is not None and direct()
                 self._close(run, buf)
         return buf
 

@@ -166,7 +166,7 @@ class ExchangeRunner(ResidualSteps):
         if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
             self.fusion.add(ex, self.start)
             return
-        if ex.settings.overlap and ex.reduction in OVERLAPPED:
+        if (ex.settings.overlap or ex.direct) and ex.reduction in OVERLAPPED:
             self._start_now(ex)
             return
         vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
@@ -263,7 +263,10 @@ class ExchangeRunner(ResidualSteps):
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
         try:
-            fused = None if group is None else group.close(self, ex)   # a fused exchange or a fusion buffer
+            if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
+                fused = group.close(self, ex, lambda: self._stepping_alike(ex, reduced_control))
+            else:
+                fused = None if group is None else group.close(self, ex)   # a fused exchange
         except Exception:
             # its first collective could not start: Horovod has stopped, as it does when a rank that
             # found this step's mismatch raised and exited first. The control vector, reduced already,
@@ -309,6 +312,18 @@ class ExchangeRunner(ResidualSteps):
         if self.policy.observes:
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
+
+    @staticmethod
+    def _stepping_alike(ex, reduced_control):
+        """Whether the reduced control vector passes the check as it is: every rank of the set took
+        part (none has joined) with the same settings, names and layout, and none failed. A fusion
+        buffer closed at a member's decompress then starts its payload collective at once, as with
+        ``overlap``: the presence allreduce could only confirm it."""
+        try:
+            protocol.check_control(reduced_control, ex.world, ex.set_ranks, ex.where)
+        except protocol.MismatchError:
+            return False
+        return True
 
     def run_in_order(self, ex, alpha):
         """The exchange's stages one after another, without presence or control vector, for a

@@ -81,6 +81,7 @@ def check_buffers(n, rank):
         model = layers().to(dtype)
         c = TorchCompressor(seed=SEED, fusion_mb=0.2, creation_index=2000 + i, **cfg)
         started = log_payload_collectives(c)
+        reduced = log_payload_collectives(c, ("allreduce",))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                        named_parameters=model.named_parameters(), compression=c)
         residuals = {}   # (rank, parameter) -> the reference's error-feedback residual
@@ -93,13 +94,20 @@ def check_buffers(n, rank):
             before, mark = len(c.runner.buffers.recent), len(started)
             in_flight = []   # payload collectives started when the input's gradient (the last) is computed
             x = x.to(dtype).requires_grad_(True)
-            x.register_hook(lambda grad: in_flight.append(len(started) - mark))
+            ended = []   # the allreduces started before backward() ends
+            x.register_hook(lambda grad: in_flight.append(len(started) - mark) or ended.append(len(reduced)))
             opt.zero_grad()
             nn.functional.mse_loss(model(x).float(), y).backward()
             opt.step()
             # overlap: the two buffers filled by the last layers' gradients (full, so closed at once)
             # are on the wire before backward() ends; without it nothing before the first decompress
             assert in_flight[0] >= 2 if cfg.get("overlap") else in_flight == [0], (i, in_flight)
+            # the buffer closed at the first decompress starts its chain at once, as every rank steps
+            # alike: no presence allreduce after backward() (without overlap, the full buffers' went
+            # during it)
+            late = [name for name in reduced[ended[0]:] if name.endswith(".present")]
+            assert late == [], (i, step, late)
+            assert cfg.get("overlap") or any(name.endswith(".present") for name in reduced[:ended[0]]), (i, reduced)
             closed = list(c.runner.buffers.recent)[before:]
             check_layouts(closed, model, c.settings.fusion_elements())
             expected = {}
@@ -142,23 +150,26 @@ def check_buffers(n, rank):
             assert st["bytes_sent"] == sent, (i, st["bytes_sent"], sent)
 
 
-def log_payload_collectives(c):
-    """The names of the payload collectives (allgather, alltoall) compressor ``c`` starts, as it
-    starts them."""
+def log_payload_collectives(c, kinds=("allgather", "alltoall")):
+    """The names of the payload collectives (allgather, alltoall; or ``kinds``) compressor ``c``
+    starts, as it starts them."""
     log = []
-    for kind in ("allgather", "alltoall"):
+    for kind in kinds:
         inner = getattr(c.runner.collectives, kind)
         setattr(c.runner.collectives, kind, lambda *a, _inner=inner, **k: log.append(a[-2]) or _inner(*a, **k))
     return log
 
 
 def check_buffer_fault(n, rank):
-    """overlap=True, a buffer the last rank cannot encode (an injected failure of its encode): that
-    rank sends nothing in each of the chain's collectives, every member of the buffer raises on every
-    rank (that rank naming its own failure), nobody waits, and the next exchange works."""
+    """A buffer the last rank cannot encode (an injected failure of its encode), closed at the first
+    decompress: with overlap=True, and with overlap=False, where the member's control vector shows
+    every rank stepping alike and the buffer's chain starts at once as well: that rank sends nothing
+    in each of the chain's collectives, every member of the buffer raises on every rank (that rank
+    naming its own failure), nobody waits, and the next exchange works."""
     from hvd_qsgd.adapters.torch import TorchCompressor
-    for i, red in enumerate(("allgather", "scatter_allgather")):
-        c = TorchCompressor(seed=SEED, fusion_mb=1, overlap=True, reduction=red, creation_index=2200 + i)
+    for i, (red, overlap) in enumerate([(red, overlap) for overlap in (True, False)
+                                        for red in ("allgather", "scatter_allgather")]):
+        c = TorchCompressor(seed=SEED, fusion_mb=1, overlap=overlap, reduction=red, creation_index=2200 + i)
         encode = c.runner.encode
 
         def failing(ex, x, lr=None, _encode=encode):
