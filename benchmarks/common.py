@@ -97,14 +97,44 @@ def ms_quartiles(seconds, median_digits=0):
     return f"{med} [{q1:.0f}-{q3:.0f}]"
 
 
+# AMD's core generations by CPUID family and model range (the model name of a virtual machine's CPU,
+# "AMD EPYC", often says neither)
+AMD_CORES = {23: [(0x00, 0xFF, "Zen/Zen 2")],
+             25: [(0x00, 0x0F, "Zen 3"), (0x10, 0x1F, "Zen 4"), (0x20, 0x2F, "Zen 3"), (0x40, 0x5F, "Zen 3"),
+                  (0x60, 0x7F, "Zen 4"), (0xA0, 0xAF, "Zen 4")],
+             26: [(0x00, 0xFF, "Zen 5")]}
+
+
+def cpu_description(cpuinfo):
+    """The CPU as reports name it, from /proc/cpuinfo's text: its model name, CPUID family and model
+    (and AMD's core generation where known), and its widest vector extension, e.g. "AMD EPYC (family
+    25 model 17, Zen 4; AVX-512)": machines whose model names are alike run the kernels at different
+    speeds."""
+    fields = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break   # the first processor's block
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    details = []
+    if fields.get("cpu family", "").isdigit() and fields.get("model", "").isdigit():
+        family, model = int(fields["cpu family"]), int(fields["model"])
+        core = [c for lo, hi, c in AMD_CORES.get(family, []) if lo <= model <= hi]
+        amd = fields.get("vendor_id") == "AuthenticAMD"
+        details.append(f"family {family} model {model}" + (f", {core[0]}" if amd and core else ""))
+    flags = set(fields.get("flags", "").split())
+    vector = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2" if flags else None
+    return name + (f" ({'; '.join(details + ([vector] if vector else []))})" if details or vector else "")
+
+
 def machine_info():
-    """CPU model, core counts, Python version and the 1-minute load average (a busy machine's
-    timings are noisy; every report records it)."""
-    model = platform.processor() or platform.machine()
+    """CPU (``cpu_description``), core counts, Python version and the 1-minute load average (a busy
+    machine's timings are noisy; every report records it)."""
     try:
         with open("/proc/cpuinfo") as f:
-            model = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+            model = cpu_description(f.read())
+    except OSError:
+        model = platform.processor() or platform.machine()
     return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
                 python=platform.python_version(), load_avg_1min=os.getloadavg()[0])

@@ -48,3 +48,31 @@ def test_kernel_benchmark_rejects_bad_arguments(argv, message, capsys):
     with pytest.raises(SystemExit) as stopped:
         main(["kernels", *argv])
     assert stopped.value.code == 2 and message in capsys.readouterr().err
+
+
+CPUINFO = """processor\t: 0
+vendor_id\t: {vendor}
+cpu family\t: {family}
+model\t\t: {model}
+model name\t: {name}
+flags\t\t: fpu sse2 {flags}
+
+processor\t: 1
+model name\t: another block
+"""
+
+
+@pytest.mark.parametrize("vendor,family,model,name,flags,expected", [
+    ("AuthenticAMD", 25, 1, "AMD EPYC", "avx2", "AMD EPYC (family 25 model 1, Zen 3; AVX2)"),
+    ("AuthenticAMD", 25, 17, "AMD EPYC", "avx2 avx512f avx512bw", "AMD EPYC (family 25 model 17, Zen 4; AVX-512)"),
+    ("AuthenticAMD", 26, 2, "AMD EPYC", "avx2 avx512f", "AMD EPYC (family 26 model 2, Zen 5; AVX-512)"),
+    ("GenuineIntel", 6, 85, "Intel Xeon", "avx2 avx512f", "Intel Xeon (family 6 model 85; AVX-512)"),
+    ("GenuineIntel", 6, 15, "Intel Core 2", "ssse3", "Intel Core 2 (family 6 model 15; no AVX2)"),
+])
+def test_reports_name_the_cpu_generation_and_its_vector_extension(vendor, family, model, name, flags, expected):
+    """Machines whose model names are alike ("AMD EPYC") run the kernels at different speeds: every
+    report names the CPUID family and model, AMD's core generation, and the widest vector extension,
+    from the first processor's block of /proc/cpuinfo."""
+    from benchmarks.common import cpu_description
+    text = CPUINFO.format(vendor=vendor, family=family, model=model, name=name, flags=flags)
+    assert cpu_description(text) == expected
