@@ -123,6 +123,14 @@ def _native_verdict(vector, world_size, set_ranks, present):
     return st, alpha.value, detail.value
 
 
+def control_passes(reduced, world_size, set_ranks):
+    """Whether the reduced control vector passes ``check_control`` as it is: every rank of the set
+    took part (none has joined with ``hvd.join``) with the same settings, names and layout, and none
+    failed; the same answer on every rank."""
+    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
+    return _native_verdict(r.tobytes(), int(world_size), tuple(set_ranks), None)[0] == _native.OK
+
+
 def check_control(reduced, world_size, set_ranks, where, fault_message=None, present=None):
     """Check the reduced control vector; return the gradient scale ``alpha`` or raise MismatchError.
 

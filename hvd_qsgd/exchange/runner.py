@@ -264,7 +264,8 @@ class ExchangeRunner(ResidualSteps):
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
         try:
             if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
-                fused = group.close(self, ex, lambda: self._stepping_alike(ex, reduced_control))
+                # at once where every rank steps alike (the presence allreduce could only confirm it)
+                fused = group.close(self, ex, lambda: protocol.control_passes(reduced_control, ex.world, ex.set_ranks))
             else:
                 fused = None if group is None else group.close(self, ex)   # a fused exchange
         except Exception:
@@ -312,18 +313,6 @@ class ExchangeRunner(ResidualSteps):
         if self.policy.observes:
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
-
-    @staticmethod
-    def _stepping_alike(ex, reduced_control):
-        """Whether the reduced control vector passes the check as it is: every rank of the set took
-        part (none has joined) with the same settings, names and layout, and none failed. A fusion
-        buffer closed at a member's decompress then starts its payload collective at once, as with
-        ``overlap``: the presence allreduce could only confirm it."""
-        try:
-            protocol.check_control(reduced_control, ex.world, ex.set_ranks, ex.where)
-        except protocol.MismatchError:
-            return False
-        return True
 
     def run_in_order(self, ex, alpha):
         """The exchange's stages one after another, without presence or control vector, for a
