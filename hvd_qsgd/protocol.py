@@ -123,12 +123,18 @@ def _native_verdict(vector, world_size, set_ranks, present):
     return st, alpha.value, detail.value
 
 
+def _verdict(reduced, world_size, set_ranks, present=None):
+    """(the reduced control vector as a flat float64 array, status, alpha, detail): the native check's."""
+    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
+    return (r, *_native_verdict(r.tobytes(), int(world_size), tuple(set_ranks),
+                                None if present is None else tuple(present)))
+
+
 def control_passes(reduced, world_size, set_ranks):
     """Whether the reduced control vector passes ``check_control`` as it is: every rank of the set
     took part (none has joined with ``hvd.join``) with the same settings, names and layout, and none
     failed; the same answer on every rank."""
-    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
-    return _native_verdict(r.tobytes(), int(world_size), tuple(set_ranks), None)[0] == _native.OK
+    return _verdict(reduced, world_size, set_ranks)[1] == _native.OK
 
 
 def check_control(reduced, world_size, set_ranks, where, fault_message=None, present=None):
@@ -139,9 +145,7 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None, pre
     others have joined (``hvd.join``, see ``presence_vector``), None for all. Only the reduced vector
     (and the presence every rank reduced alike) decides, so the verdict is the same on every rank.
     """
-    r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
-    st, alpha, detail = _native_verdict(r.tobytes(), int(world_size), tuple(set_ranks),
-                                        None if present is None else tuple(present))
+    r, st, alpha, detail = _verdict(reduced, world_size, set_ranks, present)
     if st == _native.OK:
         return alpha
     if st == _native.E_CTRL_LENGTH:

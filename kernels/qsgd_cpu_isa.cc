@@ -207,6 +207,20 @@ inline __m512i triple32x16(__m512i x) {
   return x;
 }
 
+/* The 16 pairs (32 elements) from pair p0 on in the avx512 loops' lane order: lanes 4b..4b+3 of
+ * 128-bit block b hold pairs 2b, 2b+1, 8+2b, 9+2b, so that interleaving each block's 16-bit halves
+ * gives elements 0..15 (low halves of lanes 4b, 4b+1) and 16..31 (high: lanes 4b+2, 4b+3) in
+ * element order */
+inline __m512i pairs16(uint32_t p0) {
+  return _mm512_add_epi32(_mm512_set1_epi32((int)p0),
+                          _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+}
+
+/* qsgd_pair_hash on 16 lanes of pairs (key_lo, key_hi: the key's halves in every lane) */
+inline __m512i pair_hash16(__m512i pair, __m512i key_lo, __m512i key_hi) {
+  return triple32x16(_mm512_add_epi32(_mm512_xor_si512(pair, key_lo), key_hi));
+}
+
 /* Encoder 2's quantizer on 16 lanes, as quantize8_v2 */
 template <int BITS>
 inline __m512i quantize16_v2(__m512 x, __m512 pre, __m512 rq, __m512 cap, __m512i u) {
@@ -277,18 +291,15 @@ void quantize_page_v2(const float* __restrict x, uint64_t n, uint64_t key, uint3
   }
 #if QSGD_HAND_AVX512
   {
-    /* 16 pairs (32 elements) a vector; lanes 4b..4b+3 of 128-bit block b hold pairs 2b, 2b+1, 8+2b, 9+2b,
-     * so that interleaving each block's 16-bit halves with zeros gives elements 0..15 (low halves of
-     * lanes 4b, 4b+1) and 16..31 (high: lanes 4b+2, 4b+3) in element order */
+    /* 16 pairs (32 elements) a vector, in pairs16's lane order; their halves interleaved with zeros */
     const __m512i key_lo = _mm512_set1_epi32((int)(uint32_t)key);
     const __m512i key_hi = _mm512_set1_epi32((int)(uint32_t)(key >> 32));
     const __m512 vpre = _mm512_set1_ps(pre), vrq = _mm512_set1_ps(rq), vcap = _mm512_set1_ps(s * 65536.0f);
     const __m512i zero = _mm512_setzero_si512();
-    __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)((lo + (uint32_t)k) >> 1)),
-                                    _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+    __m512i pair = pairs16((lo + (uint32_t)k) >> 1);
     const __m512i step16 = _mm512_set1_epi32(16);
     for (; k + 32 <= n; k += 32) {
-      const __m512i y = triple32x16(_mm512_add_epi32(_mm512_xor_si512(pair, key_lo), key_hi));
+      const __m512i y = pair_hash16(pair, key_lo, key_hi);
       pair = _mm512_add_epi32(pair, step16);
       const __m512i c0 = quantize16_v2<BITS>(_mm512_loadu_ps(x + k), vpre, vrq, vcap, _mm512_unpacklo_epi16(y, zero));
       const __m512i c1 = quantize16_v2<BITS>(_mm512_loadu_ps(x + k + 16), vpre, vrq, vcap,
@@ -532,9 +543,8 @@ inline void store_packed64(__m512i c, uint8_t* d) {
   }
 }
 
-/* quantize_packed_t's steps 64 elements a time on 16 lanes: two hashes of 16 pairs (the avx512
- * quantize_page_v2's lane order, so unpacking a hash's 16-bit halves gives elements 0..15 and
- * 16..31 in order); the four level vectors narrowed to bytes, whose dwords (4 elements each) come
+/* quantize_packed_t's steps 64 elements a time on 16 lanes: two hashes of 16 pairs (pairs16's lane
+ * order, so unpacking a hash's 16-bit halves gives elements 0..15 and 16..31 in order); the four level vectors narrowed to bytes, whose dwords (4 elements each) come
  * out as level vector j's block b at dword 4b + j and are put back in element order by one
  * permutation; the sign bit added where x's sign bit is set and the level is not 0 (64 mask bits in
  * element order). Returns the elements done (n rounded down to 64). */
@@ -547,15 +557,14 @@ inline uint64_t quantize_packed64(const float* __restrict x, uint64_t n, uint64_
   const __m512i high = _mm512_set1_epi16((short)0xB500); /* (0xB500 << 16) + u = u - QSGD_V2_ROUND_BITS */
   const __m512i sign = _mm512_set1_epi8((char)(1 << (BITS - 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
-  __m512i pair = _mm512_add_epi32(_mm512_set1_epi32((int)(lo >> 1)),
-                                  _mm512_setr_epi32(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15));
+  __m512i pair = pairs16(lo >> 1);
   const __m512i step16 = _mm512_set1_epi32(16);
   uint64_t k = 0;
   for (; k + 64 <= n; k += 64) {
     const float* xk = x + k;
     for (int line = 0; line < 4; ++line) _mm_prefetch((const char*)(xk + 1024 + 16 * line), _MM_HINT_T0);
-    const __m512i y0 = triple32x16(_mm512_add_epi32(_mm512_xor_si512(pair, key_lo), key_hi));
-    const __m512i y1 = triple32x16(_mm512_add_epi32(_mm512_xor_si512(_mm512_add_epi32(pair, step16), key_lo), key_hi));
+    const __m512i y0 = pair_hash16(pair, key_lo, key_hi);
+    const __m512i y1 = pair_hash16(_mm512_add_epi32(pair, step16), key_lo, key_hi);
     pair = _mm512_add_epi32(pair, _mm512_add_epi32(step16, step16));
     __mmask16 n0, n1, n2, n3;
     const __m512i l0 = level16_v2<PRE>(xk, vpre, vrq, vcap, _mm512_unpacklo_epi16(y0, high), &n0);

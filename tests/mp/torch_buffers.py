@@ -80,8 +80,8 @@ def check_buffers(n, rank):
         dname = str(dtype).replace("torch.", "")
         model = layers().to(dtype)
         c = TorchCompressor(seed=SEED, fusion_mb=0.2, creation_index=2000 + i, **cfg)
-        started = log_payload_collectives(c)
-        reduced = log_payload_collectives(c, ("allreduce",))
+        started = log_collectives(c)
+        reduced = log_collectives(c, ("allreduce",))
         opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                        named_parameters=model.named_parameters(), compression=c)
         residuals = {}   # (rank, parameter) -> the reference's error-feedback residual
@@ -150,9 +150,9 @@ def check_buffers(n, rank):
             assert st["bytes_sent"] == sent, (i, st["bytes_sent"], sent)
 
 
-def log_payload_collectives(c, kinds=("allgather", "alltoall")):
-    """The names of the payload collectives (allgather, alltoall; or ``kinds``) compressor ``c``
-    starts, as it starts them."""
+def log_collectives(c, kinds=("allgather", "alltoall")):
+    """The names of the collectives of ``kinds`` (by default the payload collectives: allgather,
+    alltoall) compressor ``c`` starts, as it starts them."""
     log = []
     for kind in kinds:
         inner = getattr(c.runner.collectives, kind)

@@ -682,14 +682,14 @@ def check_overlap(rank):
     Horovod collectives between steps, which Horovod names by its per-process handle count, still
     meet their partners (the payload collectives start at the same call on every rank)."""
     from hvd_qsgd.adapters.torch import TorchCompressor
-    from torch_buffers import log_payload_collectives
+    from torch_buffers import log_collectives
     for red in ("allgather", "scatter_allgather", "auto"):
         grads, started = {}, {}
         for overlap in (False, True):
             torch.manual_seed(0)
             model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 100))
             c = TorchCompressor(4, seed=SEED, reduction=red, overlap=overlap, error_feedback=True, creation_index=1200)
-            log = log_payload_collectives(c)
+            log = log_collectives(c)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                            named_parameters=model.named_parameters(), compression=c)
             g = torch.Generator().manual_seed(rank)
