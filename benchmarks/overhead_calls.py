@@ -2,10 +2,10 @@
 
 A step of the ``overhead`` benchmark on two ranks sharing two cores moves by more from launch to
 launch than the Python a gradient costs, so this mode times that Python where nothing else runs:
-one process (Horovod of one rank, no ``horovodrun``), K gradients of ``--numel`` elements handed
-to the compressor as Horovod's optimizer hands them (compress each, its control tensor to
-``hvd.allreduce_async_``; then synchronize and decompress each), the compressor given the
-parameters' names. Per mode and K: the median over blocks of 30 steps of the time per call of
+one process (Horovod of one rank, no ``horovodrun``), K parameters of ``--numel`` elements
+(loss = sum of p * x) through ``hvd.DistributedOptimizer`` (zero_grad, backward, step), the
+compressor told nothing (it learns the parameters' names from the optimizer, as it does in a job)
+and wrapped to time its calls. Per mode and K: the median over blocks of 30 steps of the time per call of
 compress, of decompress after the step's first, and of the step's first decompress (which waits for
 the step's collectives and, with fusion buffers, encodes and decodes the buffer), and the step's
 time per gradient. Each tree in ``--trees`` runs in its own process, alternating, ``--repeats`` times.
@@ -32,39 +32,55 @@ def worker(args):
         for k in [int(v) for v in args.tensors.split(",")]:
             torch.manual_seed(0)
             params = [torch.nn.Parameter(torch.randn(args.numel)) for _ in range(k)]
-            for p in params:
-                p.grad = torch.randn(args.numel)
-            named = {} if mode == "none" else {   # (no Horovod optimizer's frames to learn the names from)
-                "named_parameters": [(f"p{i}", p) for i, p in enumerate(params)]}
-            c = compression_of(hvd, hvd_qsgd, mode, **named)
-            spent = [0.0, 0.0, 0.0]
+            xs = [torch.randn(args.numel) for _ in range(k)]   # p's gradient: loss = sum of p * x
+            timed = Timed(compression_of(hvd, hvd_qsgd, mode), clock)
+            opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), compression=timed,
+                                           named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
+            opt._register_hooks()   # (what Horovod's optimizer does itself with more than one rank)
 
             def step():
-                handles = []
-                for i, p in enumerate(params):
-                    t0 = clock()
-                    tensor, ctx = c.compress(p.grad)
-                    spent[0] += clock() - t0
-                    handles.append((hvd.allreduce_async_(tensor, name=f"calls.{i}", op=hvd.Average), ctx))
-                for j, (h, ctx) in enumerate(handles):
-                    out = hvd.synchronize(h)
-                    t0 = clock()
-                    c.decompress(out, ctx)
-                    spent[2 if j == 0 else 1] += clock() - t0
+                timed.first = True
+                opt.zero_grad()
+                sum((p * x).sum() for p, x in zip(params, xs)).backward()
+                opt.step()
 
             for _ in range(args.warmup):
                 step()
             rows = []
             for _ in range(max(1, args.steps // BLOCK)):
-                spent[:] = [0.0, 0.0, 0.0]
+                timed.spent[:] = [0.0, 0.0, 0.0]
                 t0 = clock()
                 for _ in range(BLOCK):
                     step()
                 wall = clock() - t0
+                spent = timed.spent
                 rows.append((spent[0] / BLOCK / k, spent[1] / BLOCK / max(1, k - 1), spent[2] / BLOCK,
                              wall / BLOCK / k))
             results[f"{mode}/{k}"] = [statistics.median(col) for col in zip(*rows)]
     print(json.dumps(results))
+
+
+class Timed:
+    """The compression Horovod's optimizer is given: ``inner``'s compress and decompress, timed
+    (``spent``: compress, decompress after the step's first, the step's first decompress). Its
+    method is named ``compress``, as any wrapper's is, so the compressor still learns the parameter's
+    name and process set from the optimizer's frames (``hvd_qsgd.horovod_caller``)."""
+
+    def __init__(self, inner, clock):
+        self.inner, self.clock, self.spent, self.first = inner, clock, [0.0, 0.0, 0.0], True
+
+    def compress(self, tensor):
+        t0 = self.clock()
+        out = self.inner.compress(tensor)
+        self.spent[0] += self.clock() - t0
+        return out
+
+    def decompress(self, tensor, ctx):
+        t0 = self.clock()
+        out = self.inner.decompress(tensor, ctx)
+        self.spent[2 if self.first else 1] += self.clock() - t0
+        self.first = False
+        return out
 
 
 def run(args, trees, ks, modes):

@@ -10,7 +10,9 @@ differ hand gradients over in different orders). So ``horovod_caller()`` looks a
 frames, Horovod's and nothing else's:
 
 * frames of this package are passed over (the compressor's own ``compress`` calls), and so are
-  TensorFlow's between them (the wrapper of a function autograph leaves unconverted);
+  TensorFlow's between them (the wrapper of a function autograph leaves unconverted) and any
+  function named ``compress`` (a user's subclass or wrapper of the compressor, which calls its
+  ``compress``);
 * then, while the frames are Horovod's modules (``horovod.*``, at most ``DEPTH`` of them), the first
   ``process_set`` argument of a collective (or ``self.process_set`` of Horovod's optimizer) is the set
   of the exchange, and ``self._parameter_names[p]`` of Horovod's PyTorch optimizer is the name of
@@ -54,7 +56,7 @@ def _is_process_set(value: Any) -> bool:
 def horovod_caller() -> Caller:
     """The process set and parameter name Horovod's calling frames hold (see the module docstring)."""
     frame = sys._getframe(1)
-    while frame is not None and _module(frame).startswith(_PASSED_OVER):
+    while frame is not None and (_module(frame).startswith(_PASSED_OVER) or frame.f_code.co_name == "compress"):
         frame = frame.f_back
     process_set, name, where = None, None, ""
     for _ in range(DEPTH):

@@ -26,7 +26,7 @@ PACKAGE = "hvd_qsgd"
 # lowest first; docs/architecture.md explains each
 LAYERS = [
     ("native binding", {"hvd_qsgd._native", "hvd_qsgd._tf_ops", "hvd_qsgd.errors"}),
-    ("codec kernels on arrays", {"hvd_qsgd.codec", "hvd_qsgd.cuda", "hvd_qsgd.threads"}),
+    ("codec kernels on arrays", {"hvd_qsgd.codec", "hvd_qsgd.codec_params", "hvd_qsgd.cuda", "hvd_qsgd.threads"}),
     ("protocol, chunk steps, codec backends", {"hvd_qsgd.protocol", "hvd_qsgd.reduction", "hvd_qsgd.cost_model",
                                                 "hvd_qsgd.result_pool",
                                                 "hvd_qsgd.error_feedback", "hvd_qsgd.backends"}),
@@ -38,7 +38,7 @@ LAYERS = [
                                       "hvd_qsgd.exchange.chains", "hvd_qsgd.exchange.runner",
                                       "hvd_qsgd.exchange.hierarchical", "hvd_qsgd.exchange.fused",
                                       "hvd_qsgd.exchange.buffers", "hvd_qsgd.exchange.residuals",
-                                      "hvd_qsgd.exchange.openings"}),
+                                      "hvd_qsgd.exchange.openings", "hvd_qsgd.exchange.joined"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
                             "hvd_qsgd.adapters.torch_collectives", "hvd_qsgd.adapters.tensorflow",
                             "hvd_qsgd.adapters.tensorflow.compressor", "hvd_qsgd.adapters.tensorflow.graph",

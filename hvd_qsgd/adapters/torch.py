@@ -156,6 +156,9 @@ class TorchCompressor(Compressor):
         ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
                               ps, process_set_ranks(ps, world), hvd.rank(), world, ranks_per_node=per_node)
         ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
+        # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
+        # a decompress (no collective started here moves the handle numbers of unnamed ones)
+        ex.defer = caller.name is not None
         return ex
 
     @staticmethod

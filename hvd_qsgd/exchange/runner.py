@@ -6,10 +6,15 @@ backend's array) from compress to decompress through its reduction's chain of st
                 reduction, chain and backend; what every header must say
     encode      the step seed; the chain's encode, with the error-feedback residual
                 (``ResidualStore``; fused into the backend's encode, on the CPU as on the device)
-    start       the presence allreduce (``protocol.presence_vector``), even after a fault
+    start       the presence allreduce (``protocol.presence_vector``), even after a fault; or, for
+                an exchange whose control vector Horovod's optimizer allreduces under the
+                parameter's name (``defer``), nothing yet
     control     the control vector the adapter hands to Horovod's allreduce
-    finish      the control vector's verdict; the chain's remaining stages (``hvd_qsgd.driver``);
-                the chain's result, or the joined path's (ranks gone to ``hvd.join``)
+    finish      a deferred exchange first starts, with every deferred exchange of its process set:
+                their chains' first collectives where its reduced control vector shows every rank
+                stepping alike, else their presence allreduces; then the control vector's verdict;
+                the chain's remaining stages (``hvd_qsgd.driver``); the chain's result, or the
+                joined path's (ranks gone to ``hvd.join``: ``hvd_qsgd.exchange.joined``)
 
 With ``Settings.fusion``, start keeps an allgather exchange in its group's open fused exchange
 (``hvd_qsgd.exchange.fused``), whose one presence allreduce and one allgather carry every member;
@@ -26,14 +31,23 @@ user's next unnamed collective different names on the two ranks, and it hung (do
 (a fusion buffer's as it closes), on every rank alike, and makes no presence allreduce (no
 ``hvd.join`` then).
 
+A deferred exchange (a gradient from Horovod's optimizer, by default) makes no presence allreduce
+where nothing needs one: the ranks that stepped for the exchange decompressed first step for every
+exchange of that step, so its reduced control vector, where it passes, says what their presence
+allreduces would. Their first collectives then start at that decompress, on every rank alike (the
+verdict is a function of the reduced vector, the same on every rank): one Horovod operation fewer
+per tensor, and no more rounds (the presence allreduces completed with the control vectors). Only
+the optimizer's exchanges defer: an unnamed ``hvd.allreduce(t, compression=...)``, whose control
+vector Horovod names by its handle count, keeps its presence allreduce in compress, so that ranks
+configured with and without ``overlap`` (which starts a collective in compress) take the same
+handle numbers and fail the check instead of hanging.
+
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
 (Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
 instead, and finish returns alpha times that sum, alpha = 1/n for Average as Horovod's own joined
 allreduce gives (``protocol.joined_verdict`` checks the control vector as the stepping ranks').
 Counted in ``stats["joined_exchanges"]`` and logged once.
 """
-import logging
-import os
 import threading
 import time
 from types import SimpleNamespace
@@ -46,33 +60,17 @@ from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
+from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps
 from hvd_qsgd.exchange.openings import Openings
 from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore
 
-log = logging.getLogger("hvd_qsgd")
-_joined_logged = threading.Event()
-
-
-def _note_joined(where, joined):
-    """Log, once per process, that exchanges go uncompressed while ranks have joined."""
-    if not _joined_logged.is_set():
-        _joined_logged.set()
-        log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
-                    "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
-                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
-
-
 # the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
 NO_STAGES = threading.Event()
 NO_STAGES.set()
 
-# the reductions whose first collective ``overlap`` starts in compress
-OVERLAPPED = ("allgather", "scatter_allgather")
-
-
-class ExchangeRunner(ResidualSteps):
+class ExchangeRunner(ResidualSteps, JoinedSteps):
     """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
     and stage driver. Thread-safe."""
 
@@ -91,6 +89,7 @@ class ExchangeRunner(ResidualSteps):
         self._slowdown = report.SlowdownWatch(settings.link_bps())
         self._controls = {}   # the control vectors made so far, by what they say
         self.openings = Openings()   # what each tensor's exchanges start with (``open``)
+        self._deferred = {}   # by process set: exchanges compressed, no collective started yet
 
     # -- compress -----------------------------------------------------------------------------
 
@@ -169,6 +168,16 @@ class ExchangeRunner(ResidualSteps):
         if (ex.settings.overlap or ex.direct) and ex.reduction in OVERLAPPED:
             self._start_now(ex)
             return
+        if ex.defer and ex.reduction in OVERLAPPED:  # started at a decompress (``_start_deferred``)
+            ex.stage = "deferred"
+            with self.lock:
+                self._deferred.setdefault(ex.group, []).append(ex)
+            return
+        self._start_presence(ex)
+
+    def _start_presence(self, ex):
+        """The presence allreduce, after which the driver starts the chain (``_after_presence``)."""
+        ex.stage = "presence"
         vector = protocol.presence_vector(len(ex.set_ranks), ex.set_rank)
         if ex.offsets is not None:  # a fusion buffer: one more entry, the ranks that could not encode it
             vector = np.append(vector, float(ex.fault is not None))
@@ -262,6 +271,8 @@ class ExchangeRunner(ResidualSteps):
         """The exchange's result (the backend's float32 array of numel elements), once the reduced
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
+        if ex.stage == "deferred":
+            self._start_deferred(ex, reduced_control)
         try:
             if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
                 # at once where every rank steps alike (the presence allreduce could only confirm it)
@@ -314,68 +325,25 @@ class ExchangeRunner(ResidualSteps):
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
 
+    def _start_deferred(self, ex, reduced_control):
+        """At a decompress of a deferred exchange ``ex``: the first collective of every exchange of
+        its process set compressed and not yet started, in the order compressed. Where ex's reduced
+        control vector shows every rank of the set stepping alike (no join, no failure, settings and
+        layout agreed: ``protocol.control_passes``), their chains' first collectives at once, as with
+        ``overlap``: the presence allreduce could only confirm it, as the ranks that stepped for ex
+        step for every exchange of the step. Otherwise their presence allreduces, as before: the
+        verdict is a function of the reduced vector, so every rank decides alike."""
+        with self.lock:
+            pending = self._deferred.pop(ex.group, [])
+        direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
+        for e in pending:
+            self._start_now(e) if direct else self._start_presence(e)
+
     def run_in_order(self, ex, alpha):
         """The exchange's stages one after another, without presence or control vector, for a
         library whose collectives block and are matched by call order, where the caller has checked
         that every rank runs the same exchange (``hvd_qsgd.mpi``): the result, alpha * sum."""
         return run_stages(self, ex, alpha)
-
-    def _check_control(self, ex, reduced, carrier):
-        """The control vector's verdict (``protocol.check_control``), where ranks of the set may have
-        joined (``hvd.join``): then the vector is that of the ranks still stepping, and the exchange's
-        presence allreduce (that of ``carrier``, the exchange whose collectives carry ex's payload) must
-        say the same (``protocol.joined_verdict`` tells a join from a reduction over a smaller process
-        set)."""
-        fault = None if ex.fault is None else f"{ex.where}: {ex.fault}"
-        try:
-            return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
-        except protocol.MismatchError as e:
-            verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
-            if verdict is None or ex.set_rank is None:
-                raise
-            if carrier.settings.overlap and carrier.reduction in OVERLAPPED:
-                raise protocol.MismatchError(
-                    f"{ex.where}: ranks of the set have joined (hvd.join), and with overlap=True its payload "
-                    "collective started before that could be known (Horovod cannot carry an allgather or alltoall "
-                    "through a join): pass overlap=False to use hvd.join()") from None
-            present, alpha, certain = verdict
-            if not self._presence_known(carrier, None if certain else protocol.JOIN_WAIT_S):
-                raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "
-                                             "of the set joined (hvd.join) but never took part in this "
-                                             "exchange's presence allreduce)") from None
-            if carrier.present != present:
-                raise protocol.MismatchError(
-                    f"{ex.where}: the control vector was reduced over set ranks {present}, but the ranks "
-                    f"still stepping (not joined with hvd.join) are {carrier.present}") from None
-            return alpha
-
-    def _presence_known(self, ex, timeout):
-        """Wait until the exchange's presence allreduce has completed (``timeout`` seconds at most,
-        None: no limit); whether it has."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while ex.present is None and ex.stage_error is None:
-            if deadline is None:
-                self.driver.finish(ex)
-                break
-            if time.monotonic() > deadline:
-                return False
-            self.driver.advance()
-            time.sleep(1e-3)
-        return ex.present is not None
-
-    def _finish_joined(self, ex, alpha):
-        """With ranks joined: alpha * the sum Horovod's allreduce made of the stepping ranks'
-        dequantized payloads (the joined ranks added zeros), counted as an uncompressed exchange."""
-        out = self.wait(ex.handle)
-        if alpha != 1.0:
-            out = out * alpha
-        self._count_joined(ex)
-        return out
-
-    def _count_joined(self, ex):
-        carrier = ex.fused or ex
-        self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
-        _note_joined(ex.where, len(ex.set_ranks) - len(carrier.present))
 
     # -- elastic training ---------------------------------------------------------------------
 
@@ -387,6 +355,8 @@ class ExchangeRunner(ResidualSteps):
         self.driver.reset()
         self.fusion.clear()
         self.buffers.clear()
+        with self.lock:
+            self._deferred = {}
         if residuals:
             with self.lock:
                 self.residuals.clear()

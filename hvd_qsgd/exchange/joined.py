@@ -1,0 +1,83 @@
+"""The exchange runner's path for ranks gone to ``hvd.join()``: the control vector's verdict where
+ranks of the set may have joined, and the result of an exchange that went uncompressed because they
+had (the stepping ranks allreduce decode(own payload(s)); docs/compressor.md, "Uneven data")."""
+import logging
+import threading
+import time
+
+from hvd_qsgd import protocol
+
+log = logging.getLogger("hvd_qsgd")
+# the reductions whose first collective ``overlap`` starts in compress
+OVERLAPPED = ("allgather", "scatter_allgather")
+_joined_logged = threading.Event()
+
+
+def _note_joined(where, joined):
+    """Log, once per process, that exchanges go uncompressed while ranks have joined."""
+    if not _joined_logged.is_set():
+        _joined_logged.set()
+        log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
+                    "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
+                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
+
+
+class JoinedSteps:
+    """Mixed into ``ExchangeRunner``, whose ``driver``, ``stats`` and ``wait`` it uses."""
+
+    def _check_control(self, ex, reduced, carrier):
+        """The control vector's verdict (``protocol.check_control``), where ranks of the set may have
+        joined (``hvd.join``): then the vector is that of the ranks still stepping, and the exchange's
+        presence allreduce (that of ``carrier``, the exchange whose collectives carry ex's payload) must
+        say the same (``protocol.joined_verdict`` tells a join from a reduction over a smaller process
+        set)."""
+        fault = None if ex.fault is None else f"{ex.where}: {ex.fault}"
+        try:
+            return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
+        except protocol.MismatchError as e:
+            verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
+            if verdict is None or ex.set_rank is None:
+                raise
+            if carrier.settings.overlap and carrier.reduction in OVERLAPPED:
+                raise protocol.MismatchError(
+                    f"{ex.where}: ranks of the set have joined (hvd.join), and with overlap=True its payload "
+                    "collective started before that could be known (Horovod cannot carry an allgather or alltoall "
+                    "through a join): pass overlap=False to use hvd.join()") from None
+            present, alpha, certain = verdict
+            if not self._presence_known(carrier, None if certain else protocol.JOIN_WAIT_S):
+                raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "
+                                             "of the set joined (hvd.join) but never took part in this "
+                                             "exchange's presence allreduce)") from None
+            if carrier.present != present:
+                raise protocol.MismatchError(
+                    f"{ex.where}: the control vector was reduced over set ranks {present}, but the ranks "
+                    f"still stepping (not joined with hvd.join) are {carrier.present}") from None
+            return alpha
+
+    def _presence_known(self, ex, timeout):
+        """Wait until the exchange's presence allreduce has completed (``timeout`` seconds at most,
+        None: no limit); whether it has."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while ex.present is None and ex.stage_error is None:
+            if deadline is None:
+                self.driver.finish(ex)
+                break
+            if time.monotonic() > deadline:
+                return False
+            self.driver.advance()
+            time.sleep(1e-3)
+        return ex.present is not None
+
+    def _finish_joined(self, ex, alpha):
+        """With ranks joined: alpha * the sum Horovod's allreduce made of the stepping ranks'
+        dequantized payloads (the joined ranks added zeros), counted as an uncompressed exchange."""
+        out = self.wait(ex.handle)
+        if alpha != 1.0:
+            out = out * alpha
+        self._count_joined(ex)
+        return out
+
+    def _count_joined(self, ex):
+        carrier = ex.fused or ex
+        self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
+        _note_joined(ex.where, len(ex.set_ranks) - len(carrier.present))
