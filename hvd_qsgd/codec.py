@@ -43,6 +43,7 @@ give the same payload on every run, thread count and device (the CUDA kernels ar
 """
 import ctypes
 import hashlib
+import operator
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
@@ -51,18 +52,10 @@ import numpy as np
 from hvd_qsgd import _native
 from hvd_qsgd.errors import EncodeError, PayloadError  # noqa: F401  (PayloadError: part of this module's API)
 
-CODINGS = {"fixed": 0, "elias": 1}
-NORM_NAMES = ("max", "l2", "sign")
-NORMS = {name: code for code, name in enumerate(NORM_NAMES)}
-DTYPE_NAMES = ("float32", "float16", "bfloat16")
-DTYPES = {name: code for code, name in enumerate(DTYPE_NAMES)}
-MAX_BUCKET = 0x7FFFFFFF
-MAX_SEED = 2**64 - 1
-HEADER_BYTES = _native.HEADER_BYTES
-FLAG_CHECKSUM = 1
-FLAG_ENCODER2 = 2
-ENCODERS = (1, 2)   # encoder versions (docs/wire-format.md, "Encoders"); 2 is the default
-DEFAULT_ENCODER = 2
+from hvd_qsgd.codec_params import (  # noqa: F401  (part of this module's API)
+    CODINGS, DEFAULT_ENCODER, DTYPE_NAMES, DTYPES, ENCODERS, FLAG_CHECKSUM, FLAG_ENCODER2, HEADER_BYTES, MAX_BUCKET,
+    MAX_SEED, NORM_NAMES, NORMS, _check_bits, _check_bucket, _check_choice, _check_u64, check_encoder, config_template,
+    is_bool, is_integer, make_config)
 
 
 @dataclass(frozen=True)
@@ -86,68 +79,6 @@ class Header:
     @property
     def levels(self):
         return levels(self.bits)
-
-
-# ---- parameter checks: one message per parameter, naming it and the value -----------------------
-def is_integer(v):
-    """An int or NumPy integer, not a bool (True is not a bit width)."""
-    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
-
-
-def is_bool(v):
-    return isinstance(v, (bool, np.bool_))
-
-
-def _check_bits(bits):
-    if not is_integer(bits) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8, got {bits!r}")
-    return int(bits)
-
-
-def _check_bucket(bucket_size):
-    if not is_integer(bucket_size) or not 1 <= bucket_size <= MAX_BUCKET:
-        raise ValueError(f"bucket_size must be an integer in 1..{MAX_BUCKET}, got {bucket_size!r}")
-    return int(bucket_size)
-
-
-def _check_u64(name, v):
-    if not is_integer(v) or not 0 <= v <= MAX_SEED:
-        raise ValueError(f"{name} must be an integer in 0..2**64-1, got {v!r}")
-    return int(v)
-
-
-def check_encoder(encoder):
-    """The encoder version, 1 or 2 (ValueError otherwise)."""
-    if not is_integer(encoder) or int(encoder) not in ENCODERS:
-        raise ValueError(f"encoder must be 1 or 2 (the encoder version, docs/wire-format.md), got {encoder!r}")
-    return int(encoder)
-
-
-def _check_choice(name, v, choices):
-    if not isinstance(v, str) or v not in choices:
-        raise ValueError(f"{name} must be one of {sorted(choices)}, got {v!r}")
-    return choices[v]
-
-
-def make_config(bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: int = 0, coding: str = "fixed",
-                fingerprint: int = 0, checksum: bool = True, dtype: str = "float32",
-                encoder: int = DEFAULT_ENCODER) -> "_native.Config":
-    """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
-    encoder = check_encoder(encoder)
-    cfg = _native.Config(
-        bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
-        norm=_check_choice("norm", norm, NORMS), dtype=_check_choice("dtype", dtype, DTYPES),
-        bucket_size=_check_bucket(bucket_size),
-        flags=(FLAG_CHECKSUM if checksum else 0) | (FLAG_ENCODER2 if encoder == 2 else 0),
-        seed=_check_u64("seed", seed), fingerprint=_check_u64("fingerprint", fingerprint))
-    if norm == "sign" and cfg.bits != 1:
-        raise ValueError(f"norm='sign' needs bits=1 (the scaled sign is one bit per coordinate), got bits={bits!r}")
-    if norm == "sign" and coding != "fixed":
-        raise ValueError(f"norm='sign' needs coding='fixed' (one bit per coordinate has nothing for the Elias "
-                         f"coding to skip), got coding={coding!r}")
-    if coding == "elias" and cfg.bits < 2:
-        raise ValueError("coding='elias' needs bits >= 2 (QSGD(1) has no zero level to skip)")
-    return cfg
 
 
 def levels(bits: int) -> int:
@@ -176,8 +107,13 @@ def tensor_fingerprint(name: str, shape: Sequence[int] = (), dtype: str = "") ->
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little")
 
 
+_FLOAT32 = np.dtype(np.float32)
+
+
 def _as_float32(x, what):
     """A C-contiguous float32 view or copy of x, and the source dtype code."""
+    if type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous:
+        return x.reshape(-1), 0
     x = np.asarray(x)
     name = x.dtype.name
     if name not in DTYPE_NAMES:
@@ -216,12 +152,14 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     ``encoder``: the encoder version (2, the default, or 1 to reproduce payloads of earlier releases;
     docs/wire-format.md, "Encoders"); decoders read both.
     """
-    cfg = make_config(bits, bucket_size, norm, seed, coding, fingerprint, checksum, encoder=encoder)
+    cfg = _native.Config.from_buffer_copy(config_template(bits, bucket_size, norm, coding, checksum, encoder))
+    cfg.seed, cfg.fingerprint = _check_u64("seed", seed), _check_u64("fingerprint", fingerprint)
     flat, cfg.dtype = _as_float32(x, name)
     if source_dtype is not None:
         cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
     n = flat.size
-    cap = max_payload_nbytes(n, cfg.bits, cfg.bucket_size, coding)
+    lib = _native.load()
+    cap = int((lib.qsgd_elias_max_nbytes if cfg.coding else lib.qsgd_fixed_nbytes)(n, cfg.bits, cfg.bucket_size))
     given = out is not None
     if not given:
         out = np.empty(cap, dtype=np.uint8)
@@ -233,8 +171,7 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     else:
         cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
-                                        ctypes.byref(out_len))
+    st = lib.qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap, ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if given:
@@ -261,11 +198,16 @@ def _raw_fields(p):
 
 
 def _header_from_c(h):
-    return Header(
+    """The Header of a parsed (checked) C header: its fields set directly, as ``Header(...)`` would
+    (a frozen dataclass's constructor sets each through ``object.__setattr__``: a third of a
+    header's parse, once per payload received)."""
+    header = object.__new__(Header)
+    header.__dict__.update(
         version=h.version, coding=("fixed", "elias")[h.coding], bits=h.bits,
         norm=NORM_NAMES[h.norm], dtype=DTYPE_NAMES[h.dtype], checksum_flag=bool(h.flags & FLAG_CHECKSUM),
         encoder=2 if h.flags & FLAG_ENCODER2 else 1, bucket_size=h.bucket_size, numel=h.numel, payload_len=h.payload_len,
         fingerprint=h.fingerprint, segment_buckets=h.segment_buckets, checksum=h.checksum)
+    return header
 
 
 def read_header(payload: Any, where: str = "payload") -> Header:
@@ -311,6 +253,11 @@ def split_payloads(buffer: Any, count: Optional[int] = None, where: str = "buffe
     return out
 
 
+# what payloads summed together must share
+SUMMED_FIELDS = ("numel", "fingerprint", "bits", "bucket_size", "coding", "norm", "dtype")
+_summed_fields = operator.attrgetter(*SUMMED_FIELDS)
+
+
 def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.ndarray] = None,
                accumulate: bool = False, where: str = "decode_sum",
                headers: Optional[Sequence[Header]] = None) -> np.ndarray:
@@ -326,8 +273,9 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     if headers is None:
         headers = [read_header(p, f"{where}: payload {i} of {len(ps)}") for i, p in enumerate(ps)]
     h0 = headers[0]
+    shared = _summed_fields(h0)
     for i, h in enumerate(headers[1:], 1):
-        for field in ("numel", "fingerprint", "bits", "bucket_size", "coding", "norm", "dtype"):
+        for field in (() if _summed_fields(h) == shared else SUMMED_FIELDS):
             if getattr(h, field) != getattr(h0, field):
                 raise PayloadError(
                     f"{where}: payload {i} of {len(ps)} has {field}={getattr(h, field)!r} but payload 0 "
