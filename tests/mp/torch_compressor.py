@@ -676,7 +676,8 @@ def check_overlap(rank):
     running (seen from a hook on the input, whose gradient backward computes last), and the results
     are overlap=False's bit for bit (allgather, scatter_allgather, auto; error feedback); unnamed
     Horovod collectives between steps, which Horovod names by its per-process handle count, still
-    meet their partners (the payload collectives start at the same call on every rank)."""
+    meet their partners (the payload collectives start at the same call on every rank). Neither
+    makes a presence allreduce (no rank joins)."""
     from hvd_qsgd.adapters.torch import TorchCompressor
     from torch_buffers import log_collectives
     for red in ("allgather", "scatter_allgather", "auto"):
@@ -686,6 +687,7 @@ def check_overlap(rank):
             model = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 300), nn.ReLU(), nn.Linear(300, 100))
             c = TorchCompressor(4, seed=SEED, reduction=red, overlap=overlap, error_feedback=True, creation_index=1200)
             log = log_collectives(c)
+            reduced = log_collectives(c, ("allreduce",))
             opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
                                            named_parameters=model.named_parameters(), compression=c)
             g = torch.Generator().manual_seed(rank)
@@ -699,6 +701,9 @@ def check_overlap(rank):
                 grads[overlap].append([p.grad.clone() for p in model.parameters() if p.numel() >= 10000])
                 hvd.allreduce(torch.ones(1))
                 hvd.grouped_allreduce([torch.ones(3), torch.ones(2)])
+            # no presence allreduce: overlap makes none, and without it the step's first reduced
+            # control vector shows every rank stepping (the optimizer's gradients defer)
+            assert reduced == [], (red, overlap, reduced)
         # the two later layers' gradients (computed first) are in flight before backward() ends
         assert started[False] == [0, 0, 0] and all(k >= 2 for k in started[True]), (red, started)
         for a, b in zip(grads[False], grads[True]):
