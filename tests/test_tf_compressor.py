@@ -312,3 +312,38 @@ def test_the_encoder_setting_reaches_the_tensorflow_ops():
         else:
             assert c["sent"] == [want], c
             assert c["reduced"] == ([want] if c["reduction"] == "scatter_allgather" else []), c
+
+
+UNORDERED = r'''
+import json
+import numpy as np
+import tensorflow as tf
+import horovod.tensorflow as hvd
+import hvd_qsgd.tensorflow
+hvd.init()   # one process: the step is traced, not run across ranks
+cases = []
+for red in ("allgather", "scatter_allgather"):
+    vs = [tf.Variable(np.full(20000, i + 1.0, np.float32)) for i in range(4)]
+    c = hvd_qsgd.tensorflow.QSGD(4, reduction=red, error_feedback=True)
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
+        return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+    graph = tf.function(step).get_concrete_function().graph
+    branches = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
+    chained = [(op.name, dep.name) for op in branches for dep in op.control_inputs if dep in branches]
+    cases.append(dict(reduction=red, branches=len(branches), chained=chained))
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
+    """In a traced DistributedGradientTape step, each gradient's exchange runs in a tf.cond of its own
+    (Horovod's), and every one adds to the compressor's statistics counters. TensorFlow orders the
+    stateful branches that touch one resource: the counters made each gradient's branch wait for the
+    one before, so a step's exchanges ran one after another (docs/performance.md). No branch has
+    another among its control inputs (hvd_qsgd.adapters.tensorflow.accumulators)."""
+    cases = snippet_cases(UNORDERED)
+    assert [c["reduction"] for c in cases] == ["allgather", "scatter_allgather"]
+    for c in cases:
+        assert c["branches"] == 4 and c["chained"] == [], c

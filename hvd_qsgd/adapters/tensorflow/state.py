@@ -12,7 +12,7 @@ import tensorflow as tf
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from hvd_qsgd import cost_model, protocol, reduction
-from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
+from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
 from hvd_qsgd.settings import Stats
 
 
@@ -61,6 +61,7 @@ class TensorFlowState:
                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
                                   for k in Stats.GRAPH_FIELDS}
                 _initialize_in_session(self._counters.values())
+                accumulators.register(self._counters.values())
         return self._counters
 
     def _timing_vars(self):
@@ -74,6 +75,7 @@ class TensorFlowState:
                 self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
                                                               name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
                 _initialize_in_session(self._timing.values())
+                accumulators.register(self._timing.values())
         return self._timing
 
     def _timed(self, field, inputs, make):
