@@ -70,6 +70,7 @@ from hvd_qsgd.state import ExchangeNames, ResidualStore
 NO_STAGES = threading.Event()
 NO_STAGES.set()
 
+
 class ExchangeRunner(ResidualSteps, JoinedSteps):
     """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
     and stage driver. Thread-safe."""
@@ -153,7 +154,8 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
 
     def start(self, ex):
         """Start the exchange's presence allreduce, also after a fault (the other ranks count on it;
-        the control vector reports the fault)."""
+        the control vector reports the fault); or its chain's first collective (``overlap``, a fusion
+        buffer's ``direct``); or nothing yet (``defer``: ``_start_deferred``)."""
         ex.stage = "presence"
         if ex.set_rank is None:  # not in the set: the control check raises on every rank
             ex.started = NO_STAGES
@@ -271,9 +273,9 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         """The exchange's result (the backend's float32 array of numel elements), once the reduced
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
-        if ex.stage == "deferred":
-            self._start_deferred(ex, reduced_control)
         try:
+            if ex.stage == "deferred":  # the step's deferred exchanges start now
+                self._start_deferred(ex, reduced_control)
             if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
                 # at once where every rank steps alike (the presence allreduce could only confirm it)
                 fused = group.close(self, ex, lambda: protocol.control_passes(reduced_control, ex.world, ex.set_ranks))
@@ -284,7 +286,8 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             # found this step's mismatch raised and exited first. The control vector, reduced already,
             # names that mismatch here too, where it shows one; else the error stands
             self.names.finish(ex.route)
-            group.clear()
+            if group is not None:
+                group.clear()
             protocol.check_control(reduced_control, ex.world, ex.set_ranks, ex.where)
             raise
         carrier = fused or ex   # the exchange whose collectives carry ex's payload
