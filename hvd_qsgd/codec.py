@@ -90,14 +90,21 @@ def payload_nbytes(numel: int, bits: int = 4, bucket_size: int = 512) -> int:
     """Exact payload length of the fixed coding: 56 + 4 * ceil(numel / B) + ceil(numel * bits / 8)."""
     if isinstance(numel, bool) or not isinstance(numel, (int, np.integer)) or numel < 0:
         raise ValueError(f"numel must be a non-negative integer, got {numel!r}")
-    return int(_native.load().qsgd_fixed_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
+    return _nbytes_bound(int(numel), _check_bits(bits), _check_bucket(bucket_size), CODINGS["fixed"])
 
 
 def max_payload_nbytes(numel: int, bits: int = 4, bucket_size: int = 512, coding: str = "fixed") -> int:
     """An upper bound of the payload length (exact for the fixed coding)."""
-    if _check_choice("coding", coding, CODINGS) == 0:
+    code = _check_choice("coding", coding, CODINGS)
+    if code == 0:
         return payload_nbytes(numel, bits, bucket_size)
-    return int(_native.load().qsgd_elias_max_nbytes(int(numel), _check_bits(bits), _check_bucket(bucket_size)))
+    return _nbytes_bound(int(numel), _check_bits(bits), _check_bucket(bucket_size), code)
+
+
+def _nbytes_bound(numel, bits, bucket_size, coding_code):
+    """The kernels' bound of a payload's length, exact for the fixed coding (arguments checked)."""
+    lib = _native.load()
+    return int((lib.qsgd_elias_max_nbytes if coding_code else lib.qsgd_fixed_nbytes)(numel, bits, bucket_size))
 
 
 def tensor_fingerprint(name: str, shape: Sequence[int] = (), dtype: str = "") -> int:
@@ -158,8 +165,7 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     if source_dtype is not None:
         cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
     n = flat.size
-    lib = _native.load()
-    cap = int((lib.qsgd_elias_max_nbytes if cfg.coding else lib.qsgd_fixed_nbytes)(n, cfg.bits, cfg.bucket_size))
+    cap = _nbytes_bound(n, cfg.bits, cfg.bucket_size, cfg.coding)
     given = out is not None
     if not given:
         out = np.empty(cap, dtype=np.uint8)
@@ -171,7 +177,8 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     else:
         cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = lib.qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap, ctypes.byref(out_len))
+    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
+                                        ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if given:
@@ -275,7 +282,9 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     h0 = headers[0]
     shared = _summed_fields(h0)
     for i, h in enumerate(headers[1:], 1):
-        for field in (() if _summed_fields(h) == shared else SUMMED_FIELDS):
+        if _summed_fields(h) == shared:
+            continue
+        for field in SUMMED_FIELDS:   # (the first that differs, named)
             if getattr(h, field) != getattr(h0, field):
                 raise PayloadError(
                     f"{where}: payload {i} of {len(ps)} has {field}={getattr(h, field)!r} but payload 0 "

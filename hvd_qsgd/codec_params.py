@@ -95,10 +95,12 @@ def config_template(bits, bucket_size, norm, coding, checksum, encoder) -> "_nat
     key += tuple(type(v) for v in key)
     try:
         cfg = _templates.get(key)
-    except TypeError:   # an unhashable value: make_config's check names it
-        return make_config(bits, bucket_size, norm, 0, coding, 0, checksum, encoder=encoder)
+    except TypeError:   # an unhashable value: make_config's check names it (nothing is kept)
+        cfg, key = None, None
     if cfg is None:
         cfg = make_config(bits, bucket_size, norm, 0, coding, 0, checksum, encoder=encoder)
+        if key is None:
+            return cfg
         if len(_templates) >= TEMPLATES_KEPT:
             _templates.clear()
         _templates[key] = cfg

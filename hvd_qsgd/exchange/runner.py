@@ -339,8 +339,9 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         with self.lock:
             pending = self._deferred.pop(ex.group, [])
         direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
+        start = self._start_now if direct else self._start_presence
         for e in pending:
-            self._start_now(e) if direct else self._start_presence(e)
+            start(e)
 
     def run_in_order(self, ex, alpha):
         """The exchange's stages one after another, without presence or control vector, for a

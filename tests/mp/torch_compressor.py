@@ -126,16 +126,13 @@ def check_identical(t, what):
         assert torch.equal(c, copies[0]), f"{what}: rank {r} differs from rank 0"
 
 
-def record_order(compressor):
-    """Wrap ``compressor.compress`` (as a user may) to log, in call order, which tensors reached it."""
-    log = []
+def wrap_compress(compressor):
+    """Wrap ``compressor.compress`` in a function of the test's own, as a user may."""
     inner = compressor.compress
 
     def compress(tensor):
-        log.append(tensor)
         return inner(tensor)
     compressor.compress = compress
-    return log
 
 
 def optimizer_step(model, compressor, passes=1, **kwargs):
@@ -153,11 +150,11 @@ def optimizer_step(model, compressor, passes=1, **kwargs):
 def check_optimizer(model, compressor, bits, bucket, passes=1, scale=None, **kwargs):
     """After one synchronized step every gradient equals its reference, on every rank. The exchanges
     are named by parameter: the names given to the compressor, or those Horovod's optimizer holds
-    (learned through ``record_order``'s wrapper as without it, also on the grouped path)."""
+    (learned through ``wrap_compress``'s wrapper as without it, also on the grouped path)."""
     n, rank = hvd.size(), hvd.rank()
     mine = local_grads(model, rank, passes)
     all_grads = {k: gather(v) for k, v in mine.items()}
-    record_order(compressor)
+    wrap_compress(compressor)
     optimizer_step(model, compressor, passes, **kwargs)
     params = dict(model.named_parameters())
     scale = 1.0 / n if scale is None else scale
