@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 8  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 9  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -161,6 +161,9 @@ def load():
         lib.qsgd_decode_sum_cpu.restype = _I32
         lib.qsgd_decode_sum_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
                                             ctypes.c_float, _P, _U64, _I32]
+        lib.qsgd_decode_gathered_cpu.restype = _I32
+        lib.qsgd_decode_gathered_cpu.argtypes = [_P, _U64, _I32, ctypes.POINTER(CHeader), ctypes.c_float, _P, _U64,
+                                                 ctypes.POINTER(_U64)]
         lib.qsgd_step_seed.restype = _U64
         lib.qsgd_step_seed.argtypes = [_U64, _U64]
         lib.qsgd_control_length.restype = ctypes.c_int64

@@ -13,6 +13,8 @@ signatures, same payload bytes for the same input, settings and seed:
     split, split_by, read_headers; length, total, sizes, slice, check_size, checked_sizes,
     raise_if_failed, scaled; float32, repeat, concat, empty_bytes, zeros, place, place_bytes, host
 
+What both share is ``hvd_qsgd.backend_host.HostCountedBackend``.
+
 ``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
 reads) and update it in place: the one error-feedback path, on the CPU as on the device.
 
@@ -29,86 +31,14 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 
 from hvd_qsgd import _native, codec, cuda, protocol, reduction
+from hvd_qsgd.backend_host import HostCountedBackend
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.result_pool import ResultPool
 
 log = logging.getLogger("hvd_qsgd")
 
 
-class _HostCountedBackend:
-    """What the CPU and CUDA backends do alike: sizes counted on the host, in Python numbers; the
-    gathered payloads checked by their headers before they are decoded; the phase-2 frames
-    (``reduction.frame``, 8 bytes of length before each reduced chunk) cut on the host."""
-
-    reduces_across_nodes = True   # the hierarchical cross stage may run scatter_allgather (frames)
-
-    def total(self, lens) -> int:
-        return int(sum(lens))
-
-    @staticmethod
-    def slice(x, begin: int, size: int):
-        return x[begin:begin + size]
-
-    @staticmethod
-    def sizes(lens, n: int) -> List[int]:
-        return [int(v) for v in lens]
-
-    def check_size(self, x, expected: int, message) -> None:  # MismatchError(message(found)) if it differs
-        if self.length(x) != expected:
-            raise MismatchError(message(self.length(x)))
-
-    def decode_report(self, buffer, lens, count: int, expect, where: str):
-        """(the checked decode-sum of the ``count`` payloads in ``buffer``, None) or (nothing, why not)."""
-        try:
-            payloads = self.split_by(buffer, [v for v in lens if v])
-            if len(payloads) != count:
-                raise MismatchError(f"{where}: received {len(payloads)} payloads, expected {count}")
-            return self._checked_sum(payloads, 1.0, expect, where), None
-        except Exception as error:
-            return self.zeros(0, buffer), error
-
-    @staticmethod
-    def checked_sizes(out, got, expected, message, error=None):
-        """``out``, once the parts it is made of had the ``expected`` sizes (``got``); else
-        ``MismatchError(message(the indices whose size differs))``."""
-        empty = [j for j in range(len(expected)) if got[j] != expected[j]]
-        if empty:
-            raise MismatchError(message(empty))
-        return out
-
-    @staticmethod
-    def scaled(out, alpha):
-        return out if alpha == 1.0 else out * alpha
-
-    def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
-        """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked
-        against ``expect``; the payloads' lengths)."""
-        payloads = self.split(gathered, count, own_len, where, headers := [])   # (headers read once, there)
-        return self._checked_sum(payloads, alpha, expect, where, headers), [self.length(p) for p in payloads]
-
-    def _checked_sum(self, payloads, alpha, expect, where, headers=None):
-        """alpha * the decoded sum of ``payloads``, once their headers (read here, or given) agreed with ``expect``."""
-        headers = headers or self.read_headers(payloads, where)
-        protocol.check_gathered(headers, expect, where)
-        return self.decode_sum(payloads, alpha, where, headers)
-
-    def unframe(self, gathered, n: int, where: str) -> list:
-        """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their
-        lengths read on the host: a copy of the frames where they are on a device)."""
-        return [self.place_bytes(c, gathered) for c in reduction.unframe(self.host(gathered), n, where)]
-
-    def part_bytes(self, parts, ranks) -> int:
-        """The bytes the ``ranks``' phase-2 parts took on the wire, each in its frame."""
-        return sum(8 + self.length(parts[k]) for k in ranks)
-
-    @staticmethod
-    def raise_if_failed(error, message: str) -> None:
-        """Raise ``MismatchError(message: error)`` where a step of this rank failed (``error`` not None)."""
-        if error is not None:
-            raise MismatchError(f"{message}: {error}") from error
-
-
-class CpuBackend(_HostCountedBackend):
+class CpuBackend(HostCountedBackend):
     """The CPU kernels on NumPy arrays (``hvd_qsgd.codec``, ``hvd_qsgd.reduction``); results in ``pool``."""
 
     name = "cpu"
@@ -189,6 +119,14 @@ class CpuBackend(_HostCountedBackend):
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
         return [codec.read_header(p, f"{where} from rank {r}") for r, p in enumerate(payloads)]
 
+    def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
+        """As the host-counted backends', in one native call (``codec.decode_gathered``): where that
+        fails, their path names the payload and the field that do (the same checks)."""
+        try:
+            return codec.decode_gathered(gathered, count, expect, alpha, self.pool.take(expect.numel))
+        except codec.PayloadError:
+            return super().decode_gathered(gathered, count, own_len, alpha, expect, where)
+
     def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None) -> np.ndarray:
         out = self.pool.take(headers[0].numel) if headers else self.pool.take_for(payloads)
         return codec.decode_sum(payloads, alpha, out=out, where=where, headers=headers)
@@ -228,7 +166,7 @@ class CpuBackend(_HostCountedBackend):
         return reduction.decode_chunks(payloads, alpha, numel, bucket_size, out=self.pool.take(numel), where=where)
 
 
-class CudaBackend(_HostCountedBackend):
+class CudaBackend(HostCountedBackend):
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
     decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing
     rank's residual a CUDA tensor the reduce kernel updates in place), and the Elias coding's encode

@@ -312,6 +312,31 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     return out
 
 
+def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
+                    out: Optional[np.ndarray] = None) -> tuple:
+    """(``scale`` * the decoded sum of the ``count`` payloads back to back in ``buffer``, what an
+    allgather returns; their lengths) in one native call: each payload is cut at its header's length,
+    they must fill the buffer, and each header must agree with ``expect`` (anything with the fields
+    numel, fingerprint, bits, bucket_size, coding, norm, dtype). The same checks and arithmetic as
+    ``split_payloads``, a comparison of the headers and ``decode_sum``; where one fails this raises a
+    ``PayloadError`` with the status only (those name the payload and the field)."""
+    buf = _as_bytes(buffer, "gathered payloads")
+    n = int(expect.numel)
+    if out is None:
+        out = np.empty(n, dtype=np.float32)
+    elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous:
+        raise ValueError(f"decode_gathered: out must be a C-contiguous float32 array of {n} elements")
+    want = _native.CHeader(bits=expect.bits, bucket_size=expect.bucket_size, norm=NORMS[expect.norm],
+                           coding=CODINGS[expect.coding], numel=n, dtype=DTYPES[expect.dtype],
+                           fingerprint=expect.fingerprint)
+    lens = (ctypes.c_uint64 * max(1, count))()
+    st = _native.load().qsgd_decode_gathered_cpu(buf.ctypes.data, buf.size, count, ctypes.byref(want), float(scale),
+                                                 out.ctypes.data, n, lens)
+    if st != _native.OK:
+        raise PayloadError(f"gathered payloads: {_native.status_string(st)}", st)
+    return out, lens[:count]
+
+
 def decode(payload: Any, where: str = "decode") -> np.ndarray:
     """Decode one payload to a 1-D float32 array (the adapters restore shape and dtype)."""
     return decode_sum([payload], 1.0, where=where)

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 8
+#define QSGD_ABI_VERSION 9
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -128,6 +128,13 @@ int32_t qsgd_validate_cpu(const uint8_t* payload, uint64_t len);
  * payload is validated completely before out is written. */
 int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                             float alpha, float* out, uint64_t n, int32_t accumulate);
+/* An allgather's result, buf[0:len): count payloads back to back, each cut at its header's
+ * payload_len (lens[p] receives it), which must fill the buffer exactly and each agree with
+ * expect's numel, fingerprint, bits, bucket size, coding, norm and dtype (QSGD_E_MISMATCH
+ * otherwise); then qsgd_decode_sum_cpu of them into out[0:n) (n = expect->numel), not accumulating.
+ * On any error out is not written; the caller names the payload and field from the same checks. */
+int32_t qsgd_decode_gathered_cpu(const uint8_t* buf, uint64_t len, int32_t count, const qsgd_header* expect,
+                                 float alpha, float* out, uint64_t n, uint64_t* lens);
 /* Threads the CPU codec uses (OpenMP); n <= 0 restores the default. */
 void qsgd_set_num_threads(int32_t n);
 int32_t qsgd_get_num_threads(void);

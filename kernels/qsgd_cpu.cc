@@ -479,6 +479,29 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
   return st;
 }
 
+extern "C" int32_t qsgd_decode_gathered_cpu(const uint8_t* buf, uint64_t len, int32_t count,
+                                            const qsgd_header* expect, float alpha, float* out, uint64_t n,
+                                            uint64_t* lens) {
+  if (count < 1 || !expect || !lens || (len && !buf) || expect->numel != n) return QSGD_E_ARG;
+  const uint8_t** ptrs = (const uint8_t**)malloc(sizeof(const uint8_t*) * (size_t)count);
+  if (!ptrs) return QSGD_E_NOMEM;
+  int32_t st = QSGD_OK;
+  uint64_t off = 0;
+  for (int32_t p = 0; p < count && st == QSGD_OK; ++p) {
+    qsgd_header h;
+    st = off < len ? qsgd_parse_header(buf + off, len - off, &h) : QSGD_E_LENGTH;
+    if (st != QSGD_OK) break;
+    if (!same_tensor(expect, &h)) st = QSGD_E_MISMATCH;
+    ptrs[p] = buf + off;
+    lens[p] = h.payload_len;
+    off += h.payload_len;
+  }
+  if (st == QSGD_OK && off != len) st = QSGD_E_LENGTH;
+  if (st == QSGD_OK) st = qsgd_decode_sum_cpu(ptrs, lens, count, alpha, out, n, 0);
+  free(ptrs);
+  return st;
+}
+
 extern "C" void qsgd_set_num_threads(int32_t n) { g_threads.store(n > 0 ? n : 0); }
 extern "C" int32_t qsgd_get_num_threads(void) {
   const int t = g_threads.load();

@@ -29,7 +29,7 @@ LAYERS = [
     ("codec kernels on arrays", {"hvd_qsgd.codec", "hvd_qsgd.codec_params", "hvd_qsgd.cuda", "hvd_qsgd.threads"}),
     ("protocol, chunk steps, codec backends", {"hvd_qsgd.protocol", "hvd_qsgd.reduction", "hvd_qsgd.cost_model",
                                                 "hvd_qsgd.result_pool",
-                                                "hvd_qsgd.error_feedback", "hvd_qsgd.backends"}),
+                                                "hvd_qsgd.error_feedback", "hvd_qsgd.backends", "hvd_qsgd.backend_host"}),
     ("settings and state objects", {"hvd_qsgd.settings", "hvd_qsgd.dynamic", "hvd_qsgd.policy",
                                     "hvd_qsgd.state", "hvd_qsgd.driver", "hvd_qsgd.report",
                                     "hvd_qsgd.horovod_caller", "hvd_qsgd.step_built",

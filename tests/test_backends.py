@@ -121,3 +121,60 @@ def test_the_two_encoders_give_different_payloads_of_one_layout():
     for p in (one, two):   # both decode within QSGD's bound: at most scale / s per coordinate
         scale = np.abs(np.pad(x, (0, -x.size % 512))).reshape(-1, 512).max(axis=1)
         assert np.all(np.abs(codec.decode(p) - x) <= np.repeat(scale / codec.levels(4), 512)[:x.size] * (1 + 1e-5))
+
+
+def _gathered(coding, count, numel=3000, fingerprint=7):
+    x = np.random.default_rng(0).standard_normal(numel).astype(np.float32)
+    payloads = [codec.encode(x * (r + 1), bits=4, bucket_size=128, coding=coding, seed=r, fingerprint=fingerprint)
+                for r in range(count)]
+    expect = codec.read_header(payloads[0])
+    return payloads, np.concatenate(payloads), expect
+
+
+def _host_path(gathered, count, own_len, alpha, expect):
+    return backends.HostCountedBackend.decode_gathered(backends.CPU, gathered, count, own_len, alpha, expect, "t")
+
+
+@pytest.mark.parametrize("coding", ["fixed", "elias"])
+@pytest.mark.parametrize("count", [1, 2, 5])
+def test_the_cpu_backends_one_call_decode_of_gathered_payloads_is_the_split_check_and_sum(coding, count):
+    payloads, gathered, expect = _gathered(coding, count)
+    out, lens = backends.CPU.decode_gathered(gathered, count, payloads[0].size, 0.25, expect, "t")
+    ref, ref_lens = _host_path(gathered, count, payloads[0].size, 0.25, expect)
+    assert out.tobytes() == ref.tobytes()
+    assert lens == ref_lens == [p.size for p in payloads] and all(type(v) is int for v in lens)
+
+
+def _renamed(payload, **fields):
+    """``payload`` re-encoded from its own values with other header fields (a rank with other settings)."""
+    return codec.encode(codec.decode(payload), **dict(dict(bits=4, bucket_size=128, seed=9, fingerprint=7), **fields))
+
+
+@pytest.mark.parametrize("case, says", [
+    ("bits", "disagree on bits"),
+    ("fingerprint", "disagree on fingerprint"),
+    ("truncated", "payload"),
+    ("extra byte", "expected 3 payloads filling"),
+    ("corrupted", "checksum"),
+])
+def test_gathered_payloads_that_fail_a_check_are_named_as_by_the_host_path(case, says):
+    payloads, _, expect = _gathered("fixed", 3)
+    if case == "bits":
+        payloads[1] = _renamed(payloads[1], bits=2)
+    elif case == "fingerprint":
+        payloads[2] = _renamed(payloads[2], fingerprint=8)
+    gathered = np.concatenate(payloads)
+    if case == "truncated":
+        gathered = gathered[:-5]
+    elif case == "extra byte":
+        gathered = np.append(gathered, np.uint8(0))
+    elif case == "corrupted":
+        gathered[payloads[0].size + codec.HEADER_BYTES + 40] ^= 0xFF
+    with pytest.raises(codec.PayloadError):   # the native call finds it
+        codec.decode_gathered(gathered, 3, expect)
+    with pytest.raises(Exception) as native:
+        backends.CPU.decode_gathered(gathered, 3, payloads[0].size, 1.0, expect, "t")
+    with pytest.raises(Exception) as host:
+        _host_path(gathered, 3, payloads[0].size, 1.0, expect)
+    assert type(native.value) is type(host.value) and str(native.value) == str(host.value)
+    assert says in str(native.value)
