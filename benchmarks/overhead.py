@@ -14,7 +14,8 @@ QSGD(4) "auto" with ``fusion=True``, with ``overlap=True``, with ``fusion_mb=64`
 with both of the last two)
 trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x) for ``--steps``
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
-barrier, and its time is the maximum over ranks. The table gives the median step per K and mode,
+barrier, and its time is the maximum over ranks (and its CPU time, every thread of every rank, in
+brackets: what the compressor adds, less moved by how the ranks were scheduled). The table gives the median step per K and mode,
 for every tree in ``--trees`` (each a checkout of this package, its kernels built), launched in
 turn for each K (``--repeats`` times, alternating) so that both see the same machine load: what a compressed tensor costs beyond the
 bytes it moves (the handshake's collectives, Python, the codec at this size).
@@ -92,15 +93,19 @@ def tf_worker(args):
                 for v, g in zip(vs, grads):
                     v.assign_sub(0.01 * g)
 
-            times = []
+            times, cpu = [], []
             for i in range(args.warmup + args.steps):
                 hvd.allreduce(tf.zeros([1]), name="barrier")
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 step()
+                c1 = time.process_time()
                 dt = hvd.allreduce(tf.constant([time.perf_counter() - t0]), op=hvd.Max, name="step_time")
+                dc = hvd.allreduce(tf.constant([c1 - c0]), op=hvd.Sum, name="step_cpu")
                 if i >= args.warmup:
                     times.append(float(dt.numpy()[0]))
+                    cpu.append(float(dc.numpy()[0]))
             results[f"{mode}/{k}"] = statistics.median(times)
+            results[f"{mode}/{k}/cpu"] = statistics.median(cpu)
     if hvd.rank() == 0:
         with open(args.json, "w") as f:
             json.dump(results, f)
@@ -122,17 +127,21 @@ def worker(args):
             compression = compression_of(hvd, hvd_qsgd, mode)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.01), compression=compression,
                                            named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
-            times = []
+            times, cpu = [], []
             for step in range(args.warmup + args.steps):
                 hvd.allreduce(torch.zeros(1), name="barrier")
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad()
                 sum((p * x).sum() for p, x in zip(params, xs)).backward()
                 opt.step()
+                c1 = time.process_time()
                 dt = hvd.allreduce(torch.tensor([time.perf_counter() - t0]), op=hvd.Max, name="step_time")
+                dc = hvd.allreduce(torch.tensor([c1 - c0]), op=hvd.Sum, name="step_cpu")
                 if step >= args.warmup:
                     times.append(float(dt[0]))
+                    cpu.append(float(dc[0]))
             results[f"{mode}/{k}"] = statistics.median(times)
+            results[f"{mode}/{k}/cpu"] = statistics.median(cpu)
     if hvd.rank() == 0:
         with open(args.json, "w") as f:
             json.dump(results, f)
@@ -178,14 +187,21 @@ def run(args):
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; "
           f"{args.framework}, {args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
-          f"median of {args.repeats} launches per tree, alternating")
+          f"median of {args.repeats} launches per tree, alternating; in brackets the CPU time of a step, all "
+          "ranks' threads together (less moved by the ranks' scheduling than the step's wall time)")
     print("| tree | K | " + " | ".join(modes) + " |")
     print("|---|---|" + "---|" * len(modes))
     for k in ks:
         for tree in trees:
             name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
-            print(f"| {name} | {k} | " + " | ".join(f"{1e3 * statistics.median(table[(tree, f'{m}/{k}')]):.1f}" for m in modes) + " |")
+            print(f"| {name} | {k} | " + " | ".join(_cell(table, tree, f"{m}/{k}") for m in modes) + " |")
     return 0
+
+
+def _cell(table, tree, key):
+    """A mode's median step in ms, and its CPU time in brackets (where the tree's benchmark gives it)."""
+    wall, cpu = table[(tree, key)], table.get((tree, key + "/cpu"))
+    return f"{1e3 * statistics.median(wall):.1f}" + ("" if cpu is None else f" [{1e3 * statistics.median(cpu):.1f}]")
 
 
 if __name__ == "__main__":

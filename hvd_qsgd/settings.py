@@ -256,9 +256,10 @@ class Stats:
         self._values.update(dict.fromkeys(self.TIME_FIELDS, 0.0))
 
     def add(self, **counts: float) -> None:
+        values, kinds = self._values, _STAT_KINDS
         with self._lock:
             for k, v in counts.items():
-                self._values[k] += float(v) if k in self.TIME_FIELDS else int(v)
+                values[k] += kinds[k](v)
 
     def as_dict(self) -> Dict[str, float]:
         with self._lock:
@@ -282,3 +283,7 @@ class Stats:
                 total[k] += d.get(k, 0)
         total["ratio"] = protocol.ratio(total["elements"], total["bytes_sent"])
         return total
+
+
+# each statistic as ``Stats.add`` adds it: counts as int, times as float
+_STAT_KINDS = {**dict.fromkeys(Stats.FIELDS, int), **dict.fromkeys(Stats.TIME_FIELDS, float)}
