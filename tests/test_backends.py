@@ -178,3 +178,25 @@ def test_gathered_payloads_that_fail_a_check_are_named_as_by_the_host_path(case,
         _host_path(gathered, 3, payloads[0].size, 1.0, expect)
     assert type(native.value) is type(host.value) and str(native.value) == str(host.value)
     assert says in str(native.value)
+
+
+@pytest.mark.parametrize("case", ["ok", "bits", "cut elsewhere", "one missing", "corrupted"])
+def test_the_cpu_backends_decode_report_is_the_host_paths_in_result_and_error(case):
+    """A hierarchical shard's decode (the cross peers' payloads, cut at the alltoall's splits, zeros
+    where no peer sent): one native call where it passes, the host path's result or error where not."""
+    payloads, _, expect = _gathered("elias", 3)
+    if case == "bits":
+        payloads[2] = _renamed(payloads[2], bits=2, coding="elias")
+    gathered = np.concatenate(payloads)
+    lens = [payloads[0].size, 0, payloads[1].size, payloads[2].size]
+    if case == "cut elsewhere":
+        lens[2], lens[3] = lens[2] - 1, lens[3] + 1
+    elif case == "one missing":
+        gathered, lens = gathered[:-payloads[2].size], lens[:3] + [0]
+    elif case == "corrupted":
+        gathered[codec.HEADER_BYTES + 40] ^= 0xFF
+    out, error = backends.CPU.decode_report(gathered, lens, 3, expect, "t")
+    ref, ref_error = backends.HostCountedBackend.decode_report(backends.CPU, gathered, lens, 3, expect, "t")
+    assert out.tobytes() == ref.tobytes()
+    assert type(error) is type(ref_error) and str(error) == str(ref_error)
+    assert (error is None) == (case == "ok") and (case != "ok" or out.size == expect.numel)
