@@ -294,8 +294,12 @@ extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
   const uint64_t nranges = (words + per - 1) / per;
   uint64_t sum = 0;
   const int nt = threads_for(len / 4);
+  if (nt <= 1 || nranges <= 1) { /* on the calling thread (see parallel_for_with_scratch) */
+    for (uint64_t r = 0; r < nranges; ++r) sum += K.checksum_terms(p, r * per, std::min(words, (r + 1) * per));
+  } else {
 #pragma omp parallel for num_threads(nt) reduction(+ : sum) schedule(static)
-  for (uint64_t r = 0; r < nranges; ++r) sum += K.checksum_terms(p, r * per, std::min(words, (r + 1) * per));
+    for (uint64_t r = 0; r < nranges; ++r) sum += K.checksum_terms(p, r * per, std::min(words, (r + 1) * per));
+  }
   if (len % 8) sum += qsgd_checksum_term(qsgd_load_le(p + 8 * words, (int)(len % 8)), words);
   return qsgd_checksum_final(sum, len);
 }

@@ -45,6 +45,14 @@ void dispatch_bits(int bits, F&& f) {
 template <class F>
 int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& fn) {
   int32_t status = QSGD_OK;
+  if (nt <= 1 || n <= 1) { /* on the calling thread: an OpenMP region costs microseconds even for one */
+    IeeeFpScope fp;
+    void* scratch = malloc(scratch_bytes ? scratch_bytes : 1);
+    if (!scratch) return QSGD_E_NOMEM;
+    for (uint64_t u = 0; u < n; ++u) fn(u, scratch);
+    free(scratch);
+    return status;
+  }
 #pragma omp parallel num_threads(nt)
   {
     IeeeFpScope fp;

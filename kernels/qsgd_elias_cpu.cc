@@ -263,6 +263,10 @@ int32_t elias_validate(const uint8_t* p, const qsgd_header* h) {
   if (prev != L.streams_len) return QSGD_E_LENGTH;
   int32_t status = QSGD_OK;
   const int nt = threads_for(h->numel);
+  if (nt <= 1) { /* on the calling thread (see parallel_for_with_scratch) */
+    for (uint64_t k = 0; k < L.nseg && status == QSGD_OK; ++k) status = parse_segment(L, h, k, nullptr);
+    return status;
+  }
 #pragma omp parallel for num_threads(nt) schedule(static)
   for (uint64_t k = 0; k < L.nseg; ++k) {
     const int32_t st = parse_segment(L, h, k, nullptr);
