@@ -57,6 +57,13 @@ def launch_job(cmd, timeout, cwd=None):
     return status, out, time.perf_counter() - t0
 
 
+def launch_order(trees, repeats):
+    """The trees' launches, ``repeats`` rounds in ABBA order (each round reversing the last): a launch's
+    place in a round moves its times (the one after another job runs slower here), so each tree takes
+    each place equally often."""
+    return [t for i in range(repeats) for t in (trees if i % 2 == 0 else trees[::-1])]
+
+
 def int_at_least(low):
     """An argparse type: an integer >= low."""
     def parse(text):

@@ -29,7 +29,7 @@ import tempfile
 import time
 
 from benchmarks import overhead_calls
-from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info, module_main
+from benchmarks.common import REPO_ROOT, int_at_least, launch_job, launch_order, machine_info, module_main
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
@@ -165,7 +165,7 @@ def run(args):
         return overhead_calls.run(args, trees, ks, modes)
     table = {}
     for k in ks:
-        for tree in [t for _ in range(args.repeats) for t in trees]:
+        for tree in launch_order(trees, args.repeats):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = ["horovodrun", "--gloo", "-np", str(args.np), sys.executable, "-m", "benchmarks.overhead",
                        "--worker", "--json", out.name, "--tensors", str(k), "--numel", str(args.numel),
@@ -187,7 +187,7 @@ def run(args):
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; "
           f"{args.framework}, {args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
-          f"median of {args.repeats} launches per tree, alternating; in brackets the CPU time of a step, all "
+          f"median of {args.repeats} launches per tree, in ABBA order; in brackets the CPU time of a step, all "
           "ranks' threads together (less moved by the ranks' scheduling than the step's wall time)")
     print("| tree | K | " + " | ".join(modes) + " |")
     print("|---|---|" + "---|" * len(modes))

@@ -85,9 +85,9 @@ class Timed:
 
 def run(args, trees, ks, modes):
     """Launch the worker in each tree (alternating, ``--repeats`` times) and print the table."""
-    from benchmarks.common import REPO_ROOT, machine_info
+    from benchmarks.common import REPO_ROOT, launch_order, machine_info
     table = {}
-    for tree in [t for _ in range(args.repeats) for t in trees]:
+    for tree in launch_order(trees, args.repeats):
         cmd = [sys.executable, "-m", "benchmarks.overhead", "--calls-worker", "--tensors", args.tensors,
                "--numel", str(args.numel), "--modes", args.modes, "--steps", str(args.steps),
                "--warmup", str(args.warmup)]
@@ -101,7 +101,7 @@ def run(args, trees, ks, modes):
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; one process "
           f"(Horovod of one rank), gradients of {args.numel} elements; us a call (first decompress: ms), median "
-          f"over blocks of {BLOCK} steps, median of {args.repeats} runs per tree, alternating")
+          f"over blocks of {BLOCK} steps, median of {args.repeats} runs per tree, in ABBA order")
     print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient |")
     print("|---|---|---|---|---|---|---|")
     for k in ks:

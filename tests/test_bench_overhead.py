@@ -39,3 +39,11 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
     assert set(rows) == {"none", "qsgd4-buffered"}, stdout[-3000:]
     none, buffered = ([float(v) for v in rows[m].split(" | ")] for m in ("none", "qsgd4-buffered"))
     assert buffered[0] > none[0] and buffered[2] > 0 and buffered[3] > 0, stdout[-3000:]
+
+
+def test_trees_are_launched_in_abba_order():
+    """Each tree takes the first and the second place of a round equally often (a launch's place moves
+    its times), and with one tree nothing changes."""
+    from benchmarks.common import launch_order
+    assert launch_order(["a", "b"], 4) == ["a", "b", "b", "a", "a", "b", "b", "a"]
+    assert launch_order(["a"], 3) == ["a", "a", "a"]
