@@ -5,6 +5,7 @@
     python -m benchmarks overhead --trees /path/to/other/checkout,.     # two versions side by side
     python -m benchmarks overhead --framework tensorflow --modes none,qsgd4-allgather,qsgd4-scatter
     python -m benchmarks overhead --calls --trees /path/to/other/checkout,.   # per call, one process
+    python -m benchmarks overhead --codec-calls --steps 1000 --trees /path/to/other/checkout,.   # the codec's calls
 
 Each tree runs its own copy of this benchmark (``python -m benchmarks.overhead`` in the tree): to
 compare with a tree that predates a mode or ``--framework``, copy this file into it.
@@ -28,7 +29,7 @@ import sys
 import tempfile
 import time
 
-from benchmarks import overhead_calls
+from benchmarks import overhead_calls, overhead_codec
 from benchmarks.common import REPO_ROOT, int_at_least, launch_job, launch_order, machine_info, module_main
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
@@ -58,6 +59,10 @@ def add_arguments(p):
                    help="time the compressor's compress and decompress per call in one process instead "
                         "(benchmarks/overhead_calls.py; PyTorch)")
     p.add_argument("--calls-worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--codec-calls", action="store_true",
+                   help="time the codec's calls a gradient makes, by size, instead (benchmarks/overhead_codec.py; "
+                        "--steps: calls a timed loop)")
+    p.add_argument("--codec-calls-worker", action="store_true", help=argparse.SUPPRESS)
 
 
 def compression_of(hvd, hvd_qsgd_module, mode, **more):
@@ -152,6 +157,11 @@ def run(args):
         return worker(args)
     if getattr(args, "calls_worker", False):
         return overhead_calls.worker(args)
+    if getattr(args, "codec_calls_worker", False):
+        args.number = args.steps
+        return overhead_codec.worker(args)
+    if getattr(args, "codec_calls", False):
+        return overhead_codec.run(args, [os.path.abspath(t) for t in args.trees.split(",")])
     tensorflow = args.framework == "tensorflow"
     args.modes = args.modes or ",".join(TF_MODES if tensorflow else MODES)
     unknown = [m for m in args.modes.split(",") if m not in (TF_MODES if tensorflow else MODES)]

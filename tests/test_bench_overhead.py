@@ -47,3 +47,15 @@ def test_trees_are_launched_in_abba_order():
     from benchmarks.common import launch_order
     assert launch_order(["a", "b"], 4) == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert launch_order(["a"], 3) == ["a", "a", "a"]
+
+
+def test_codec_calls_mode_times_every_call_by_size():
+    cmd = [sys.executable, "-m", "benchmarks", "overhead", "--codec-calls", "--steps", "5"]
+    returncode, stdout = run_bounded(cmd, 240)
+    assert returncode == 0, stdout[-5000:]
+    rows = dict(re.findall(r"^\| ([a-z_.]+ ?\w*, [\dx ]+) \| ([\d.]+) \|$", stdout, re.M))
+    assert {"encode kernel, 20000", "codec.encode, 2000", "decode_gathered, 16 x 20000",
+            "decode_report, 2 x 2500"} <= set(rows), stdout[-3000:]
+    assert all(float(v) > 0 for v in rows.values()), stdout[-3000:]
+    # the codec's call does the kernel's work and more
+    assert float(rows["codec.encode, 20000"]) > float(rows["encode kernel, 20000"]), stdout[-3000:]
