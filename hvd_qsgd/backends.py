@@ -49,16 +49,28 @@ class CpuBackend(HostCountedBackend):
         """The payload of x32; with ``residual`` (float32, x32's size) error feedback: the payload of
         v = x32 + residual (x32 alone when not ``residual_valid``), and residual = v - decode(payload)
         where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
-        s = settings
         v = x32 if residual is None else x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
-        q = codec.encode(v, s.bits, s.bucket_size, s.norm, seed, s.coding, fingerprint, s.checksum, name=where,
-                         source_dtype=source_dtype, encoder=s.encoder)
+        q = codec.encode_prepared(self._prepared(settings, fingerprint, source_dtype, v.size), v, seed, where)
         if residual is None:
             return q
         with np.errstate(invalid="ignore", over="ignore"):
             d = v - codec.decode(q, where)
         residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
         return q
+
+    _kept = {}   # codec.prepare's of each tensor: (its settings, what was prepared), by their ids and size
+
+    @classmethod
+    def _prepared(cls, s, fingerprint: int, source_dtype: str, numel: int):
+        """``codec.prepare`` of a tensor's encode, made once (its settings held, so that their id stays theirs)."""
+        key = (id(s), fingerprint, source_dtype, numel)
+        kept = cls._kept.get(key)
+        if kept is None or kept[0] is not s:
+            if len(cls._kept) >= 4096:   # (DQSGD's settings vary by step: start again)
+                cls._kept.clear()
+            kept = cls._kept[key] = (s, codec.prepare(numel, s.bits, s.bucket_size, s.norm, s.coding, fingerprint,
+                                                      s.checksum, source_dtype, s.encoder))
+        return kept[1]
 
     def decode(self, payload, where: str) -> np.ndarray:
         return codec.decode(payload, where)

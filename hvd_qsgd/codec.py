@@ -55,7 +55,7 @@ from hvd_qsgd.errors import EncodeError, PayloadError  # noqa: F401  (PayloadErr
 from hvd_qsgd.codec_params import (  # noqa: F401  (part of this module's API)
     CODINGS, DEFAULT_ENCODER, DTYPE_NAMES, DTYPES, ENCODERS, FLAG_CHECKSUM, FLAG_ENCODER2, HEADER_BYTES, MAX_BUCKET,
     MAX_SEED, NORM_NAMES, NORMS, _check_bits, _check_bucket, _check_choice, _check_u64, check_encoder, config_template,
-    is_bool, is_integer, make_config)
+    cpu_isa, cpu_isas, is_bool, is_integer, make_config, set_cpu_isa)
 
 
 @dataclass(frozen=True)
@@ -166,18 +166,24 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
         cfg.dtype = _check_choice("source_dtype", source_dtype, DTYPES)
     n = flat.size
     cap = _nbytes_bound(n, cfg.bits, cfg.bucket_size, cfg.coding)
-    given = out is not None
-    if not given:
-        out = np.empty(cap, dtype=np.uint8)
-    elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
-              and out.flags.c_contiguous and out.flags.writeable and out.size >= cap):
+    if out is not None and not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+                                and out.flags.c_contiguous and out.flags.writeable and out.size >= cap):
         raise ValueError(f"{name}: encode out= must be a writeable contiguous 1-D uint8 array of at least "
                          f"{cap} bytes, got {getattr(out, 'dtype', type(out).__name__)} "
                          f"{getattr(out, 'shape', '')}")
+    return _encode_into(flat, cfg, cap, out, name)
+
+
+def _encode_into(flat, cfg, cap, out, name):
+    """The kernel's encode of ``flat`` (contiguous float32) with the checked ``cfg`` into ``out`` (a
+    view of its first bytes is returned), or into a new array of the bound ``cap``."""
+    given = out is not None
+    if not given:
+        out = np.empty(cap, dtype=np.uint8)
     else:
         cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, n, ctypes.byref(cfg), out.ctypes.data, cap,
+    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, flat.size, ctypes.byref(cfg), out.ctypes.data, cap,
                                         ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
@@ -186,6 +192,31 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     if out_len.value != cap:
         out = out[: out_len.value].copy()
     return out
+
+
+def prepare(numel: int, bits: int = 4, bucket_size: int = 512, norm: str = "max", coding: str = "fixed",
+            fingerprint: int = 0, checksum: bool = True, source_dtype: str = "float32",
+            encoder: int = DEFAULT_ENCODER) -> tuple:
+    """What ``encode`` checks and works out before its kernel runs, once, for a tensor of ``numel``
+    elements encoded alike step after step (``encode_prepared``; each parameter as ``encode`` takes
+    it, ``source_dtype`` the dtype the header records)."""
+    cfg = make_config(bits, bucket_size, norm, 0, coding, fingerprint, checksum, source_dtype, encoder=encoder)
+    numel = int(numel)
+    return cfg, numel, _nbytes_bound(numel, cfg.bits, cfg.bucket_size, cfg.coding)
+
+
+def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tensor") -> np.ndarray:
+    """``encode`` of ``x`` (of the prepared size; a contiguous float32 array is read as it is) with
+    the prepared parameters (``prepare``) and ``seed``: the same bytes, without checking every
+    parameter again."""
+    template, numel, cap = prepared
+    if not (type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous):
+        x = _as_float32(x, name)[0]
+    if x.size != numel:
+        raise ValueError(f"{name}: encode_prepared was prepared for {numel} elements, got {x.size}")
+    cfg = _native.Config.from_buffer_copy(template)
+    cfg.seed = _check_u64("seed", seed)
+    return _encode_into(x.reshape(-1), cfg, cap, None, name)
 
 
 def raise_status(st, where, payload=None):
@@ -354,29 +385,3 @@ _threads_chosen = False   # set_num_threads was called
 
 def get_num_threads() -> int:
     return int(_native.load().qsgd_get_num_threads())
-
-
-def cpu_isa() -> str:
-    """The instruction-set variant of the CPU kernels in use ("baseline", "sse4", "avx2", "avx512"
-    on x86-64; "generic" elsewhere): the widest this CPU runs, or the one HVD_QSGD_ISA names. Every
-    variant produces the same payload bytes and the same decoded sums."""
-    return _native.load().qsgd_cpu_isa().decode()
-
-
-def cpu_isas() -> dict:
-    """{variant name: whether this CPU runs it} for every variant compiled into the CPU library,
-    narrowest first."""
-    return dict(_native.isa_variants(_native.load()))
-
-
-def set_cpu_isa(name: str = "auto") -> None:
-    """Use the CPU kernels' variant ``name`` from now on ("auto": the widest this CPU runs); for
-    comparing variants in one process (tests, benchmarks). ValueError for a name the library does
-    not have or a variant this CPU cannot run."""
-    if not isinstance(name, str):
-        raise TypeError(f"set_cpu_isa: the variant is a str, got {type(name).__name__}")
-    lib = _native.load()
-    st = lib.qsgd_set_cpu_isa(name.encode())
-    if st != _native.OK:
-        known = ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in _native.isa_variants(lib))
-        raise ValueError(f"set_cpu_isa({name!r}): {_native.status_string(st)}; the variants are {known}")

@@ -1,8 +1,9 @@
-"""The codec's parameters, each checked with one message naming it and the value, and the kernels'
-encoder configuration (``_native.Config``) made from them (``hvd_qsgd.codec`` re-exports all of
-it). ``config_template`` keeps each checked configuration: an encode of the same settings copies it
-and sets its seed and fingerprint, instead of checking every parameter again (a few microseconds
-per tensor and step, docs/performance.md "Per-tensor cost")."""
+"""The codec's parameters, each checked with one message naming it and the value, the kernels'
+encoder configuration (``_native.Config``) made from them, and the CPU kernels' instruction-set
+variant (``hvd_qsgd.codec`` re-exports all of it). ``config_template`` keeps each checked
+configuration: an encode of the same settings copies it and sets its seed and fingerprint, instead
+of checking every parameter again (a few microseconds per tensor and step, docs/performance.md
+"Per-tensor cost")."""
 import numpy as np
 
 from hvd_qsgd import _native
@@ -105,3 +106,31 @@ def config_template(bits, bucket_size, norm, coding, checksum, encoder) -> "_nat
             _templates.clear()
         _templates[key] = cfg
     return cfg
+
+
+# -- the CPU kernels' instruction-set variant (a parameter of every CPU kernel call) ----------
+
+def cpu_isa() -> str:
+    """The instruction-set variant of the CPU kernels in use ("baseline", "sse4", "avx2", "avx512"
+    on x86-64; "generic" elsewhere): the widest this CPU runs, or the one HVD_QSGD_ISA names. Every
+    variant produces the same payload bytes and the same decoded sums."""
+    return _native.load().qsgd_cpu_isa().decode()
+
+
+def cpu_isas() -> dict:
+    """{variant name: whether this CPU runs it} for every variant compiled into the CPU library,
+    narrowest first."""
+    return dict(_native.isa_variants(_native.load()))
+
+
+def set_cpu_isa(name: str = "auto") -> None:
+    """Use the CPU kernels' variant ``name`` from now on ("auto": the widest this CPU runs); for
+    comparing variants in one process (tests, benchmarks). ValueError for a name the library does
+    not have or a variant this CPU cannot run."""
+    if not isinstance(name, str):
+        raise TypeError(f"set_cpu_isa: the variant is a str, got {type(name).__name__}")
+    lib = _native.load()
+    st = lib.qsgd_set_cpu_isa(name.encode())
+    if st != _native.OK:
+        known = ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in _native.isa_variants(lib))
+        raise ValueError(f"set_cpu_isa({name!r}): {_native.status_string(st)}; the variants are {known}")

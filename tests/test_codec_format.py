@@ -392,3 +392,19 @@ def test_encode_into_a_caller_buffer_gives_the_same_bytes_and_checks_the_buffer(
         codec.encode(x, bits=4, out=small, name="grads")
     with pytest.raises(ValueError, match="out="):
         codec.encode(x, bits=4, out=np.empty(codec.payload_nbytes(x.size, 4, 512), dtype=np.float32))
+
+
+@pytest.mark.parametrize("coding, bits, norm", [("fixed", 4, "max"), ("elias", 2, "l2"), ("fixed", 1, "sign")])
+def test_a_prepared_encode_gives_encodes_bytes(coding, bits, norm):
+    """``codec.prepare`` + ``encode_prepared`` (the CPU backend's path, parameters checked once) give
+    ``encode``'s bytes, for float32 and for a float16 source converted as ``encode`` converts it."""
+    x = np.random.default_rng(3).standard_normal(5000).astype(np.float32)
+    for source, arr in (("float32", x), ("float16", x.astype(np.float16))):
+        prepared = codec.prepare(x.size, bits, 128, norm, coding, fingerprint=11, source_dtype=source)
+        got = codec.encode_prepared(prepared, arr, seed=77)
+        want = codec.encode(arr, bits, 128, norm, 77, coding, fingerprint=11, source_dtype=source)
+        assert got.tobytes() == want.tobytes()
+    with pytest.raises(ValueError, match="prepared for 5000 elements, got 4999"):
+        codec.encode_prepared(prepared, x[1:], seed=1)
+    with pytest.raises(ValueError, match="seed"):
+        codec.encode_prepared(prepared, x, seed=-1)
