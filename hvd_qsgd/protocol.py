@@ -260,10 +260,9 @@ def _tag_message(where, name):
     return f"{where}: ranks disagree on the {name}: {hint}"
 
 
-@functools.lru_cache(maxsize=65536)
 def exchange_seed(seed, set_rank, exchange):
-    """The 64-bit base seed of this rank's payloads for one exchange name (hashed once per name: one
-    is needed per exchange and step)."""
+    """The 64-bit base seed of this rank's payloads for one exchange name (not kept: a numbered
+    exchange's name is new at every step, and a store of them would grow with the job)."""
     return _hash64(f"{int(seed)}|{int(set_rank)}|{exchange}")
 
 
