@@ -1,6 +1,7 @@
 """What the benchmark subcommands share: argument types, the description of the machine, and the
 entry point of a subcommand module run on its own."""
 import argparse
+import json
 import os
 import platform
 import shutil
@@ -62,6 +63,23 @@ def launch_order(trees, repeats):
     place in a round moves its times (the one after another job runs slower here), so each tree takes
     each place equally often."""
     return [t for i in range(repeats) for t in (trees if i % 2 == 0 else trees[::-1])]
+
+
+def tree_runs(trees, repeats, worker_args):
+    """Run ``python -m benchmarks.overhead <worker_args>`` in each tree (its own process, ``repeats``
+    rounds in ABBA order), each printing a JSON object on its last line: {(tree, key): [every run's
+    value]}, keys in the order the workers give them; None (the failure printed) where one fails."""
+    table = {}
+    for tree in launch_order(trees, repeats):
+        cmd = [sys.executable, "-m", "benchmarks.overhead"] + list(worker_args)
+        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
+        if done.returncode != 0:
+            print(f"{tree} FAILED:\n{(done.stdout + done.stderr)[-3000:]}")
+            return None
+        for key, v in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            table.setdefault((tree, key), []).append(v)
+    return table
 
 
 def int_at_least(low):

@@ -13,8 +13,6 @@ time per gradient. Each tree in ``--trees`` runs in its own process, alternating
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 BLOCK = 30   # steps a block
@@ -85,19 +83,12 @@ class Timed:
 
 def run(args, trees, ks, modes):
     """Launch the worker in each tree (alternating, ``--repeats`` times) and print the table."""
-    from benchmarks.common import REPO_ROOT, launch_order, machine_info
-    table = {}
-    for tree in launch_order(trees, args.repeats):
-        cmd = [sys.executable, "-m", "benchmarks.overhead", "--calls-worker", "--tensors", args.tensors,
-               "--numel", str(args.numel), "--modes", args.modes, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)]
-        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            print(f"{tree} FAILED:\n{(done.stdout + done.stderr)[-3000:]}")
-            return 1
-        for key, v in json.loads(done.stdout.strip().splitlines()[-1]).items():
-            table.setdefault((tree, key), []).append(v)
+    from benchmarks.common import REPO_ROOT, machine_info, tree_runs
+    table = tree_runs(trees, args.repeats, ["--calls-worker", "--tensors", args.tensors, "--numel", str(args.numel),
+                                            "--modes", args.modes, "--steps", str(args.steps),
+                                            "--warmup", str(args.warmup)])
+    if table is None:
+        return 1
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; one process "
           f"(Horovod of one rank), gradients of {args.numel} elements; us a call (first decompress: ms), median "

@@ -9,8 +9,6 @@ where fixed costs (an OpenMP region, Python per payload) show, and where they va
 """
 import json
 import os
-import subprocess
-import sys
 import timeit
 
 SIZES = (2000, 20000, 200000)
@@ -59,18 +57,11 @@ def worker(args):
 
 def run(args, trees):
     """Launch the worker in each tree (ABBA, ``--repeats`` rounds) and print the table."""
-    from benchmarks.common import REPO_ROOT, launch_order, machine_info
-    table, rows = {}, []
-    for tree in launch_order(trees, args.repeats):
-        cmd = [sys.executable, "-m", "benchmarks.overhead", "--codec-calls-worker", "--steps", str(args.steps)]
-        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
-        done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
-        if done.returncode != 0:
-            print(f"{tree} FAILED:\n{(done.stdout + done.stderr)[-3000:]}")
-            return 1
-        for key, v in json.loads(done.stdout.strip().splitlines()[-1]).items():
-            rows += [key] if key not in rows else []
-            table.setdefault((tree, key), []).append(v)
+    from benchmarks.common import REPO_ROOT, machine_info, tree_runs
+    table = tree_runs(trees, args.repeats, ["--codec-calls-worker", "--steps", str(args.steps)])
+    if table is None:
+        return 1
+    rows = list(dict.fromkeys(key for _, key in table))
     info = machine_info()
     names = [os.path.relpath(t, REPO_ROOT) if t.startswith(REPO_ROOT) else t for t in trees]
     print(f"{info['cpu']}, load {info['load_avg_1min']:.1f}; one thread; us a call (the best of 7 rounds of "
