@@ -65,9 +65,10 @@ class HostCountedBackend:
         protocol.check_gathered(headers, expect, where)
         return self.decode_sum(payloads, alpha, where, headers)
 
-    def unframe(self, gathered, n: int, where: str) -> list:
+    def unframe(self, gathered, n: int, where: str, expect=None) -> list:
         """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their
-        lengths read on the host: a copy of the frames where they are on a device)."""
+        lengths read on the host: a copy of the frames where they are on a device). ``expect``: the
+        tensor's header fields (numel, bits, bucket_size, coding), which a device backend may cut by."""
         return [self.place_bytes(c, gathered) for c in reduction.unframe(self.host(gathered), n, where)]
 
     def part_bytes(self, parts, ranks) -> int:

@@ -260,6 +260,17 @@ class CudaBackend(HostCountedBackend):
         import torch
         return torch.from_numpy(payload).to(like.device, non_blocking=True)
 
+    def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
+        """As the host-counted backends', cut without reading the device where the coding the exchange
+        expects (which every rank's control vector agreed on) is the fixed one and the result has
+        ``count`` payloads of this rank's length; else at each header's length, whose checks name what
+        differs. The headers then cross to the host once, for their checks and the decode alike."""
+        if expect.coding == "fixed" and gathered.numel() == count * own_len:
+            payloads = list(gathered.split(own_len))
+        else:
+            payloads = cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
+        return self._checked_sum(payloads, alpha, expect, where), [int(p.numel()) for p in payloads]
+
     def split(self, gathered, count: int, own_len: int, where: str, headers=None) -> list:
         """Fixed coding: every rank's payload has the length of this rank's. Elias coding (lengths
         differ): cut at each header's length (``cuda.split_payloads``). The coding is read from the
@@ -275,7 +286,7 @@ class CudaBackend(HostCountedBackend):
         return cuda.read_headers(payloads, where)
 
     def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None):
-        return cuda.decode_sum(payloads, alpha, where=where)
+        return cuda.decode_sum(payloads, alpha, where=where, headers=headers)
 
     def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str,
                       residual=None, residual_valid: bool = True):
@@ -301,9 +312,13 @@ class CudaBackend(HostCountedBackend):
 
     def reduce_chunk(self, payloads: Sequence, j: int, settings, step_seed: int, fingerprint: int,
                      source_dtype: str, where: str, residual=None):
+        return self._reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
+
+    @staticmethod
+    def _reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual, headers=None):
         s = settings
         return cuda.reduce_chunk(payloads, j, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                 source_dtype, residual=residual, where=where, encoder=s.encoder)
+                                 source_dtype, residual=residual, where=where, encoder=s.encoder, headers=headers)
 
     def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
                         server_residual=None):
@@ -314,11 +329,12 @@ class CudaBackend(HostCountedBackend):
         try:
             payloads = self.split_by(received, splits)
             begin, end = reduction.chunk_ranges(expect.numel, expect.bucket_size, len(payloads))[j]
-            protocol.check_gathered(self.read_headers(payloads, f"{where}: chunk {j}"),
-                                    SimpleNamespace(**{**vars(expect), "numel": end - begin}), f"{where}: chunk {j}")
+            headers = self.read_headers(payloads, f"{where}: chunk {j}")
+            protocol.check_gathered(headers, SimpleNamespace(**{**vars(expect), "numel": end - begin}),
+                                    f"{where}: chunk {j}")
             residual = server_residual() if server_residual is not None else None
-            q = self.reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
-                                  f"{where}: chunk {j}", residual=residual)
+            q = self._reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
+                                   f"{where}: chunk {j}", residual, headers)
             error = None
         except Exception as e:  # raised on this rank by its decompress; the others see the empty frame
             q, error = received.new_zeros(0), e
@@ -327,6 +343,20 @@ class CudaBackend(HostCountedBackend):
 
     def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str, error=None):
         return cuda.decode_chunks(payloads, alpha, numel, bucket_size, where)
+
+    def unframe(self, gathered, n: int, where: str, expect=None) -> list:
+        """As the host-counted backends', but cut on the device, without the frames' round trip
+        through the host, where the fixed coding fixes each reduced chunk's length (``expect``) and
+        the frames of those lengths add up to what was gathered: then every rank sent its chunk (a
+        rank that could not sends an empty frame), and each chunk's header, checked by its decode,
+        still says its own length."""
+        if expect is not None and expect.coding == "fixed":
+            lens = [codec.payload_nbytes(e - b, expect.bits, expect.bucket_size)
+                    for b, e in reduction.chunk_ranges(expect.numel, expect.bucket_size, n)]
+            if gathered.numel() == sum(lens) + 8 * n:
+                offsets = np.cumsum([0] + [8 + v for v in lens[:-1]])
+                return [gathered[o + 8: o + 8 + v] for o, v in zip(offsets.tolist(), lens)]
+        return super().unframe(gathered, n, where)
 
 
 CPU, CUDA = CpuBackend(), CudaBackend()

@@ -8,8 +8,9 @@ CUDA library was built and a device is visible.
 Where the host waits for the device: ``decode_sum``, ``reduce_chunk`` and ``decode_chunks`` read the
 device's verdict on the payloads (checksums, scales, padding) before they return, one small
 device-to-host copy each, so that a corrupt payload raises in the call that decoded it; and every
-decode parses the payloads' headers on the host (one copy of their first 56 bytes). Encoding never
-waits.
+decode parses the payloads' headers on the host (one copy of their first 56 bytes), once: the
+headers a caller read to check them (``read_headers``) are the ones the kernels are given. Encoding
+never waits.
 """
 import ctypes
 
@@ -195,14 +196,16 @@ def aligned(payloads):
 
 
 def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
-                 source_dtype="float32", residual=None, where="reduce_chunk", encoder=codec.DEFAULT_ENCODER):
+                 source_dtype="float32", residual=None, where="reduce_chunk", encoder=codec.DEFAULT_ENCODER,
+                 headers=None):
     """Chunk j's reduce step on the device (``hvd_qsgd.reduction.reduce_chunk``): the sum of the
     ranks' payloads (uint8 CUDA tensors, rank order) re-quantized with the chunk's phase-1 seed; with
     ``residual`` (a contiguous float32 CUDA tensor of the chunk's numel elements) error feedback on
-    the reducing rank, the residual updated in place (left as it was when the step fails)."""
+    the reducing rank, the residual updated in place (left as it was when the step fails); ``headers``:
+    as ``decode_sum``'s."""
     import torch
     payloads = aligned(payloads)
-    cheads = device_headers(payloads, where)
+    cheads = _c_headers(payloads, headers, where)
     n, device = cheads[0].numel, payloads[0].device
     if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
                                  or not residual.is_contiguous() or residual.device != device):
@@ -241,16 +244,17 @@ def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks"):
     return out
 
 
-def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum"):
+def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum", headers=None):
     """``out = [out +] scale * sum_p decode(p)`` for uint8 CUDA payload tensors (same arithmetic as
-    ``codec.decode_sum``). Headers are checked on the host; checksums, scales and padding on the
-    device, before ``out`` is written. Synchronizes with the device to report errors."""
+    ``codec.decode_sum``). Headers are checked on the host (``headers``: those ``read_headers`` gave
+    for these payloads, else read here); checksums, scales and padding on the device, before ``out``
+    is written. Synchronizes with the device to report errors."""
     import torch
     if not payloads:
         raise ValueError(f"{where}: no payloads")
     device = payloads[0].device
     payloads = aligned(payloads)
-    cheads = device_headers(payloads, where)
+    cheads = _c_headers(payloads, headers, where)
     n = cheads[0].numel
     if out is None:
         if accumulate:
@@ -294,6 +298,23 @@ def device_headers(payloads, where="payloads"):
     return cheads
 
 
+class ParsedHeaders(list):
+    """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors, and in ``c`` the C headers
+    the kernels take: read from the device once for the host's checks and the decode alike."""
+
+    def __init__(self, cheads):
+        super().__init__(codec._header_from_c(h) for h in cheads)
+        self.c = cheads
+
+
 def read_headers(payloads, where="payloads"):
-    """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors."""
-    return [codec._header_from_c(h) for h in device_headers(payloads, where)]
+    """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors (a ``ParsedHeaders``)."""
+    return ParsedHeaders(device_headers(payloads, where))
+
+
+def _c_headers(payloads, headers, where):
+    """The C headers of ``payloads``: those read with them (``headers``, the ``read_headers`` of the
+    same payloads), else read from the device now."""
+    if isinstance(headers, ParsedHeaders) and len(headers.c) == len(payloads):
+        return headers.c
+    return device_headers(payloads, where)

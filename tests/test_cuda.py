@@ -656,6 +656,84 @@ def test_elias_decode_detects_corruption_and_leaves_out_untouched(backend):
         assert np.all(out == 5.0)
 
 
+@pytest.mark.parametrize("coding", ["fixed", "elias"])
+def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(device, coding, monkeypatch):
+    """backends.CudaBackend.decode_gathered (3 simulated ranks' payloads back to back, as an allgather
+    returns them) gives the CPU backend's result and lengths bit for bit, and brings the payloads'
+    headers to the host once, for their checks and the decode alike (it did twice, and read the
+    coding byte a third time); the reduce step of scatter_allgather likewise. A rank whose tensor
+    has another size is named by the field that differs, as on the CPU backend."""
+    from hvd_qsgd import backends, cuda
+    reads = []
+    monkeypatch.setattr(cuda, "device_headers",
+                        lambda payloads, where, real=cuda.device_headers: reads.append(len(payloads)) or
+                        real(payloads, where))
+    s = SimpleNamespace(bits=4, bucket_size=512, norm="max", coding=coding, checksum=True, encoder=2,
+                        server_error_feedback=False)
+    expect = SimpleNamespace(bits=4, bucket_size=512, norm="max", coding=coding, numel=30_001, dtype="float32",
+                             fingerprint=5)
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal(30_001).astype(np.float32) for _ in range(3)]
+    xs[2][::2] = 0.0   # (a sparser rank: an Elias payload of another length)
+    host = [backends.CPU.encode(x, s, 40 + r, 5, "float32", "t") for r, x in enumerate(xs)]
+    dev = [backends.CUDA.encode(torch.from_numpy(x).to(device), s, 40 + r, 5, "float32", "t") for r, x in enumerate(xs)]
+    want, want_lens = backends.CPU.decode_gathered(np.concatenate(host), 3, host[0].size, 1 / 3, expect, "t")
+    got, lens = backends.CUDA.decode_gathered(torch.cat(dev), 3, dev[0].numel(), 1 / 3, expect, "t")
+    np.testing.assert_array_equal(got.cpu().numpy(), want)
+    assert lens == want_lens and reads == [3]
+
+    if coding == "fixed":  # the reduce step: the chunk payloads' headers once too
+        reads.clear()
+        chunks = [backends.CUDA.encode_chunks(torch.from_numpy(x).to(device), s, 40 + r, 3, 5, "float32", "t")
+                  for r, x in enumerate(xs)]
+        splits = [int(c[1][1]) for c in chunks]
+        received = torch.cat([backends.CUDA.split_by(*c)[1] for c in chunks])
+        frame, error = backends.CUDA.reduce_received(received, splits, 1, s, 41, expect, "t")
+        assert error is None and frame.numel() > 8 and reads == [3]
+
+    short = backends.CPU.encode(xs[1][:20_000], s, 41, 5, "float32", "t")
+    with pytest.raises(Exception) as on_host:
+        backends.CPU.decode_gathered(np.concatenate([host[0], short, host[2]]), 3, host[0].size, 1.0, expect, "t")
+    short_dev = torch.from_numpy(short).to(device)
+    with pytest.raises(type(on_host.value), match="numel") as on_device:
+        backends.CUDA.decode_gathered(torch.cat([dev[0], short_dev, dev[2]]), 3, dev[0].numel(), 1.0, expect, "t")
+    assert str(on_device.value) == str(on_host.value)
+
+
+def test_cuda_backend_cuts_the_reduced_chunks_on_the_device(device, monkeypatch):
+    """The phase-2 frames of scatter_allgather (3 simulated ranks, fixed coding) are cut on the device
+    at the lengths the coding fixes, without a trip through the host, into the chunks the host path
+    cuts; a rank's empty frame (it could not reduce its chunk) sends the cut through the host path,
+    which finds it empty."""
+    from hvd_qsgd import backends
+    s = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", checksum=True, encoder=2,
+                        server_error_feedback=False)
+    numel, n = 1000, 3
+    expect = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", numel=numel, dtype="float32",
+                             fingerprint=2)
+    xs = [np.random.default_rng(r).standard_normal(numel).astype(np.float32) for r in range(n)]
+    chunks = [backends.CUDA.split_by(*backends.CUDA.encode_chunks(torch.from_numpy(x).to(device), s, 9 + r, n, 2,
+                                                                  "float32", "t")) for r, x in enumerate(xs)]
+    frames = []
+    for j in range(n):
+        splits = [int(c[j].numel()) for c in chunks]
+        frame, error = backends.CUDA.reduce_received(torch.cat([c[j] for c in chunks]), splits, j, s, 9 + j,
+                                                     expect, "t")
+        assert error is None
+        frames.append(frame)
+    gathered = torch.cat(frames)
+    want = [c.cpu().numpy() for c in backends.CUDA.unframe(gathered, n, "t")]   # through the host
+    trips = []
+    monkeypatch.setattr(backends.CudaBackend, "host", lambda self, x: trips.append(x.numel()) or x.cpu().numpy())
+    got = backends.CUDA.unframe(gathered, n, "t", expect)
+    assert trips == [] and [c.device for c in got] == [device] * n
+    assert [c.cpu().numpy().tobytes() for c in got] == [w.tobytes() for w in want]
+
+    failed = torch.cat([frames[0], torch.zeros(8, dtype=torch.uint8, device=device), frames[2]])
+    cut = backends.CUDA.unframe(failed, n, "t", expect)
+    assert trips == [failed.numel()] and [c.numel() for c in cut] == [want[0].size, 0, want[2].size]
+
+
 def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device):
     """backends.CudaBackend with the Elias coding: encode with error feedback (three steps), the split
     of gathered payloads of different lengths, and their decode-sum, against backends.CpuBackend

@@ -182,7 +182,7 @@ class ScatterAllgatherChain:
             raise protocol.MismatchError(f"{ex.where}: the first phase of the exchange failed on this rank")
         n, j, b = len(ex.set_ranks), ex.set_rank, ex.backend
         gathered = run.wait(ex.gather_handle)
-        chunks = b.unframe(gathered, n, ex.where)
+        chunks = b.unframe(gathered, n, ex.where, ex.expect)
         b.raise_if_failed(ex.reduce_error, f"{ex.where}: this rank could not reduce chunk {j}")
         ex.received += b.part_bytes(chunks, [k for k in range(n) if k != j])
         ex.cross_received += b.part_bytes(chunks, ex.remote_ranks())

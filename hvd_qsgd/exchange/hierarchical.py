@@ -264,8 +264,7 @@ class HierarchicalChain:
         if ex.cross == "allgather":
             return b.decode_report(received, lens, nodes, _shard_expect(ex, m), where)
         try:
-            # the frames' lengths are read on the host (a copy of the frames where they are on a device)
-            chunks = b.unframe(received, nodes, where)
+            chunks = b.unframe(received, nodes, where, _shard_expect(ex, m))
             return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks"), None
         except Exception as error:
             return b.zeros(0, received), error
