@@ -5,6 +5,7 @@
     python -m benchmarks overhead --trees /path/to/other/checkout,.     # two versions side by side
     python -m benchmarks overhead --framework tensorflow --modes none,qsgd4-allgather,qsgd4-scatter
     python -m benchmarks overhead --calls --trees /path/to/other/checkout,.   # per call, one process
+    python -m benchmarks overhead --calls --device cuda    # CUDA gradients (on a machine with a GPU)
     python -m benchmarks overhead --codec-calls --steps 1000 --trees /path/to/other/checkout,.   # the codec's calls
 
 Each tree runs its own copy of this benchmark (``python -m benchmarks.overhead`` in the tree): to
@@ -54,6 +55,9 @@ def add_arguments(p):
     p.add_argument("--framework", choices=("torch", "tensorflow"), default="torch",
                    help="the framework whose Horovod binding carries the step (default %(default)s; "
                         "TensorFlow has no fused or overlap mode)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where the gradients are (PyTorch; cuda: each rank on the GPU of its local rank, the CUDA "
+                        "kernels encoding, a step timed until the device is done; default %(default)s)")
     p.add_argument("--json", help=argparse.SUPPRESS)
     p.add_argument("--calls", action="store_true",
                    help="time the compressor's compress and decompress per call in one process instead "
@@ -123,12 +127,13 @@ def worker(args):
     import horovod.torch as hvd
     import hvd_qsgd
     hvd.init()
+    device, done = torch_device(torch, hvd, args.device)
     results = {}
     for mode in args.modes.split(","):
         for k in [int(v) for v in args.tensors.split(",")]:
             torch.manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(args.numel)) for _ in range(k)]
-            xs = [torch.randn(args.numel) for _ in range(k)]
+            params = [torch.nn.Parameter(torch.randn(args.numel, device=device)) for _ in range(k)]
+            xs = [torch.randn(args.numel, device=device) for _ in range(k)]
             compression = compression_of(hvd, hvd_qsgd, mode)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.01), compression=compression,
                                            named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
@@ -139,6 +144,7 @@ def worker(args):
                 opt.zero_grad()
                 sum((p * x).sum() for p, x in zip(params, xs)).backward()
                 opt.step()
+                done()
                 c1 = time.process_time()
                 dt = hvd.allreduce(torch.tensor([time.perf_counter() - t0]), op=hvd.Max, name="step_time")
                 dc = hvd.allreduce(torch.tensor([c1 - c0]), op=hvd.Sum, name="step_cpu")
@@ -152,6 +158,25 @@ def worker(args):
             json.dump(results, f)
 
 
+def torch_device(torch, hvd, name):
+    """(where a rank's gradients are, a function that returns once the device has done its work)."""
+    if name != "cuda":
+        return torch.device("cpu"), lambda: None
+    torch.cuda.set_device(hvd.local_rank() % torch.cuda.device_count())
+    return torch.device("cuda", torch.cuda.current_device()), torch.cuda.synchronize
+
+
+def cuda_missing():
+    """Why ``--device cuda`` cannot run here, or None."""
+    import torch
+    from hvd_qsgd import cuda
+    if not torch.cuda.is_available():
+        return "this torch sees no CUDA device"
+    if not cuda.available():
+        return "hvd_qsgd's CUDA kernels are not available (the CUDA library was not built)"
+    return None
+
+
 def run(args):
     if args.worker:
         return worker(args)
@@ -160,9 +185,16 @@ def run(args):
     if getattr(args, "codec_calls_worker", False):
         args.number = args.steps
         return overhead_codec.worker(args)
+    tensorflow = args.framework == "tensorflow"
+    device = getattr(args, "device", "cpu")
+    if device == "cuda":
+        why = ("the codec's calls are the CPU library's" if getattr(args, "codec_calls", False) else
+               "PyTorch only" if tensorflow else cuda_missing())
+        if why:
+            print(f"overhead: --device cuda: {why}")
+            return 2
     if getattr(args, "codec_calls", False):
         return overhead_codec.run(args, [os.path.abspath(t) for t in args.trees.split(",")])
-    tensorflow = args.framework == "tensorflow"
     args.modes = args.modes or ",".join(TF_MODES if tensorflow else MODES)
     unknown = [m for m in args.modes.split(",") if m not in (TF_MODES if tensorflow else MODES)]
     if unknown:
@@ -179,7 +211,8 @@ def run(args):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = ["horovodrun", "--gloo", "-np", str(args.np), sys.executable, "-m", "benchmarks.overhead",
                        "--worker", "--json", out.name, "--tensors", str(k), "--numel", str(args.numel),
-                       "--modes", args.modes, "--steps", str(args.steps), "--warmup", str(args.warmup)]
+                       "--modes", args.modes, "--steps", str(args.steps), "--warmup", str(args.warmup),
+                       "--device", device]
                 if args.framework != "torch":
                     cmd += ["--framework", args.framework]
                 old = os.environ.get("PYTHONPATH")
@@ -196,7 +229,8 @@ def run(args):
                         table.setdefault((tree, key), []).append(v)
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; "
-          f"{args.framework}, {args.np} Gloo ranks, gradients of {args.numel} elements, median of {args.steps} steps (ms), "
+          f"{args.framework}, {args.np} Gloo ranks, gradients of {args.numel} elements on the {device.upper()}, "
+          f"median of {args.steps} steps (ms), "
           f"median of {args.repeats} launches per tree, in ABBA order; in brackets the CPU time of a step, all "
           "ranks' threads together (less moved by the ranks' scheduling than the step's wall time)")
     print("| tree | K | " + " | ".join(modes) + " |")

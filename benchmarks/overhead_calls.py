@@ -9,6 +9,9 @@ and wrapped to time its calls. Per mode and K: the median over blocks of 30 step
 compress, of decompress after the step's first, and of the step's first decompress (which waits for
 the step's collectives and, with fusion buffers, encodes and decodes the buffer), and the step's
 time per gradient. Each tree in ``--trees`` runs in its own process, alternating, ``--repeats`` times.
+With ``--device cuda`` the parameters are CUDA tensors: a call's time is then the host's (the kernels
+run on the device's stream; a decode waits for the device where it reads the payloads' headers and
+its verdict), and a block of steps is timed until the device is done.
 """
 import json
 import os
@@ -23,14 +26,15 @@ def worker(args):
     import torch
     import horovod.torch as hvd
     import hvd_qsgd
-    from benchmarks.overhead import compression_of
+    from benchmarks.overhead import compression_of, torch_device
     hvd.init()
+    device, done = torch_device(torch, hvd, args.device)
     clock, results = time.perf_counter, {}
     for mode in args.modes.split(","):
         for k in [int(v) for v in args.tensors.split(",")]:
             torch.manual_seed(0)
-            params = [torch.nn.Parameter(torch.randn(args.numel)) for _ in range(k)]
-            xs = [torch.randn(args.numel) for _ in range(k)]   # p's gradient: loss = sum of p * x
+            params = [torch.nn.Parameter(torch.randn(args.numel, device=device)) for _ in range(k)]
+            xs = [torch.randn(args.numel, device=device) for _ in range(k)]   # p's gradient: loss = sum of p * x
             timed = Timed(compression_of(hvd, hvd_qsgd, mode), clock)
             opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.0), compression=timed,
                                            named_parameters=[(f"p{i}", p) for i, p in enumerate(params)])
@@ -50,6 +54,7 @@ def worker(args):
                 t0 = clock()
                 for _ in range(BLOCK):
                     step()
+                done()
                 wall = clock() - t0
                 spent = timed.spent
                 rows.append((spent[0] / BLOCK / k, spent[1] / BLOCK / max(1, k - 1), spent[2] / BLOCK,
@@ -86,12 +91,12 @@ def run(args, trees, ks, modes):
     from benchmarks.common import REPO_ROOT, machine_info, tree_runs
     table = tree_runs(trees, args.repeats, ["--calls-worker", "--tensors", args.tensors, "--numel", str(args.numel),
                                             "--modes", args.modes, "--steps", str(args.steps),
-                                            "--warmup", str(args.warmup)])
+                                            "--warmup", str(args.warmup), "--device", args.device])
     if table is None:
         return 1
     info = machine_info()
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; one process "
-          f"(Horovod of one rank), gradients of {args.numel} elements; us a call (first decompress: ms), median "
+          f"(Horovod of one rank), gradients of {args.numel} elements on the {args.device.upper()}; us a call (first decompress: ms), median "
           f"over blocks of {BLOCK} steps, median of {args.repeats} runs per tree, in ABBA order")
     print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient |")
     print("|---|---|---|---|---|---|---|")

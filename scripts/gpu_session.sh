@@ -4,6 +4,8 @@
 #            Gloo) builds from the carried sdist (.gpu_carry/) in the background;
 #   horovod  make gpu-check-horovod (the adapter's device path against its host path on 2 ranks),
 #            then Horovod installed into this Python's environment, so horovodrun is beside it;
+#   overhead python -m benchmarks overhead --calls, CUDA gradients then CPU ones: a gradient's host
+#            cost per call, one process (at most OVERHEAD_S seconds, default 120);
 #   train    python -m benchmarks convergence --workload lm --device cuda: ranks sharing the GPU, over
 #            links shaped to $LM_RATE where network namespaces can be made, otherwise over loopback
 #            (and then said so).
@@ -16,7 +18,7 @@ cd "$(dirname "$0")/.."
 RESULTS=${OUT:-$PWD/gpu_session_out}
 WORK=${GPU_SESSION_WORK:-/tmp/gpu_session}
 DEADLINE=$((SECONDS + ${GPU_SESSION_S:-560}))
-PHASES=${GPU_SESSION_PHASES:-check,horovod,train}
+PHASES=${GPU_SESSION_PHASES:-check,horovod,overhead,train}
 PY=$(command -v "${PYTHON:-python3}")
 mkdir -p "$RESULTS" "$WORK/out"
 export PYTHONUNBUFFERED=1 HVD_QSGD_WITHOUT_TENSORFLOW=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
@@ -31,7 +33,7 @@ pack() {
   # archive grew past what the device tool brings back (2026-11-27), and nothing came back
   tar -czf "$RESULTS/results.tar.gz" -C "$WORK" --exclude='*.whl' --exclude='*.pt' out
   cp "$WORK/out/session.log" "$RESULTS/" 2>/dev/null
-  for f in check/gpu_check.md horovod/gpu_check_horovod.md train/lm_table.md; do
+  for f in check/gpu_check.md horovod/gpu_check_horovod.md overhead/calls_cuda.md train/lm_table.md; do
     [ -f "$WORK/out/$f" ] && cp "$WORK/out/$f" "$RESULTS/"
   done
   return 0
@@ -93,6 +95,17 @@ if has horovod && [ ! -f "$WORK/horovod.done" ] && [ -f "$WORK/horovod.whl.path"
   OUT="$WORK/out/horovod" GPU_CHECK_REUSE_BUILD=1 timeout $(($(left) - 30)) bash scripts/gpu_check_horovod.sh \
     >"$WORK/out/horovod.log" 2>&1
   log "gpu-check-horovod exit $?"; touch "$WORK/horovod.done"; pack
+fi
+
+if has overhead && [ ! -f "$WORK/overhead.done" ] && [ -f "$WORK/horovod.whl.path" ]; then
+  mkdir -p "$WORK/out/overhead"
+  for dev in cuda cpu; do
+    log "overhead --calls --device $dev"
+    timeout $((${OVERHEAD_S:-120} / 2)) $PY -m benchmarks overhead --calls --device $dev --tensors 16,64 \
+      --steps 60 --modes none,qsgd4-auto,qsgd4-buffered >"$WORK/out/overhead/calls_$dev.md" 2>&1
+    log "overhead ($dev) exit $?"
+  done
+  touch "$WORK/overhead.done"; pack
 fi
 
 if has train && [ -f "$WORK/horovod.whl.path" ]; then

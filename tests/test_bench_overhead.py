@@ -59,3 +59,17 @@ def test_codec_calls_mode_times_every_call_by_size():
     assert all(float(v) > 0 for v in rows.values()), stdout[-3000:]
     # the codec's call does the kernel's work and more
     assert float(rows["codec.encode, 20000"]) > float(rows["encode kernel, 20000"]), stdout[-3000:]
+
+
+def test_cuda_device_is_refused_where_it_cannot_run(capsys):
+    """``--device cuda`` says why it cannot run (no device seen, TensorFlow, the codec's CPU calls) and
+    launches nothing."""
+    base = dict(worker=False, calls_worker=False, codec_calls_worker=False, codec_calls=False, calls=False,
+                framework="torch", modes="none", trees=".", tensors="1", device="cuda")
+    for more, why in ((dict(framework="tensorflow"), "PyTorch only"),
+                      (dict(codec_calls=True), "the codec's calls are the CPU library's"),
+                      ({}, overhead.cuda_missing())):
+        if why is None:   # (a machine with a GPU and the CUDA kernels runs it: see docs/gpu.md)
+            continue
+        assert overhead.run(SimpleNamespace(**{**base, **more})) == 2
+        assert f"--device cuda: {why}" in capsys.readouterr().out

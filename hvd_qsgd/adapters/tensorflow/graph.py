@@ -165,7 +165,7 @@ class TensorFlowOps:
         return Phase2Part(reduced, tf.reshape(tf.size(reduced, out_type=tf.int32), [1])), error
 
     @staticmethod
-    def unframe(gathered, n, where):
+    def unframe(gathered, n, where, expect=None):
         return gathered
 
     @staticmethod
