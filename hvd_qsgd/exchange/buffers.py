@@ -26,7 +26,8 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 a full buffer goes on the wire during the backward pass, as DDP's buckets do; a rank
                 that could not encode it sends nothing, which every rank sees, and every member
                 raises on every rank
-    finish      the buffer's chain once, with alpha 1; each member: its slice times its alpha
+    finish      the buffer's chain once, with alpha 1; each member: its slice of the result (a view,
+                as DDP's gradients are views of its buckets), times its alpha in place
 
 The payload's header records the buffer's numel and the fingerprint of its layout (each member's
 fingerprint at its offset). A tensor larger than a buffer goes alone, as without fusion buffers.
@@ -195,7 +196,10 @@ class FusionBuffers:
                     raise buf.stage_error
                 raise protocol.MismatchError(f"{ex.where}: {buf.stage_error}") from buf.stage_error
         o = ex.offset
-        return buf.gathered[o:o + ex.expect.numel] * alpha   # (a copy: the buffer's array is reused)
+        out = buf.gathered[o:o + ex.expect.numel]   # a view: no copy (the result pool hands the buffer's
+        if alpha != 1.0:                            # array out again only once no member's result holds it)
+            out *= alpha                            # (each member's slice is its own: scaled once, here)
+        return out
 
     def member_done(self, ex):
         """Member ``ex`` has its result: once every member has, the buffer's name is free."""
