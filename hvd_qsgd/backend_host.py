@@ -2,6 +2,7 @@
 gathered payloads checked by their headers before they are decoded, the phase-2 frames cut on the
 host. A backend supplies the array methods these are written with (``length``, ``split``,
 ``read_headers``, ``decode_sum``, ``split_by``, ``zeros``, ``host``, ``place_bytes``)."""
+import contextlib
 from typing import List
 
 from hvd_qsgd import protocol, reduction
@@ -48,6 +49,16 @@ class HostCountedBackend:
         if empty:
             raise MismatchError(message(empty))
         return out
+
+    @staticmethod
+    def deferred_verdicts(pending):
+        """A scope whose decodes may leave their verdicts in ``pending`` for ``settle`` (a device's:
+        the host's decodes check their payloads in the call, so nothing is left)."""
+        return contextlib.nullcontext()
+
+    @staticmethod
+    def settle(pending) -> None:
+        """Read the verdicts left in ``pending``; raise the first failure."""
 
     @staticmethod
     def scaled(out, alpha):

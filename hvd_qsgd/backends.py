@@ -199,6 +199,14 @@ class CudaBackend(HostCountedBackend):
     name = "cuda"
 
     @staticmethod
+    def deferred_verdicts(pending):
+        return cuda.deferred_verdicts(pending)   # an exchange's result: its verdict read with the step's others
+
+    @staticmethod
+    def settle(pending) -> None:
+        cuda.settle(pending)   # once, where the step's last result is handed over
+
+    @staticmethod
     def missing(settings, exchange_reduction: str) -> Optional[str]:
         """Why an exchange with these settings cannot run on the device, or None."""
         if not cuda.available():

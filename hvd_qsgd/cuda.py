@@ -7,12 +7,16 @@ CUDA library was built and a device is visible.
 
 Where the host waits for the device: ``decode_sum``, ``reduce_chunk`` and ``decode_chunks`` read the
 device's verdict on the payloads (checksums, scales, padding) before they return, one small
-device-to-host copy each, so that a corrupt payload raises in the call that decoded it; and every
+device-to-host copy each, so that a corrupt payload raises in the call that decoded it (within
+``deferred_verdicts``, the verdicts of ``decode_sum`` and ``decode_chunks``, whose results nothing
+reads before ``settle``, are kept and read together there, one copy for all); and every
 decode parses the payloads' headers on the host (one copy of their first 56 bytes), once: the
 headers a caller read to check them (``read_headers``) are the ones the kernels are given. Encoding
 never waits.
 """
+import contextlib
 import ctypes
+import threading
 
 from hvd_qsgd import _native, codec
 from hvd_qsgd.errors import EncodeError
@@ -161,12 +165,54 @@ def _flat32(x, name):
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def _verdict(st, status, where):
-    """Raise for a failed call or a failure the device reported in ``status`` (waits for it)."""
+def _verdict(st, status, where, deferrable=False):
+    """Raise for a failed call or a failure the device reported in ``status`` (waits for it); a
+    ``deferrable`` call's verdict, within ``deferred_verdicts``, is kept for ``settle`` instead."""
     if st == _native.OK:
+        pending = getattr(_scope, "pending", None) if deferrable else None
+        if pending is not None:
+            pending.append((status, where))
+            return
         st = int(status.item())
     if st != _native.OK:
         codec.raise_status(st, where)
+
+
+_scope = threading.local()   # the verdict list of the ``deferred_verdicts`` the calling thread is in
+
+
+@contextlib.contextmanager
+def deferred_verdicts(pending):
+    """Within: the device's verdicts of ``decode_sum`` and ``decode_chunks`` in this thread are added
+    to ``pending`` (a deque) instead of waited for call by call: for decodes whose results nothing
+    reads before ``settle(pending)`` (an exchange's result, handed to the optimizer only after the
+    step's last decompress settles). The call's own errors (arguments, headers) still raise at once.
+    ``pending`` None: the verdicts are read in each call (a stage whose result goes on to other ranks,
+    run within another's scope)."""
+    outer = getattr(_scope, "pending", None)
+    _scope.pending = pending
+    try:
+        yield
+    finally:
+        _scope.pending = outer
+
+
+def settle(pending):
+    """Wait once for every verdict in ``pending`` (a deque, then emptied): one device-to-host copy per
+    device; raise the first failure, naming the payloads that failed."""
+    if not pending:
+        return
+    import torch
+    kept = []
+    while pending:   # (popleft is atomic: a verdict added meanwhile stays for the next settle)
+        kept.append(pending.popleft())
+    codes = {}
+    for device in {status.device for status, _ in kept}:
+        mine = [i for i, (status, _) in enumerate(kept) if status.device == device]
+        codes.update(zip(mine, torch.cat([kept[i][0] for i in mine]).cpu().tolist()))
+    for i, (_, where) in enumerate(kept):
+        if codes[i] != _native.OK:
+            codec.raise_status(codes[i], where)
 
 
 def encode_chunks(x, n, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
@@ -240,7 +286,7 @@ def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks"):
     st = _lib().qsgd_decode_chunks_cuda(ptrs, cheads, len(payloads), float(alpha), ctypes.c_void_p(out.data_ptr()),
                                         int(numel), int(bucket_size), ctypes.c_void_p(status.data_ptr()),
                                         _stream_handle(torch, device))
-    _verdict(st, status, where)
+    _verdict(st, status, where, deferrable=True)
     return out
 
 
@@ -267,10 +313,7 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     st = _lib().qsgd_decode_sum_cuda(ptrs, cheads, len(payloads), float(scale), ctypes.c_void_p(out.data_ptr()),
                                      n, int(bool(accumulate)), ctypes.c_void_p(status.data_ptr()),
                                      _stream_handle(torch, device))
-    if st == _native.OK:
-        st = int(status.item())
-    if st != _native.OK:
-        codec.raise_status(st, where)
+    _verdict(st, status, where, deferrable=True)
     return out
 
 

@@ -734,6 +734,34 @@ def test_cuda_backend_cuts_the_reduced_chunks_on_the_device(device, monkeypatch)
     assert trips == [failed.numel()] and [c.numel() for c in cut] == [want[0].size, 0, want[2].size]
 
 
+def test_deferred_verdicts_are_read_together_and_name_the_failing_payload(device, monkeypatch):
+    """Within ``cuda.deferred_verdicts``, decode_sum and decode_chunks do not wait for the device's
+    verdict (no read of their status); ``settle`` reads them all at once and raises the first failure,
+    naming its payloads; outside the scope a corrupt payload raises in its call, as before."""
+    import collections
+    from hvd_qsgd import cuda
+    x = torch.from_numpy(np.random.default_rng(3).standard_normal(5000).astype(np.float32)).to(device)
+    good = cuda.encode(x, bits=4, bucket_size=128, seed=1)
+    bad = good.clone()
+    bad[-1] ^= 1   # the last packed byte: only the device's checksum sees it
+    buf, lens = cuda.encode_chunks(x, 2, bits=4, bucket_size=128, step_seed=2)
+    chunks = list(buf.split(lens))
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self, real=torch.Tensor.item: reads.append(1) or real(self))
+    pending = collections.deque()
+    with cuda.deferred_verdicts(pending):
+        ok = cuda.decode_sum([good], where="good")
+        cuda.decode_sum([bad], where="bad")   # no error yet: its verdict is kept
+        cuda.decode_chunks(chunks, 1.0, 5000, 128, where="chunks")
+    assert reads == [] and len(pending) == 3
+    with pytest.raises(codec.PayloadError, match="^bad: .*checksum"):
+        cuda.settle(pending)
+    assert not pending
+    np.testing.assert_array_equal(ok.cpu().numpy(), codec.decode_sum([good.cpu().numpy()], 1.0))
+    with pytest.raises(codec.PayloadError, match="^bad: .*checksum"):
+        cuda.decode_sum([bad], where="bad")
+
+
 def test_cuda_backend_runs_an_elias_allgather_exchange_as_the_cpu_backend(device):
     """backends.CudaBackend with the Elias coding: encode with error feedback (three steps), the split
     of gathered payloads of different lengths, and their decode-sum, against backends.CpuBackend
@@ -778,8 +806,8 @@ def test_adapter_device_path_emulated_equals_its_host_path_under_horovodrun(emul
     it checks the adapter's device-path logic, not a GPU (docs/gpu.md)."""
     pytest.importorskip("horovod.torch")
     from tests.helpers import launch
-    from tests.mp.torch_device_path import CONFIGS
-    out = launch(3, "gloo", ["tests/mp/torch_device_path.py", "emulated", *CONFIGS], timeout=400,
+    from tests.mp.torch_device_path import CONFIGS, CORRUPT
+    out = launch(3, "gloo", ["tests/mp/torch_device_path.py", "emulated", *CONFIGS, CORRUPT], timeout=400,
                  env={emulated_cuda.ENV: emulated_lib_path})
-    for name in CONFIGS:
+    for name in [*CONFIGS, CORRUPT]:
         assert out.count(f"<stdout>:OK {name}\n") == 3, f"{name}:\n{out[-4000:]}"

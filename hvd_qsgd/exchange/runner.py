@@ -14,7 +14,9 @@ backend's array) from compress to decompress through its reduction's chain of st
                 their chains' first collectives where its reduced control vector shows every rank
                 stepping alike, else their presence allreduces; then the control vector's verdict;
                 the chain's remaining stages (``hvd_qsgd.driver``); the chain's result, or the
-                joined path's (ranks gone to ``hvd.join``: ``hvd_qsgd.exchange.joined``)
+                joined path's (ranks gone to ``hvd.join``: ``hvd_qsgd.exchange.joined``); a CUDA
+                decode's verdict on it is read with the step's others at the step's last finish
+                (``hvd_qsgd.cuda.settle``: one wait for the device a step)
 
 With ``Settings.fusion``, start keeps an allgather exchange in its group's open fused exchange
 (``hvd_qsgd.exchange.fused``), whose one presence allreduce and one allgather carry every member;
@@ -48,6 +50,7 @@ instead, and finish returns alpha times that sum, alpha = 1/n for Average as Hor
 allreduce gives (``protocol.joined_verdict`` checks the control vector as the stepping ranks').
 Counted in ``stats["joined_exchanges"]`` and logged once.
 """
+import collections
 import threading
 import time
 from types import SimpleNamespace
@@ -66,6 +69,8 @@ from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
 from hvd_qsgd.state import ExchangeNames, ResidualStore
 
+# verdicts kept at most before they are read (where a step's last decompress does not come)
+SETTLE_AT = 64
 # the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
 NO_STAGES = threading.Event()
 NO_STAGES.set()
@@ -91,6 +96,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         self._controls = {}   # the control vectors made so far, by what they say
         self.openings = Openings()   # what each tensor's exchanges start with (``open``)
         self._deferred = {}   # by process set: exchanges compressed, no collective started yet
+        self._verdicts = collections.deque()   # the device's verdicts on results handed over, not yet read
 
     # -- compress -----------------------------------------------------------------------------
 
@@ -227,9 +233,12 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         started that ex now waits on. Never raises (other exchanges' calls run it): an error is kept
         in ``ex.stage_error`` for its own decompress."""
         try:
-            if ex.stage == "presence":
-                return self._after_presence(ex)
-            return ex.chain.advance(self, ex)
+            # (its decodes' results go on to other ranks: their verdicts are read in the call, also
+            # where a decompress waiting for its own result runs this stage)
+            with ex.backend.deferred_verdicts(None):
+                if ex.stage == "presence":
+                    return self._after_presence(ex)
+                return ex.chain.advance(self, ex)
         except Exception as e:
             ex.stage_error = e
         return False
@@ -310,20 +319,29 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
                 raise carrier.stage_error
             if carrier.stage_error is not None:
                 raise protocol.MismatchError(f"{ex.where}: {carrier.stage_error}") from carrier.stage_error
-            if fused is not None:
-                out = group.member_finish(self, fused, ex, alpha)
-                if fused.stage == "joined":
-                    self._count_joined(ex)
-            else:
-                out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
+            with ex.backend.deferred_verdicts(self._verdicts):   # (the device's: read together, below)
+                if fused is not None:
+                    out = group.member_finish(self, fused, ex, alpha)
+                    if fused.stage == "joined":
+                        self._count_joined(ex)
+                else:
+                    out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
         finally:  # every rank waited for this exchange's collectives: its slot may be used again
             self.names.release_slot(ex.route.slot)
             if fused is not None:
                 group.member_done(ex)
+        return self._hand_over(ex, carrier, out)
+
+    def _hand_over(self, ex, carrier, out):
+        """The exchange's result, counted, once the device's verdicts kept so far were read where
+        this is the step's last result (no exchange left between compress and decompress), or one the
+        bits policy reads, or too many wait."""
         if carrier.stage != "joined":
             self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
                                                                      4 * ex.expect.numel))
             self._slowdown.observe(self.stats.as_dict, self.owner)
+        if not self.names.pending or self.policy.observes or len(self._verdicts) >= SETTLE_AT:
+            ex.backend.settle(self._verdicts)
         if self.policy.observes:
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
@@ -361,6 +379,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         self.buffers.clear()
         with self.lock:
             self._deferred = {}
+        self._verdicts.clear()   # (of results the interrupted step will not use)
         if residuals:
             with self.lock:
                 self.residuals.clear()

@@ -12,7 +12,10 @@ server error feedback, half precision read in its own dtype). Both compressors h
 index, so the same exchange names and seeds. Every step's result, every worker residual and every
 server residual must be equal bit for bit; the device run must have taken the CUDA backend (no host
 fallback counted; emulated: the wrappers called the emulated kernels), except for the Elias coding,
-which must go through the host with every exchange counted. Each rank prints
+which must go through the host with every exchange counted. The device's verdicts on a step's
+decoded results are read once, at the step's last decompress (``hvd_qsgd.cuda.settle``).
+``deferred-verdict-corrupt``: a payload corrupted before its device decode makes that step raise on
+every rank, naming its tensor, where the step's results are handed over. Each rank prints
 ``OK <configuration>``.
 """
 import os
@@ -66,6 +69,7 @@ CONFIGS = {  # name: (settings, dtype)
                                                      reduction="scatter_allgather"), torch.float32),
 }
 THROUGH_HOST = {"elias-scatter-through-the-host"}
+CORRUPT = "deferred-verdict-corrupt"   # (allgather on the device, a payload of p1 corrupted at step 1)
 
 
 def gradient(rank, step, i, numel):
@@ -101,15 +105,37 @@ def as_bytes(v):
     return a.view(np.uint8).tobytes()
 
 
+def counting_settles():
+    """Wrap ``hvd_qsgd.cuda.settle``: the list it fills has, per call that had verdicts to read, their count."""
+    real, seen = hvd_qsgd.cuda.settle, []
+
+    def settle(pending):
+        if pending:
+            seen.append(len(pending))
+        return real(pending)
+    hvd_qsgd.cuda.settle = settle
+    return seen, lambda: setattr(hvd_qsgd.cuda, "settle", real)
+
+
 def check(name, device, lib, index):
     settings, dtype = CONFIGS[name]
     host, c_host = run(settings, dtype, index)
-    if device == "emulated":
-        with emulated_cuda.on_host(lib, adapter=True) as emu:
-            on_device, c_dev = run(settings, dtype, index)
-        assert (emu.calls > 0) != (name in THROUGH_HOST), f"{name}: {emu.calls} calls of the emulated kernels"
-    else:
-        on_device, c_dev = run(settings, dtype, index, device="cuda")
+    settles, restore = counting_settles()
+    try:
+        if device == "emulated":
+            with emulated_cuda.on_host(lib, adapter=True) as emu:
+                on_device, c_dev = run(settings, dtype, index)
+            assert (emu.calls > 0) != (name in THROUGH_HOST), f"{name}: {emu.calls} calls of the emulated kernels"
+        else:
+            on_device, c_dev = run(settings, dtype, index, device="cuda")
+    finally:
+        restore()
+    # the results' verdicts read once a step, a decode each (a fusion buffer's: one for its members;
+    # the hierarchical reduction decodes in its stages, whose results go on to other ranks: read
+    # there; through the host: checked in the call)
+    decodes = 1 if settings.fusion_mb else len(SIZES)
+    want = [] if name in THROUGH_HOST or "hierarchical" in name else [decodes] * STEPS
+    assert settles == want, f"{name}: verdicts read {settles}, expected {want}"
     fallbacks = STEPS * len(SIZES) if name in THROUGH_HOST else 0
     assert c_dev.stats["host_fallbacks"] == fallbacks, f"{name}: {c_dev.stats['host_fallbacks']} host fallbacks"
     for k, (a, b) in enumerate(zip(host, on_device)):
@@ -130,11 +156,51 @@ def check(name, device, lib, index):
         assert c_dev.residuals.residuals, f"{name}: no worker residual"
 
 
+def check_corrupt(device, lib, index):
+    """A payload of the first gradient decoded at step 1 corrupted (one data byte, on every rank alike)
+    before its device decode: the step's other decode still runs, then the step raises on every rank,
+    naming the corrupted tensor, where its results are handed over."""
+    real = hvd_qsgd.cuda.decode_sum
+    state = {"step": 0, "decoded": []}
+
+    def corrupting(payloads, *args, **kwargs):
+        where = kwargs.get("where", "")
+        if state["step"] == 1:
+            if not state["decoded"]:
+                payloads = [p.clone() for p in payloads]
+                payloads[0][-1] ^= 1   # (the last packed byte: the checksum says so, on the device)
+            state["decoded"].append(where)
+        return real(payloads, *args, **kwargs)
+
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, device=device))) for i, numel in enumerate(SIZES)]
+    c = hvd_qsgd.torch.QSGD(settings=CONFIGS["allgather"][0], creation_index=index, named_parameters=named)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
+                                   compression=c)
+    hvd_qsgd.cuda.decode_sum = corrupting
+    try:
+        for step in range(2):
+            state["step"] = step
+            opt.zero_grad()
+            sum((p * gradient(hvd.rank(), step, i, p.numel()).to(device)).sum() for i, (_, p) in enumerate(named)).backward()
+            try:
+                opt.synchronize()
+            except hvd_qsgd.PayloadError as e:
+                first = state["decoded"][0]
+                assert step == 1 and len(state["decoded"]) == len(SIZES), (step, state["decoded"])
+                assert str(e).startswith(first) and "checksum" in str(e), (first, str(e))
+                return
+            with opt.skip_synchronize():
+                opt.step()
+        raise AssertionError("the corrupt payload was not reported")
+    finally:
+        hvd_qsgd.cuda.decode_sum = real
+
+
 def main():
     os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1"   # for the hierarchical configuration, alike on every rank
     device, names = sys.argv[1], sys.argv[2:]
-    names = list(CONFIGS) if names == ["all"] else names
-    if device not in ("emulated", "cuda") or not names or not set(names) <= set(CONFIGS):
+    names = [*CONFIGS, CORRUPT] if names == ["all"] else names
+    if device not in ("emulated", "cuda") or not names or not set(names) <= {*CONFIGS, CORRUPT}:
         raise SystemExit(f"usage: torch_device_path.py emulated|cuda all|CONFIGURATION... ({', '.join(CONFIGS)})")
     hvd.init()
     torch.set_num_threads(1)
@@ -142,7 +208,13 @@ def main():
     if device == "cuda" and not hvd_qsgd.cuda.available():
         raise SystemExit("torch_device_path.py cuda: hvd_qsgd's CUDA library or a CUDA device is not available")
     for k, name in enumerate(names):
-        check(name, device, lib, 900 + k)
+        if name == CORRUPT and device == "emulated":
+            with emulated_cuda.on_host(lib, adapter=True):
+                check_corrupt("cpu", lib, 900 + k)
+        elif name == CORRUPT:
+            check_corrupt("cuda", lib, 900 + k)
+        else:
+            check(name, device, lib, 900 + k)
         print(f"OK {name}", flush=True)
 
 
