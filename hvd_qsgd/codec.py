@@ -343,6 +343,9 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     return out
 
 
+_expected = {}   # the C header each expectation's fields make (``decode_gathered``; read-only once made)
+
+
 def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
                     out: Optional[np.ndarray] = None) -> tuple:
     """(``scale`` * the decoded sum of the ``count`` payloads back to back in ``buffer``, what an
@@ -357,9 +360,14 @@ def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
         out = np.empty(n, dtype=np.float32)
     elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous:
         raise ValueError(f"decode_gathered: out must be a C-contiguous float32 array of {n} elements")
-    want = _native.CHeader(bits=expect.bits, bucket_size=expect.bucket_size, norm=NORMS[expect.norm],
-                           coding=CODINGS[expect.coding], numel=n, dtype=DTYPES[expect.dtype],
-                           fingerprint=expect.fingerprint)
+    fields = (expect.bits, expect.bucket_size, expect.norm, expect.coding, n, expect.dtype, expect.fingerprint)
+    want = _expected.get(fields)
+    if want is None:   # (the same tensor's exchanges expect the same header, step after step)
+        if len(_expected) >= 4096:
+            _expected.clear()
+        want = _expected[fields] = _native.CHeader(
+            bits=fields[0], bucket_size=fields[1], norm=NORMS[fields[2]], coding=CODINGS[fields[3]], numel=n,
+            dtype=DTYPES[fields[5]], fingerprint=fields[6])
     lens = (ctypes.c_uint64 * max(1, count))()
     st = _native.load().qsgd_decode_gathered_cpu(buf.ctypes.data, buf.size, count, ctypes.byref(want), float(scale),
                                                  out.ctypes.data, n, lens)

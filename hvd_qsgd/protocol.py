@@ -271,7 +271,13 @@ def payload_seed(seed, set_rank, exchange, occurrence=0):
     ``qsgd_step_seed(exchange_seed(seed, rank, exchange), occurrence)`` (a SplitMix64 step, the same
     function the TensorFlow op applies in-graph), so ranks quantize independently and steps never
     reuse randomness."""
-    return int(_native.load().qsgd_step_seed(exchange_seed(seed, set_rank, exchange), int(occurrence)))
+    return step_seed(exchange_seed(seed, set_rank, exchange), occurrence)
+
+
+def step_seed(base, occurrence):
+    """``qsgd_step_seed(base, occurrence)``: the payload seed of an exchange whose base seed
+    (``exchange_seed``) a caller keeps."""
+    return int(_native.load().qsgd_step_seed(base, int(occurrence)))
 
 
 _GOLDEN = 0x9E3779B97F4A7C15   # the increment of qsgd_step_seed (kernels/qsgd_control.cc)

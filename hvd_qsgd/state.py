@@ -43,6 +43,9 @@ class Route(NamedTuple):
     slot: Optional[int]    # numbered slot taken, or None
 
 
+KEPT_SEEDS = 4096   # parameters' base seeds kept at most (then the store starts again)
+
+
 @functools.lru_cache(maxsize=65536)
 def _named_route(prefix: str, sep: str, param: str) -> tuple:
     """A parameter's exchange name and control key (made once: one is needed per exchange)."""
@@ -62,6 +65,7 @@ class ExchangeNames:
         self.in_flight: Set[str] = set()   # parameter names with an exchange pending
         self.pending = 0          # exchanges between compress and decompress
         self.position = 0         # position within the current step
+        self._seeds: Dict[tuple, int] = {}   # the parameters' base payload seeds (``payload_seed``)
 
     def name(self, label: str) -> str:
         return f"{self.prefix}{self.sep}{label}"
@@ -106,6 +110,19 @@ class ExchangeNames:
             seq, self.seq = self.seq, self.seq + 1
             slot = self._take_slot()
             return Route(self.name(f"n{slot}"), self.name(f"s{seq}"), 0, numbered_key(slot), position, None, slot)
+
+    def payload_seed(self, seed: int, set_rank: int, route: Route) -> int:
+        """``protocol.payload_seed`` of the exchange on ``route``. A parameter's exchanges keep their
+        name step after step, so its base seed is kept (a numbered exchange's name is new each time)."""
+        if route.param is None:
+            return protocol.payload_seed(seed, set_rank, route.seed_name, route.occurrence)
+        key = (seed, set_rank, route.seed_name)
+        base = self._seeds.get(key)
+        if base is None:
+            if len(self._seeds) >= KEPT_SEEDS:
+                self._seeds.clear()
+            base = self._seeds[key] = protocol.exchange_seed(*key)
+        return protocol.step_seed(base, route.occurrence)
 
     def finish(self, route: Route) -> None:
         """The exchange left compress-to-decompress (its collectives may still be pending)."""

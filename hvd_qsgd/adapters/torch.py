@@ -169,7 +169,8 @@ class TorchCompressor(Compressor):
         if ex.backend is not backends.CPU:
             return tensor.detach().reshape(-1)
         if tensor.dtype is torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
-            return tensor.detach().numpy().reshape(-1)   # (NumPy's reshape of a view: no dispatch)
+            a = (tensor.detach() if tensor.requires_grad else tensor).numpy()   # (a gradient needs no detach)
+            return a if a.ndim == 1 else a.reshape(-1)   # (NumPy's reshape of a view: no dispatch)
         return tensor.detach().reshape(-1).cpu().float().contiguous().numpy()
 
     def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange]) -> torch.Tensor:

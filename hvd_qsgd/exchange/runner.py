@@ -153,7 +153,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         if ex.reduction == "buffered":  # its buffer encodes it (start puts it there)
             ex.source = x
             return
-        ex.step_seed = protocol.payload_seed(ex.settings.seed, ex.set_rank, ex.route.seed_name, ex.route.occurrence)
+        ex.step_seed = self.names.payload_seed(ex.settings.seed, ex.set_rank, ex.route)
         t0 = time.perf_counter()
         ex.chain.encode(self, ex, x)
         self.stats.add(encode_s=time.perf_counter() - t0)
