@@ -66,8 +66,9 @@ class HostCountedBackend:
 
     def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
         """(alpha * the decoded sum of the ``count`` payloads of an allgather's result, each checked
-        against ``expect``; the payloads' lengths)."""
-        payloads = self.split(gathered, count, own_len, where, headers := [])   # (headers read once, there)
+        against ``expect``; the payloads' lengths). The headers are read once: by the cut where it
+        reads them, else for the checks, whose read the decode reuses."""
+        payloads = self.split(gathered, count, own_len, where, headers := [], coding=expect.coding)
         return self._checked_sum(payloads, alpha, expect, where, headers), [self.length(p) for p in payloads]
 
     def _checked_sum(self, payloads, alpha, expect, where, headers=None):

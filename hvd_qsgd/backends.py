@@ -124,8 +124,9 @@ class CpuBackend(HostCountedBackend):
         """A host payload (uint8) where this backend reads ``like``."""
         return payload
 
-    def split(self, gathered, count: int, own_len: int, where: str, headers=None) -> List[np.ndarray]:
-        """The ranks' payloads in an allgather's result, cut at each header's length (put in ``headers``)."""
+    def split(self, gathered, count: int, own_len: int, where: str, headers=None, coding=None) -> List[np.ndarray]:
+        """The ranks' payloads in an allgather's result, cut at each header's length (put in ``headers``;
+        ``coding``, the one the exchange expects: the host reads the headers anyway)."""
         return codec.split_payloads(gathered, count=count, where=f"{where}: gathered payloads", headers=headers)
 
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
@@ -268,21 +269,17 @@ class CudaBackend(HostCountedBackend):
         import torch
         return torch.from_numpy(payload).to(like.device, non_blocking=True)
 
-    def decode_gathered(self, gathered, count: int, own_len: int, alpha: float, expect, where: str):
-        """As the host-counted backends', cut without reading the device where the coding the exchange
-        expects (which every rank's control vector agreed on) is the fixed one and the result has
-        ``count`` payloads of this rank's length; else at each header's length, whose checks name what
-        differs. The headers then cross to the host once, for their checks and the decode alike."""
-        if expect.coding == "fixed" and gathered.numel() == count * own_len:
-            payloads = list(gathered.split(own_len))
-        else:
-            payloads = cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
-        return self._checked_sum(payloads, alpha, expect, where), [int(p.numel()) for p in payloads]
-
-    def split(self, gathered, count: int, own_len: int, where: str, headers=None) -> list:
+    def split(self, gathered, count: int, own_len: int, where: str, headers=None, coding=None) -> list:
         """Fixed coding: every rank's payload has the length of this rank's. Elias coding (lengths
-        differ): cut at each header's length (``cuda.split_payloads``). The coding is read from the
+        differ): cut at each header's length (``cuda.split_payloads``). ``coding``: the one the
+        exchange expects (which every rank's control vector agreed on): the fixed one cuts without
+        reading the device where the result has ``count`` payloads of this rank's length, else at each
+        header's length, whose checks name what differs. Without it, the coding is read from the
         first payload's header (one byte of a small device-to-host copy)."""
+        if coding is not None:
+            if coding == "fixed" and gathered.numel() == count * own_len:
+                return list(gathered.split(own_len))
+            return cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
         if gathered.numel() >= codec.HEADER_BYTES and int(gathered[5:6].cpu()[0]) == 1:  # byte 5: coding
             return cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
         if gathered.numel() != count * own_len:

@@ -81,22 +81,33 @@ def run(settings, dtype, index, device="cpu"):
     """(every step's averaged gradients on the host, the compressor) of STEPS steps of
     hvd.DistributedOptimizer with a fresh compressor, the parameters on ``device``; each parameter's
     gradient is this rank's ``gradient`` (in its dtype)."""
-    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)))
-             for i, numel in enumerate(SIZES)]
-    c = hvd_qsgd.torch.QSGD(settings=settings, creation_index=index, named_parameters=named)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
-                                   compression=c)
+    named, c, opt = optimizer(settings, dtype, index, device)
     results = []
     for step in range(STEPS):
-        opt.zero_grad()
-        loss = sum((p.float() * gradient(hvd.rank(), step, i, p.numel()).to(device)).sum()
-                   for i, (_, p) in enumerate(named))
-        loss.backward()
+        backward(opt, named, step, device)
         opt.synchronize()
         results += [p.grad.detach().cpu().clone() for _, p in named]
         with opt.skip_synchronize():
             opt.step()
     return results, c
+
+
+def optimizer(settings, dtype, index, device):
+    """(the named parameters of SIZES on ``device``, a fresh compressor, hvd.DistributedOptimizer)."""
+    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device)))
+             for i, numel in enumerate(SIZES)]
+    c = hvd_qsgd.torch.QSGD(settings=settings, creation_index=index, named_parameters=named)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
+                                   compression=c)
+    return named, c, opt
+
+
+def backward(opt, named, step, device):
+    """zero_grad and this rank's ``gradient`` of each parameter, through backward (its hooks compress)."""
+    opt.zero_grad()
+    loss = sum((p.float() * gradient(hvd.rank(), step, i, p.numel()).to(device)).sum()
+               for i, (_, p) in enumerate(named))
+    loss.backward()
 
 
 def as_bytes(v):
@@ -172,16 +183,12 @@ def check_corrupt(device, lib, index):
             state["decoded"].append(where)
         return real(payloads, *args, **kwargs)
 
-    named = [(f"p{i}", torch.nn.Parameter(torch.zeros(numel, device=device))) for i, numel in enumerate(SIZES)]
-    c = hvd_qsgd.torch.QSGD(settings=CONFIGS["allgather"][0], creation_index=index, named_parameters=named)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD([p for _, p in named], lr=0.0), named_parameters=named,
-                                   compression=c)
+    named, _, opt = optimizer(CONFIGS["allgather"][0], torch.float32, index, device)
     hvd_qsgd.cuda.decode_sum = corrupting
     try:
         for step in range(2):
             state["step"] = step
-            opt.zero_grad()
-            sum((p * gradient(hvd.rank(), step, i, p.numel()).to(device)).sum() for i, (_, p) in enumerate(named)).backward()
+            backward(opt, named, step, device)
             try:
                 opt.synchronize()
             except hvd_qsgd.PayloadError as e:
