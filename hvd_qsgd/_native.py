@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 9  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 10  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -276,6 +276,9 @@ def declare_cuda(lib):
     lib.qsgd_encode_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64, _P]
     lib.qsgd_decode_sum_cuda.restype = _I32
     lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P]
+    lib.qsgd_decode_sum_expect_cuda.restype = _I32
+    lib.qsgd_decode_sum_expect_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P,
+                                                _P]
     lib.qsgd_encode_ex_cuda.restype = _I32
     lib.qsgd_encode_ex_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _I32, _P, _U64, _P]
     lib.qsgd_encode_elias_cuda.restype = _I32

@@ -72,10 +72,16 @@ class HostCountedBackend:
         return self._checked_sum(payloads, alpha, expect, where, headers), [self.length(p) for p in payloads]
 
     def _checked_sum(self, payloads, alpha, expect, where, headers=None):
-        """alpha * the decoded sum of ``payloads``, once their headers (read here, or given) agreed with ``expect``."""
-        headers = headers or self.read_headers(payloads, where)
-        protocol.check_gathered(headers, expect, where)
-        return self.decode_sum(payloads, alpha, where, headers)
+        """alpha * the decoded sum of ``payloads``, their headers (given, or read) agreeing with ``expect``."""
+        return self.decode_sum(payloads, alpha, where, headers or None, expect)
+
+    def checked_headers(self, payloads, headers, expect, where):
+        """``headers`` (read here where None and ``expect`` is given), checked against ``expect``
+        (``protocol.check_gathered``: MismatchError naming the field and every rank's value)."""
+        if expect is not None:
+            headers = headers or self.read_headers(payloads, where)
+            protocol.check_gathered(headers, expect, where)
+        return headers
 
     def unframe(self, gathered, n: int, where: str, expect=None) -> list:
         """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their

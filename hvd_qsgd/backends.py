@@ -5,18 +5,17 @@ signatures, same payload bytes for the same input, settings and seed:
     encode(x32, settings, seed, fingerprint, source_dtype, where, residual)       -> payload
     encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where, residual)
                                                                 -> (the n chunk payloads, their lengths)
-    decode(payload, where), decode_sum(payloads, alpha, where)  -> float32 values
+    decode(payload, where), decode_sum(payloads, alpha, where, headers, expect) -> float32 values
     decode_gathered(gathered, count, own_len, alpha, expect, where) -> (checked alpha * sum, lengths)
     decode_report(buffer, lens, count, expect, where)           -> (checked sum or nothing, error)
     reduce_chunk(...), reduce_received(...)                     -> scatter_allgather's reduce step
     unframe, part_bytes, decode_chunks(..., error)              -> its phase 2
     split, split_by, read_headers; length, total, sizes, slice, check_size, checked_sizes,
     raise_if_failed, scaled; float32, repeat, concat, empty_bytes, zeros, place, place_bytes, host
-
 What both share is ``hvd_qsgd.backend_host.HostCountedBackend``.
 
-``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend
-reads) and update it in place: the one error-feedback path, on the CPU as on the device.
+``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend reads)
+and update it in place: the one error-feedback path, on the CPU as on the device.
 
 ``choose(device, settings, reduction)`` picks the backend of one exchange, once: ``CudaBackend`` for
 a CUDA tensor when every step of its exchange has a CUDA kernel; else the host (copied down, run by
@@ -151,7 +150,8 @@ class CpuBackend(HostCountedBackend):
             pass
         return super().decode_report(buffer, lens, count, expect, where)
 
-    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None) -> np.ndarray:
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None, expect=None) -> np.ndarray:
+        headers = self.checked_headers(payloads, headers, expect, where)
         out = self.pool.take(headers[0].numel) if headers else self.pool.take_for(payloads)
         return codec.decode_sum(payloads, alpha, out=out, where=where, headers=headers)
 
@@ -290,8 +290,12 @@ class CudaBackend(HostCountedBackend):
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
         return cuda.read_headers(payloads, where)
 
-    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None):
-        return cuda.decode_sum(payloads, alpha, where=where, headers=headers)
+    def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None, expect=None):
+        """Fixed coding, no ``headers`` read: checked against ``expect`` on the device, with its verdict."""
+        if expect is not None and not headers and expect.coding == "fixed":
+            return cuda.decode_sum(payloads, alpha, where=where, expect=cuda.expected_header(expect),
+                                   explain=lambda got: protocol.check_gathered(got, expect, where))
+        return cuda.decode_sum(payloads, alpha, where=where, headers=self.checked_headers(payloads, headers, expect, where))
 
     def encode_chunks(self, x32, settings, step_seed: int, n: int, fingerprint: int, source_dtype: str, where: str,
                       residual=None, residual_valid: bool = True):

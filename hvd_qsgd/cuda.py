@@ -9,16 +9,18 @@ Where the host waits for the device: ``decode_sum``, ``reduce_chunk`` and ``deco
 device's verdict on the payloads (checksums, scales, padding) before they return, one small
 device-to-host copy each, so that a corrupt payload raises in the call that decoded it (within
 ``deferred_verdicts``, the verdicts of ``decode_sum`` and ``decode_chunks``, whose results nothing
-reads before ``settle``, are kept and read together there, one copy for all); and every
-decode parses the payloads' headers on the host (one copy of their first 56 bytes), once: the
-headers a caller read to check them (``read_headers``) are the ones the kernels are given. Encoding
+reads before ``settle``, are kept and read together there, one copy for all:
+``hvd_qsgd.cuda_verdicts``); and a decode parses the payloads' headers on the host (one copy of
+their first 56 bytes), once: the headers a caller read to check them (``read_headers``) are the ones
+the kernels are given. A ``decode_sum`` that knows what the headers must say (``expect``: fixed
+coding) has the device check them instead, with its verdict: it does not wait at all. Encoding
 never waits.
 """
-import contextlib
 import ctypes
-import threading
+import functools
 
 from hvd_qsgd import _native, codec
+from hvd_qsgd.cuda_verdicts import deferred_verdicts, settle, verdict as _verdict   # noqa: F401 (the backends')
 from hvd_qsgd.errors import EncodeError
 
 
@@ -165,56 +167,6 @@ def _flat32(x, name):
     return x.detach().reshape(-1).to(torch.float32).contiguous()
 
 
-def _verdict(st, status, where, deferrable=False):
-    """Raise for a failed call or a failure the device reported in ``status`` (waits for it); a
-    ``deferrable`` call's verdict, within ``deferred_verdicts``, is kept for ``settle`` instead."""
-    if st == _native.OK:
-        pending = getattr(_scope, "pending", None) if deferrable else None
-        if pending is not None:
-            pending.append((status, where))
-            return
-        st = int(status.item())
-    if st != _native.OK:
-        codec.raise_status(st, where)
-
-
-_scope = threading.local()   # the verdict list of the ``deferred_verdicts`` the calling thread is in
-
-
-@contextlib.contextmanager
-def deferred_verdicts(pending):
-    """Within: the device's verdicts of ``decode_sum`` and ``decode_chunks`` in this thread are added
-    to ``pending`` (a deque) instead of waited for call by call: for decodes whose results nothing
-    reads before ``settle(pending)`` (an exchange's result, handed to the optimizer only after the
-    step's last decompress settles). The call's own errors (arguments, headers) still raise at once.
-    ``pending`` None: the verdicts are read in each call (a stage whose result goes on to other ranks,
-    run within another's scope)."""
-    outer = getattr(_scope, "pending", None)
-    _scope.pending = pending
-    try:
-        yield
-    finally:
-        _scope.pending = outer
-
-
-def settle(pending):
-    """Wait once for every verdict in ``pending`` (a deque, then emptied): one device-to-host copy per
-    device; raise the first failure, naming the payloads that failed."""
-    if not pending:
-        return
-    import torch
-    kept = []
-    while pending:   # (popleft is atomic: a verdict added meanwhile stays for the next settle)
-        kept.append(pending.popleft())
-    codes = {}
-    for device in {status.device for status, _ in kept}:
-        mine = [i for i, (status, _) in enumerate(kept) if status.device == device]
-        codes.update(zip(mine, torch.cat([kept[i][0] for i in mine]).cpu().tolist()))
-    for i, (_, where) in enumerate(kept):
-        if codes[i] != _native.OK:
-            codec.raise_status(codes[i], where)
-
-
 def encode_chunks(x, n, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
                   source_dtype="float32", name="tensor", encoder=codec.DEFAULT_ENCODER):
     """(buffer, lens): the n chunk payloads of the CUDA tensor x back to back in one uint8 CUDA tensor
@@ -290,31 +242,86 @@ def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks"):
     return out
 
 
-def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum", headers=None):
+def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_sum", headers=None, expect=None,
+               explain=None):
     """``out = [out +] scale * sum_p decode(p)`` for uint8 CUDA payload tensors (same arithmetic as
     ``codec.decode_sum``). Headers are checked on the host (``headers``: those ``read_headers`` gave
     for these payloads, else read here); checksums, scales and padding on the device, before ``out``
-    is written. Synchronizes with the device to report errors."""
+    is written. Synchronizes with the device to report errors (within ``deferred_verdicts``: at
+    ``settle``).
+
+    ``expect`` (``expected_header``; fixed coding), without ``headers``: the headers are checked
+    against it on the device, with the checksums, and nothing is read here: a header that differs is
+    the verdict's failure, named by ``explain(headers)`` (the payloads' parsed headers, read from the
+    device's copy once the verdict says they failed), else by its status. Payloads of another length
+    than ``expect``'s have their headers read and given to ``explain`` here, before the decode."""
     import torch
     if not payloads:
         raise ValueError(f"{where}: no payloads")
     device = payloads[0].device
     payloads = aligned(payloads)
+    if expect is not None and headers is None:
+        if all(p.numel() == expect.payload_len for p in payloads):
+            return _decode_expected(torch, payloads, scale, out, accumulate, where, expect, explain)
+        headers = read_headers(payloads, where)   # (lengths that differ: checked on the host, as before)
+        if explain is not None:
+            explain(headers)
     cheads = _c_headers(payloads, headers, where)
-    n = cheads[0].numel
-    if out is None:
-        if accumulate:
-            raise ValueError(f"{where}: accumulate=True needs out=")
-        out = torch.empty(n, dtype=torch.float32, device=device)
-    elif out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
-        raise ValueError(f"{where}: out must be a contiguous float32 tensor of {n} elements on {device}")
+    out = _out(torch, out, accumulate, cheads[0].numel, device, where)
     ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
     status = torch.zeros(1, dtype=torch.int32, device=device)
     st = _lib().qsgd_decode_sum_cuda(ptrs, cheads, len(payloads), float(scale), ctypes.c_void_p(out.data_ptr()),
-                                     n, int(bool(accumulate)), ctypes.c_void_p(status.data_ptr()),
+                                     cheads[0].numel, int(bool(accumulate)), ctypes.c_void_p(status.data_ptr()),
                                      _stream_handle(torch, device))
     _verdict(st, status, where, deferrable=True)
     return out
+
+
+def _out(torch, out, accumulate, n, device, where):
+    """``out``, checked, or a new float32 tensor of n elements on ``device``."""
+    if out is None:
+        if accumulate:
+            raise ValueError(f"{where}: accumulate=True needs out=")
+        return torch.empty(n, dtype=torch.float32, device=device)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous() or out.device != device:
+        raise ValueError(f"{where}: out must be a contiguous float32 tensor of {n} elements on {device}")
+    return out
+
+
+def _decode_expected(torch, payloads, scale, out, accumulate, where, expect, explain):
+    """``decode_sum`` whose headers the device checks against ``expect``: one int32 tensor holds the
+    status (its first word) and, from its fifth, the headers the device copied for ``explain``."""
+    count, device = len(payloads), payloads[0].device
+    out = _out(torch, out, accumulate, expect.numel, device, where)
+    status = torch.zeros(4 + count * codec.HEADER_BYTES // 4, dtype=torch.int32, device=device)
+    ptrs = (ctypes.c_void_p * count)(*[p.data_ptr() for p in payloads])
+    st = _lib().qsgd_decode_sum_expect_cuda(ptrs, ctypes.byref(expect), count, float(scale),
+                                            ctypes.c_void_p(out.data_ptr()), expect.numel, int(bool(accumulate)),
+                                            ctypes.c_void_p(status.data_ptr()),
+                                            ctypes.c_void_p(status.data_ptr() + 16), _stream_handle(torch, device))
+
+    def named(code):   # (after a failure only: the copied headers, parsed as ``device_headers`` parses them)
+        heads = status[4:].cpu().numpy().view("uint8").reshape(count, codec.HEADER_BYTES)
+        parsed = _parse_headers(heads, [expect.payload_len] * count, where)
+        if explain is not None:
+            explain([codec._header_from_c(h) for h in parsed])
+    _verdict(st, status, where, deferrable=True, explain=named)
+    return out
+
+
+def expected_header(expect):
+    """The fields every fixed-coding payload of a tensor has in its header (``decode_sum``'s ``expect``;
+    the device checks the magic and version against its own, and reads each payload's flags and
+    checksum), from the exchange's expectation (bits, bucket_size, norm, numel, dtype, fingerprint)."""
+    return _expected_header(expect.bits, expect.bucket_size, expect.norm, expect.numel, expect.dtype,
+                            expect.fingerprint)
+
+
+@functools.lru_cache(maxsize=4096)   # (made once per tensor)
+def _expected_header(bits, bucket_size, norm, numel, dtype, fingerprint):
+    return _native.CHeader(coding=0, bits=bits, norm=codec.NORMS[norm], dtype=codec.DTYPES[dtype],
+                           bucket_size=bucket_size, numel=numel, fingerprint=fingerprint,
+                           payload_len=codec.payload_nbytes(numel, bits, bucket_size))
 
 
 def device_headers(payloads, where="payloads"):
@@ -328,16 +335,22 @@ def device_headers(payloads, where="payloads"):
     heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else
                          torch.zeros(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
                          for p in payloads]).cpu().numpy()
-    cheads = (_native.CHeader * len(payloads))()
+    return _parse_headers(heads, [p.numel() for p in payloads], where)
+
+
+def _parse_headers(heads, lens, where):
+    """The C headers of host copies ``heads`` of payloads of ``lens`` bytes, each parsed and checked
+    against its payload's length (``codec.raise_status`` naming the payload that fails)."""
+    cheads = (_native.CHeader * len(lens))()
     lib_cpu = _native.load()
-    for i, p in enumerate(payloads):
-        if p.numel() < codec.HEADER_BYTES:
-            codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(payloads)}")
-        st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, p.numel(), ctypes.byref(cheads[i]))
-        if st == _native.OK and cheads[i].payload_len != p.numel():
+    for i, n in enumerate(lens):
+        if n < codec.HEADER_BYTES:
+            codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(lens)}")
+        st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, n, ctypes.byref(cheads[i]))
+        if st == _native.OK and cheads[i].payload_len != n:
             st = _native.E_LENGTH
         if st != _native.OK:
-            codec.raise_status(st, f"{where}: payload {i} of {len(payloads)}", heads[i])
+            codec.raise_status(st, f"{where}: payload {i} of {len(lens)}", heads[i])
     return cheads
 
 

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 9
+#define QSGD_ABI_VERSION 10
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -252,6 +252,17 @@ int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64_t numel, c
 int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
                              int32_t count, float alpha, float* out, uint64_t n,
                              int32_t accumulate, int32_t* d_status, void* stream);
+
+/* As qsgd_decode_sum_cuda for `count` payloads of the fixed coding, each expect->payload_len bytes,
+ * whose headers are checked on the device (qsgd_header_against, qsgd_math.h) against `expect` (a
+ * fixed-coding header; its flags and checksum are not read: each payload's own are) instead of
+ * parsed on the host: the call does not wait for the device. A header that differs is a failure in
+ * *d_status like the others (QSGD_E_MAGIC, QSGD_E_VERSION, QSGD_E_HEADER, QSGD_E_MISMATCH,
+ * QSGD_E_LENGTH); each payload's header is copied to d_heads (device memory of count *
+ * QSGD_HEADER_BYTES bytes) for the host to name what differs. */
+int32_t qsgd_decode_sum_expect_cuda(const uint8_t* const* d_payloads, const qsgd_header* expect,
+                                    int32_t count, float alpha, float* out, uint64_t n, int32_t accumulate,
+                                    int32_t* d_status, uint8_t* d_heads, void* stream);
 
 /* The chunk steps of scatter_allgather on the device (fixed coding), equal byte for byte and bit for
  * bit to their CPU counterparts above; headers and d_status as for qsgd_decode_sum_cuda.

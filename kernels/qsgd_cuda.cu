@@ -527,6 +527,10 @@ struct PayloadJob {
   uint64_t checksum;
   uint64_t nb;
   uint32_t flags;
+  uint32_t own_header; /* 1: flags and checksum are read from the payload's header on the device
+                        * (qsgd_decode_sum_expect_cuda; checked by expect_headers_kernel) */
+  __device__ __forceinline__ uint32_t flags_now() const { return own_header ? ptr[9] : flags; }
+  __device__ __forceinline__ uint64_t checksum_now() const { return own_header ? qsgd_load_le(ptr + QSGD_CHECKSUM_OFFSET, 8) : checksum; }
 };
 
 /* The payloads of one decode_sum, passed to its kernels by value (in the launch's parameters) up to
@@ -546,7 +550,7 @@ __global__ void verify_terms_kernel(const Jobs jobs,
   const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
   uint64_t sum = 0;
   const uint64_t t0 = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
-  if (job.flags & QSGD_FLAG_CHECKSUM)
+  if (job.flags_now() & QSGD_FLAG_CHECKSUM)
     for (uint64_t k = t0; k < (job.len + 7) / 8; k += stride) sum += checksum_word_term(job.ptr, job.len, k);
   for (uint64_t b = t0; b < job.nb; b += stride) {
     const uint32_t u = (uint32_t)qsgd_load_le(job.ptr + QSGD_HEADER_BYTES + 4 * b, 4);
@@ -562,10 +566,23 @@ __global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
   if (p >= count) return;
   const PayloadJob job = jobs[p];
-  if ((job.flags & QSGD_FLAG_CHECKSUM) && qsgd_checksum_final(sums[p], job.len) != job.checksum)
+  if ((job.flags_now() & QSGD_FLAG_CHECKSUM) && qsgd_checksum_final(sums[p], job.len) != job.checksum_now())
     atomicCAS(status, 0, QSGD_E_CHECKSUM);
   const uint64_t used_bits = (numel % 8) * (uint64_t)bits % 8;
   if (!elias && used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
+}
+
+/* The headers of a decode that expects their fields (qsgd_decode_sum_expect_cuda), before any other
+ * of its kernels: thread p copies payload p's header to heads (for the host to name what differs)
+ * and checks it against want (qsgd_header_against); the first failure goes to *status. */
+__global__ void expect_headers_kernel(const Jobs jobs, int count, const qsgd_header want,
+                                      uint8_t* __restrict__ heads, int32_t* __restrict__ status) {
+  const int p = blockIdx.x * blockDim.x + threadIdx.x;
+  if (p >= count) return;
+  const uint8_t* h = jobs[p].ptr;
+  for (int k = 0; k < QSGD_HEADER_BYTES; ++k) heads[(uint64_t)QSGD_HEADER_BYTES * p + k] = h[k];
+  const int32_t st = qsgd_header_against(h, &want);
+  if (st != QSGD_OK) atomicCAS(status, 0, st);
 }
 
 /* One thread per group of 8 output elements; the payloads are added in order p = 0, 1, ... The
@@ -970,7 +987,7 @@ extern "C" int32_t qsgd_cuda_device_count(void) {
 
 static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
                                float alpha, float* out, uint64_t n, int32_t accumulate, int32_t* d_status,
-                               bool reset_status, cudaStream_t s);
+                               bool reset_status, cudaStream_t s, uint8_t* d_heads = nullptr);
 
 /* The checksum's slots of each device and stream, zero between payloads (checksum_store_kernel
  * leaves them so): kChecksumSlotBytes a stream, allocated at its first checksum and kept, so that no
@@ -1120,7 +1137,7 @@ static int32_t encode_impl(const float* x, uint64_t numel, const qsgd_config* cf
  * makes the decode write nothing), for the steps that decode more than once. */
 static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
                                float alpha, float* out, uint64_t n, int32_t accumulate, int32_t* d_status,
-                               bool reset_status, cudaStream_t s) {
+                               bool reset_status, cudaStream_t s, uint8_t* d_heads) {
   if (count < 1 || !d_payloads || !headers || !d_status || (n && !out)) return QSGD_E_ARG;
   const qsgd_header& h0 = headers[0];
   for (int p = 0; p < count; ++p) {
@@ -1136,7 +1153,8 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
   Jobs jobs;
   std::vector<PayloadJob> host_jobs(count);
   for (int p = 0; p < count; ++p)
-    host_jobs[p] = PayloadJob{d_payloads[p], headers[p].payload_len, headers[p].checksum, nb, headers[p].flags};
+    host_jobs[p] = PayloadJob{d_payloads[p], headers[p].payload_len, headers[p].checksum, nb, headers[p].flags,
+                              d_heads ? 1u : 0u};
   /* one device allocation: the checksum sums, then (beyond kInlineJobs payloads) the jobs */
   const size_t sums_bytes = 8 * (size_t)count;
   const size_t jobs_off = (sums_bytes + 15) / 16 * 16;
@@ -1155,6 +1173,7 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
   }
   QSGD_CUDA_TRY(cudaMemsetAsync(d_sums, 0, sums_bytes, s));
   if (reset_status) QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
+  if (d_heads) QSGD_LAUNCH(expect_headers_kernel, blocks_for(count), kThreads, s)(jobs, count, h0, d_heads, d_status);
   const uint64_t work = umax64((h0.payload_len + 7) / 8, nb);
   dim3 grid((unsigned)umin64(blocks_for(work), 1024), (unsigned)count);
   QSGD_LAUNCH(verify_terms_kernel, grid, kThreads, s)(jobs, d_sums, d_status);
@@ -1194,6 +1213,19 @@ extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const 
                                         int32_t accumulate, int32_t* d_status, void* stream) {
   return decode_sum_impl(d_payloads, headers, count, alpha, out, n, accumulate, d_status, true,
                          static_cast<cudaStream_t>(stream));
+}
+
+extern "C" int32_t qsgd_decode_sum_expect_cuda(const uint8_t* const* d_payloads, const qsgd_header* expect,
+                                               int32_t count, float alpha, float* out, uint64_t n,
+                                               int32_t accumulate, int32_t* d_status, uint8_t* d_heads,
+                                               void* stream) {
+  if (!expect || !d_heads || count < 1 || expect->coding != QSGD_CODING_FIXED || expect->numel != n ||
+      expect->bits < 1 || expect->bits > 8 || expect->bucket_size < 1 || expect->bucket_size > QSGD_MAX_BUCKET ||
+      expect->payload_len != fixed_nbytes(n, expect->bits, expect->bucket_size))
+    return QSGD_E_ARG;
+  const std::vector<qsgd_header> headers(count, *expect);   /* each payload's, as the device checks it */
+  return decode_sum_impl(d_payloads, headers.data(), count, alpha, out, n, accumulate, d_status, true,
+                         static_cast<cudaStream_t>(stream), d_heads);
 }
 
 extern "C" int32_t qsgd_encode_ex_cuda(const void* x, int32_t x_dtype, uint64_t numel, const qsgd_config* cfg,

@@ -338,6 +338,24 @@ QSGD_HD void qsgd_write_header(uint8_t* out, const qsgd_config* cfg, uint64_t nu
   qsgd_store_le(out + 48, 0, 8);
 }
 
+/* A fixed-coding payload's header (the QSGD_HEADER_BYTES at p) against the header its decoder expects
+ * (want: qsgd_decode_sum_expect_cuda), every field but flags and checksum, which are each payload's
+ * own: QSGD_OK, or QSGD_E_MAGIC, QSGD_E_VERSION, QSGD_E_HEADER (a flag, reserved or segment field
+ * that no fixed-coding header has), QSGD_E_MISMATCH (another coding, bits, norm, dtype, bucket size,
+ * numel or fingerprint), QSGD_E_LENGTH (another length). */
+QSGD_HD int32_t qsgd_header_against(const uint8_t* p, const qsgd_header* want) {
+  if ((uint32_t)qsgd_load_le(p, 4) != QSGD_MAGIC) return QSGD_E_MAGIC;
+  if (p[4] != QSGD_WIRE_VERSION) return QSGD_E_VERSION;
+  if ((p[9] & ~(QSGD_FLAG_CHECKSUM | QSGD_FLAG_ENCODER2)) || qsgd_load_le(p + 10, 2) || qsgd_load_le(p + 40, 8))
+    return QSGD_E_HEADER;
+  if (p[5] != want->coding || p[6] != want->bits || p[7] != want->norm || p[8] != want->dtype ||
+      (uint32_t)qsgd_load_le(p + 12, 4) != want->bucket_size || qsgd_load_le(p + 16, 8) != want->numel ||
+      qsgd_load_le(p + 32, 8) != want->fingerprint)
+    return QSGD_E_MISMATCH;
+  if (qsgd_load_le(p + 24, 8) != want->payload_len) return QSGD_E_LENGTH;
+  return QSGD_OK;
+}
+
 /* The combinations of bits, coding and norm the format defines, beyond each field's own range:
  * the Elias coding needs bits >= 2 (QSGD(1) has no zero level to skip), the sign norm bits == 1
  * and the fixed coding. Configs (qsgd_check_config) and headers (qsgd_parse_header) both obey it. */

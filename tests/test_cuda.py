@@ -8,6 +8,7 @@ Two backends run the same checks:
 """
 import ctypes
 import os
+import re
 import shutil
 
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from hvd_qsgd import _native, codec, reduction
+from hvd_qsgd import _native, codec, protocol, reduction
 from tests import emulated_cuda
 from tests.references import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
 
@@ -660,9 +661,10 @@ def test_elias_decode_detects_corruption_and_leaves_out_untouched(backend):
 def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(device, coding, monkeypatch):
     """backends.CudaBackend.decode_gathered (3 simulated ranks' payloads back to back, as an allgather
     returns them) gives the CPU backend's result and lengths bit for bit, and brings the payloads'
-    headers to the host once, for their checks and the decode alike (it did twice, and read the
-    coding byte a third time); the reduce step of scatter_allgather likewise. A rank whose tensor
-    has another size is named by the field that differs, as on the CPU backend."""
+    headers to the host once for the Elias coding, for their checks and the decode alike (it did
+    twice, and read the coding byte a third time), and never for the fixed coding (the device checks
+    them: the next test); the reduce step of scatter_allgather once. A rank whose tensor has another
+    size is named by the field that differs, as on the CPU backend."""
     from hvd_qsgd import backends, cuda
     reads = []
     monkeypatch.setattr(cuda, "device_headers",
@@ -680,9 +682,9 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
     want, want_lens = backends.CPU.decode_gathered(np.concatenate(host), 3, host[0].size, 1 / 3, expect, "t")
     got, lens = backends.CUDA.decode_gathered(torch.cat(dev), 3, dev[0].numel(), 1 / 3, expect, "t")
     np.testing.assert_array_equal(got.cpu().numpy(), want)
-    assert lens == want_lens and reads == [3]
+    assert lens == want_lens and reads == ([3] if coding == "elias" else [])
 
-    if coding == "fixed":  # the reduce step: the chunk payloads' headers once too
+    if coding == "fixed":  # the reduce step: the chunk payloads' headers once
         reads.clear()
         chunks = [backends.CUDA.encode_chunks(torch.from_numpy(x).to(device), s, 40 + r, 3, 5, "float32", "t")
                   for r, x in enumerate(xs)]
@@ -698,6 +700,63 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
     with pytest.raises(type(on_host.value), match="numel") as on_device:
         backends.CUDA.decode_gathered(torch.cat([dev[0], short_dev, dev[2]]), 3, dev[0].numel(), 1.0, expect, "t")
     assert str(on_device.value) == str(on_host.value)
+
+
+@pytest.mark.parametrize("change", ["fingerprint", "norm", "magic", "reserved", "length", "checksum off",
+                                    "corrupt data"])
+def test_a_fixed_coding_decode_checks_the_headers_on_the_device_and_names_what_differs(device, change, monkeypatch):
+    """backends.CudaBackend.decode_gathered of fixed-coding payloads (3 simulated ranks) reads nothing
+    from the device within ``deferred_verdicts``: the device checks every header against the
+    expectation with the checksums. A rank's payload that differs (another fingerprint or norm, a
+    broken magic, a reserved byte set, another declared length, corrupt data) fails at ``settle``
+    with the very error the host's own check raises (the CPU backend's for a field that differs,
+    naming every rank's value; the header parse's, naming the payload; the checksum's), and outside
+    the scope in the call; a payload without a checksum (its own flags) decodes as on the CPU."""
+    import collections
+    from hvd_qsgd import backends, cuda
+    s = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", checksum=True, encoder=2,
+                        server_error_feedback=False)
+    expect = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", numel=3001, dtype="float32",
+                             fingerprint=5)
+    xs = [np.random.default_rng(r).standard_normal(3001).astype(np.float32) for r in range(3)]
+    host = [backends.CPU.encode(x, s, 40 + r, 5, "float32", "t") for r, x in enumerate(xs)]
+    other = {"fingerprint": (s, 6), "norm": (SimpleNamespace(**{**vars(s), "norm": "l2"}), 5),
+             "checksum off": (SimpleNamespace(**{**vars(s), "checksum": False}), 5)}.get(change)
+    if other is not None:
+        host[1] = backends.CPU.encode(xs[1], other[0], 41, other[1], "float32", "t")
+    else:
+        host[1] = host[1].copy()
+        at = {"magic": 0, "reserved": 10, "length": 24, "corrupt data": -1}[change]
+        host[1][at] ^= 1
+    if change == "corrupt data":
+        expected = pytest.raises(codec.PayloadError, match="^t: .*checksum")
+    elif change in ("magic", "reserved", "length"):   # the header's parse on the host names the payload
+        with pytest.raises(codec.PayloadError) as parse:
+            cuda.read_headers([torch.from_numpy(h).to(device) for h in host], "t")
+        assert "payload 1 of 3" in str(parse.value)
+        expected = pytest.raises(codec.PayloadError, match="^" + re.escape(str(parse.value)) + "$")
+    elif change == "checksum off":
+        expected = None
+    else:   # the CPU backend's check names the field and every rank's value
+        with pytest.raises(protocol.MismatchError, match=change) as on_host:
+            backends.CPU.decode_gathered(np.concatenate(host), 3, host[0].size, 1.0, expect, "t")
+        expected = pytest.raises(protocol.MismatchError, match="^" + re.escape(str(on_host.value)) + "$")
+    gathered = torch.from_numpy(np.concatenate(host)).to(device)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "item", lambda self, real=torch.Tensor.item: reads.append(1) or real(self))
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, real=torch.Tensor.cpu: reads.append(2) or real(self))
+    pending = collections.deque()
+    with cuda.deferred_verdicts(pending):
+        got, lens = backends.CUDA.decode_gathered(gathered, 3, host[0].size, 1.0, expect, "t")
+    assert reads == [] and len(pending) == 1 and lens == [h.size for h in host]
+    if expected is None:
+        cuda.settle(pending)
+        np.testing.assert_array_equal(got.cpu().numpy(), codec.decode_sum(host, 1.0))
+        return
+    with expected:
+        cuda.settle(pending)
+    with expected:
+        backends.CUDA.decode_gathered(gathered, 3, host[0].size, 1.0, expect, "t")
 
 
 def test_cuda_backend_cuts_the_reduced_chunks_on_the_device(device, monkeypatch):
