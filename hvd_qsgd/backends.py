@@ -278,14 +278,14 @@ class CudaBackend(HostCountedBackend):
         first payload's header (one byte of a small device-to-host copy)."""
         if coding is not None:
             if coding == "fixed" and gathered.numel() == count * own_len:
-                return list(gathered.split(own_len))
+                return cuda.split_fixed(gathered, count, own_len)
             return cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
         if gathered.numel() >= codec.HEADER_BYTES and int(gathered[5:6].cpu()[0]) == 1:  # byte 5: coding
             return cuda.split_payloads(gathered, count, f"{where}: gathered payloads")
         if gathered.numel() != count * own_len:
             raise MismatchError(f"{where}: gathered {gathered.numel()} bytes from {count} ranks, "
                                 f"expected {count} payloads of {own_len} bytes")
-        return list(gathered.split(own_len))
+        return cuda.split_fixed(gathered, count, own_len)
 
     def read_headers(self, payloads: Sequence, where: str) -> List[codec.Header]:
         return cuda.read_headers(payloads, where)

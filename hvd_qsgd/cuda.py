@@ -130,6 +130,19 @@ def _encode_elias(x, bits, bucket_size, norm, seed, fingerprint, checksum, name,
     return out[: out_len.value]
 
 
+def split_fixed(gathered, count, size):
+    """The ``count`` payloads of ``size`` bytes back to back in the uint8 CUDA tensor ``gathered`` (an
+    allgather's result), each 4-byte aligned as the kernels read them: views of it where ``size`` is a
+    multiple of 4, else rows of one copy of it at 16-byte strides (one copy for all the payloads,
+    where ``aligned`` would copy each but the first)."""
+    if size % 4 == 0 or count == 1:
+        return list(gathered.split(size))
+    stride = -(-size // 16) * 16
+    rows = gathered.new_empty((count, stride))
+    rows[:, :size].copy_(gathered.view(count, size))
+    return list(rows[:, :size].unbind(0))
+
+
 def split_payloads(gathered, count, where="gathered payloads"):
     """The ``count`` payloads of a uint8 CUDA tensor holding them back to back (an allgather's
     result), cut at each header's length: one small device-to-host copy per payload (the lengths of

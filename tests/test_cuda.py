@@ -663,8 +663,9 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
     returns them) gives the CPU backend's result and lengths bit for bit, and brings the payloads'
     headers to the host once for the Elias coding, for their checks and the decode alike (it did
     twice, and read the coding byte a third time), and never for the fixed coding (the device checks
-    them: the next test); the reduce step of scatter_allgather once. A rank whose tensor has another
-    size is named by the field that differs, as on the CPU backend."""
+    them: the next test), whose payloads of an odd length are aligned for the kernels by one copy of
+    the result, not one per payload; the reduce step of scatter_allgather reads them once. A rank
+    whose tensor has another size is named by the field that differs, as on the CPU backend."""
     from hvd_qsgd import backends, cuda
     reads = []
     monkeypatch.setattr(cuda, "device_headers",
@@ -680,9 +681,18 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
     host = [backends.CPU.encode(x, s, 40 + r, 5, "float32", "t") for r, x in enumerate(xs)]
     dev = [backends.CUDA.encode(torch.from_numpy(x).to(device), s, 40 + r, 5, "float32", "t") for r, x in enumerate(xs)]
     want, want_lens = backends.CPU.decode_gathered(np.concatenate(host), 3, host[0].size, 1 / 3, expect, "t")
+    copies = []
+    for name in ("clone", "copy_"):
+        monkeypatch.setattr(torch.Tensor, name, lambda self, *a, real=getattr(torch.Tensor, name), **k:
+                            copies.append(name) or real(self, *a, **k))
     got, lens = backends.CUDA.decode_gathered(torch.cat(dev), 3, dev[0].numel(), 1 / 3, expect, "t")
+    monkeypatch.undo()
     np.testing.assert_array_equal(got.cpu().numpy(), want)
     assert lens == want_lens and reads == ([3] if coding == "elias" else [])
+    if coding == "fixed":
+        assert dev[0].numel() % 4 and copies == ["copy_"]   # (the payloads of an odd length: one copy)
+    monkeypatch.setattr(cuda, "device_headers", lambda payloads, where, real=cuda.device_headers:
+                        reads.append(len(payloads)) or real(payloads, where))
 
     if coding == "fixed":  # the reduce step: the chunk payloads' headers once
         reads.clear()
