@@ -81,8 +81,9 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
     if dtype_name is None:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
-    cfg = codec.make_config(bits, bucket_size, norm, seed, "fixed", fingerprint, checksum,
-                            source_dtype or dtype_name, encoder=encoder)
+    cfg = _native.Config.from_buffer_copy(_template(bits, bucket_size, norm, fingerprint, checksum,
+                                                    source_dtype or dtype_name, encoder))
+    cfg.seed = codec._check_u64("seed", seed)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
     if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
@@ -166,9 +167,16 @@ def split_payloads(gathered, count, where="gathered payloads"):
 
 
 def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype, encoder):
-    cfg = codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype, encoder=encoder)
+    cfg = _native.Config.from_buffer_copy(_template(bits, bucket_size, norm, fingerprint, checksum, source_dtype,
+                                                    encoder))
     cfg.seed = int(seed) & (2 ** 64 - 1)
     return cfg
+
+
+@functools.lru_cache(maxsize=4096)   # (a tensor's encodes differ by their seed only: checked once)
+def _template(bits, bucket_size, norm, fingerprint, checksum, source_dtype, encoder):
+    """The fixed coding's checked configuration of these settings, seed 0 (copied by each encode)."""
+    return codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype, encoder=encoder)
 
 
 def _flat32(x, name):
