@@ -65,14 +65,24 @@ def launch_order(trees, repeats):
     return [t for i in range(repeats) for t in (trees if i % 2 == 0 else trees[::-1])]
 
 
+def paired_launches(trees, repeats):
+    """``launch_order``'s launches with the PYTHONHASHSEED of each: its round's number, so that the
+    trees of a round run with the same hash seed and the rounds with different ones (the user's
+    PYTHONHASHSEED, where set, for all). The hash seed lays out a process's dicts and sets: two
+    launches of one checkout differed by up to 30% in a step here with random seeds, and by 1-4%
+    with the same seed (docs/performance.md)."""
+    fixed = os.environ.get("PYTHONHASHSEED")
+    return [(t, fixed if fixed is not None else str(i // len(trees))) for i, t in enumerate(launch_order(trees, repeats))]
+
+
 def tree_runs(trees, repeats, worker_args):
     """Run ``python -m benchmarks.overhead <worker_args>`` in each tree (its own process, ``repeats``
-    rounds in ABBA order), each printing a JSON object on its last line: {(tree, key): [every run's
+    rounds in ABBA order, a round's launches with one hash seed: ``paired_launches``), each printing a JSON object on its last line: {(tree, key): [every run's
     value]}, keys in the order the workers give them; None (the failure printed) where one fails."""
     table = {}
-    for tree in launch_order(trees, repeats):
+    for tree, hash_seed in paired_launches(trees, repeats):
         cmd = [sys.executable, "-m", "benchmarks.overhead"] + list(worker_args)
-        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2")
+        env = dict(os.environ, PYTHONPATH=tree, OMP_NUM_THREADS="1", TF_CPP_MIN_LOG_LEVEL="2", PYTHONHASHSEED=hash_seed)
         done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True, timeout=1800)
         if done.returncode != 0:
             print(f"{tree} FAILED:\n{(done.stdout + done.stderr)[-3000:]}")

@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from benchmarks import overhead_calls, overhead_codec
-from benchmarks.common import REPO_ROOT, int_at_least, launch_job, launch_order, machine_info, module_main
+from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info, module_main, paired_launches
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
@@ -207,7 +207,7 @@ def run(args):
         return overhead_calls.run(args, trees, ks, modes)
     table = {}
     for k in ks:
-        for tree in launch_order(trees, args.repeats):
+        for tree, hash_seed in paired_launches(trees, args.repeats):
             with tempfile.NamedTemporaryFile(suffix=".json") as out:
                 cmd = ["horovodrun", "--gloo", "-np", str(args.np), sys.executable, "-m", "benchmarks.overhead",
                        "--worker", "--json", out.name, "--tensors", str(k), "--numel", str(args.numel),
@@ -215,12 +215,15 @@ def run(args):
                        "--device", device]
                 if args.framework != "torch":
                     cmd += ["--framework", args.framework]
-                old = os.environ.get("PYTHONPATH")
-                os.environ["PYTHONPATH"] = tree   # job_env puts this checkout first: the tree goes before it
+                old = {k: os.environ.get(k) for k in ("PYTHONPATH", "PYTHONHASHSEED")}
+                # (job_env puts this checkout first: the tree goes before it; horovodrun hands the
+                # hash seed of the round to every rank)
+                os.environ.update(PYTHONPATH=tree, PYTHONHASHSEED=hash_seed)
                 try:
                     status, text, _ = launch_job(cmd, timeout=900, cwd=tree)
                 finally:
-                    os.environ.pop("PYTHONPATH") if old is None else os.environ.update(PYTHONPATH=old)
+                    for key, value in old.items():
+                        os.environ.pop(key) if value is None else os.environ.update({key: value})
                 if status != 0:
                     print(f"{tree} K={k} FAILED:\n{text[-3000:]}")
                     return 1

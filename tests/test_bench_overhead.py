@@ -41,12 +41,17 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
     assert buffered[0] > none[0] and buffered[2] > 0 and buffered[3] > 0, stdout[-3000:]
 
 
-def test_trees_are_launched_in_abba_order():
+def test_trees_are_launched_in_abba_order(monkeypatch):
     """Each tree takes the first and the second place of a round equally often (a launch's place moves
-    its times), and with one tree nothing changes."""
+    its times), and with one tree nothing changes; the trees of a round share a hash seed."""
     from benchmarks.common import launch_order
     assert launch_order(["a", "b"], 4) == ["a", "b", "b", "a", "a", "b", "b", "a"]
     assert launch_order(["a"], 3) == ["a", "a", "a"]
+    from benchmarks.common import paired_launches   # a round's trees with one hash seed, the rounds with others
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    assert paired_launches(["a", "b"], 3) == [("a", "0"), ("b", "0"), ("b", "1"), ("a", "1"), ("a", "2"), ("b", "2")]
+    monkeypatch.setenv("PYTHONHASHSEED", "7")
+    assert {seed for _, seed in paired_launches(["a", "b"], 2)} == {"7"}
 
 
 def test_codec_calls_mode_times_every_call_by_size():
