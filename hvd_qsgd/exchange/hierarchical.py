@@ -177,9 +177,9 @@ class HierarchicalChain:
                                                                f"{local}, expected {per_node} x {m}")
             if not m:
                 return b.empty_bytes(received), [0] * nodes
-            total = b.float32(b.slice(received, 0, m))
+            total = b.float32(b.slice(received, 0, m))   # (a copy: added to in place, in local-rank order)
             for k in range(1, per_node):
-                total = total + b.slice(received, k * m, m)
+                total += b.slice(received, k * m, m)
             return HierarchicalChain._encode_shard(run, ex, total, m, nodes, local)
         except Exception as error:
             ex.reduce_error = error
