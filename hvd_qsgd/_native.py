@@ -275,10 +275,7 @@ def declare_cuda(lib):
     lib.qsgd_encode_cuda.restype = _I32
     lib.qsgd_encode_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64, _P]
     lib.qsgd_decode_sum_cuda.restype = _I32
-    lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P]
-    lib.qsgd_decode_sum_expect_cuda.restype = _I32
-    lib.qsgd_decode_sum_expect_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P,
-                                                _P]
+    lib.qsgd_decode_sum_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, _I32, _P, _P, _P]
     lib.qsgd_encode_ex_cuda.restype = _I32
     lib.qsgd_encode_ex_cuda.argtypes = [_P, _I32, _U64, ctypes.POINTER(Config), _P, _I32, _P, _U64, _P]
     lib.qsgd_encode_elias_cuda.restype = _I32
@@ -287,10 +284,10 @@ def declare_cuda(lib):
     lib.qsgd_encode_chunks_cuda.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, ctypes.POINTER(_U64), _P]
     lib.qsgd_reduce_chunk_cuda.restype = _I32
     lib.qsgd_reduce_chunk_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.POINTER(Config), _I32, _P, _U64, _P,
-                                           _U64, ctypes.POINTER(_U64), _P, _U64, _P, _P]
+                                           _U64, ctypes.POINTER(_U64), _P, _U64, _P, _P, _P]
     lib.qsgd_decode_chunks_cuda.restype = _I32
     lib.qsgd_decode_chunks_cuda.argtypes = [ctypes.POINTER(_P), H, _I32, ctypes.c_float, _P, _U64, ctypes.c_uint32,
-                                            _P, _P]
+                                            _P, _P, _P]
 
 
 def cuda_built():

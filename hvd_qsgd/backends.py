@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_qsgd import _native, codec, cuda, protocol, reduction
+from hvd_qsgd import _native, codec, cuda, cuda_headers, protocol, reduction
 from hvd_qsgd.backend_host import HostCountedBackend
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.result_pool import ResultPool
@@ -184,18 +184,19 @@ class CpuBackend(HostCountedBackend):
                                          server_residual=server_residual)
 
     def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int,
-                      where: str, error=None) -> np.ndarray:
+                      where: str, error=None, expect=None) -> np.ndarray:
         """alpha * the decoded chunks back to back (``error``: this rank's failed reduce step, raised
-        before by ``raise_if_failed``)."""
+        before by ``raise_if_failed``; ``expect``: the tensor's header fields, which a device backend
+        checks the chunks' headers against; the host reads them anyway)."""
         return reduction.decode_chunks(payloads, alpha, numel, bucket_size, out=self.pool.take(numel), where=where)
 
 
 class CudaBackend(HostCountedBackend):
     """The CUDA kernels on PyTorch CUDA tensors (``hvd_qsgd.cuda``): the fixed coding's encode and
-    decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing
-    rank's residual a CUDA tensor the reduce kernel updates in place), and the Elias coding's encode
-    and decode-sum (tests/test_cuda.py's Elias cases passed on an H200, docs/gpu.md); the Elias
-    coding has no chunk kernels. ``missing`` names what an exchange would need that is not here."""
+    decode-sum, and the chunk steps of scatter_allgather, with server error feedback (the reducing rank's
+    residual a CUDA tensor the reduce kernel updates in place), and the Elias coding's encode and
+    decode-sum (its cases in tests/test_cuda.py passed on an H200, docs/gpu.md); the Elias coding has
+    no chunk kernels. ``missing`` names what an exchange would need that is not here."""
 
     name = "cuda"
 
@@ -291,9 +292,8 @@ class CudaBackend(HostCountedBackend):
         return cuda.read_headers(payloads, where)
 
     def decode_sum(self, payloads: Sequence, alpha: float, where: str, headers=None, expect=None):
-        """Fixed coding, no ``headers`` read: checked against ``expect`` on the device, with its verdict."""
-        if expect is not None and not headers and expect.coding == "fixed":
-            return cuda.decode_sum(payloads, alpha, where=where, expect=cuda.expected_header(expect),
+        if expect is not None and not headers and expect.coding == "fixed":   # (checked on the device)
+            return cuda.decode_sum(payloads, alpha, where=where, expect=[cuda_headers.expected(expect)] * len(payloads),
                                    explain=lambda got: protocol.check_gathered(got, expect, where))
         return cuda.decode_sum(payloads, alpha, where=where, headers=self.checked_headers(payloads, headers, expect, where))
 
@@ -324,10 +324,11 @@ class CudaBackend(HostCountedBackend):
         return self._reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual)
 
     @staticmethod
-    def _reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual, headers=None):
-        s = settings
+    def _reduce_chunk(payloads, j, settings, step_seed, fingerprint, source_dtype, where, residual, expect=None):
+        s, want = settings, expect and [cuda_headers.expected(expect)] * len(payloads)   # (checked on the device)
         return cuda.reduce_chunk(payloads, j, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
-                                 source_dtype, residual=residual, where=where, encoder=s.encoder, headers=headers)
+                                 source_dtype, residual=residual, where=where, encoder=s.encoder, expect=want,
+                                 explain=expect and (lambda got: protocol.check_gathered(got, expect, where)))
 
     def reduce_received(self, received, splits, j: int, settings, step_seed: int, expect, where: str,
                         server_residual=None):
@@ -338,20 +339,20 @@ class CudaBackend(HostCountedBackend):
         try:
             payloads = self.split_by(received, splits)
             begin, end = reduction.chunk_ranges(expect.numel, expect.bucket_size, len(payloads))[j]
-            headers = self.read_headers(payloads, f"{where}: chunk {j}")
-            protocol.check_gathered(headers, SimpleNamespace(**{**vars(expect), "numel": end - begin}),
-                                    f"{where}: chunk {j}")
+            chunk = SimpleNamespace(**{**vars(expect), "numel": end - begin})
             residual = server_residual() if server_residual is not None else None
-            q = self._reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
-                                   f"{where}: chunk {j}", residual, headers)
-            error = None
+            q, error = self._reduce_chunk(payloads, j, settings, step_seed, expect.fingerprint, expect.dtype,
+                                          f"{where}: chunk {j}", residual, chunk), None
         except Exception as e:  # raised on this rank by its decompress; the others see the empty frame
             q, error = received.new_zeros(0), e
         head = torch.tensor(list(int(q.numel()).to_bytes(8, "little")), dtype=torch.uint8, device=received.device)
         return torch.cat([head, q]), error
 
-    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str, error=None):
-        return cuda.decode_chunks(payloads, alpha, numel, bucket_size, where)
+    def decode_chunks(self, payloads: Sequence, alpha: float, numel: int, bucket_size: int, where: str, error=None,
+                      expect=None):   # (expect, fixed coding: the chunks' headers checked on the device)
+        fixed = expect is not None and expect.coding == "fixed"
+        want = fixed and cuda_headers.expected_chunks(expect, reduction.chunk_ranges(numel, bucket_size, len(payloads)))
+        return cuda.decode_chunks(payloads, alpha, numel, bucket_size, where, expect=want or None)
 
     def unframe(self, gathered, n: int, where: str, expect=None) -> list:
         """As the host-counted backends', but cut on the device, without the frames' round trip
@@ -378,8 +379,7 @@ def _split_fused(backend, gathered, count, lens, by_headers, where, size, walk):
 
 
 def choose(device_type: str, settings, exchange_reduction: str) -> Tuple[Any, Optional[str]]:
-    """(backend, None) for a tensor on ``device_type`` ("cpu" or "cuda"), or (CPU, the reason) when a
-    CUDA tensor's exchange must go through the host."""
+    """(backend, None) for a tensor on ``device_type`` ("cpu" or "cuda"), or (CPU, why) where it goes through the host."""
     if device_type != "cuda":
         return CPU, None
     reason = CudaBackend.missing(settings, exchange_reduction)

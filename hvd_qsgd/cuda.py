@@ -19,7 +19,7 @@ never waits.
 import ctypes
 import functools
 
-from hvd_qsgd import _native, codec
+from hvd_qsgd import _native, codec, cuda_headers
 from hvd_qsgd.cuda_verdicts import deferred_verdicts, settle, verdict as _verdict   # noqa: F401 (the backends')
 from hvd_qsgd.errors import EncodeError
 
@@ -216,15 +216,15 @@ def aligned(payloads):
 
 def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, fingerprint=0, checksum=True,
                  source_dtype="float32", residual=None, where="reduce_chunk", encoder=codec.DEFAULT_ENCODER,
-                 headers=None):
+                 headers=None, expect=None, explain=None):
     """Chunk j's reduce step on the device (``hvd_qsgd.reduction.reduce_chunk``): the sum of the
     ranks' payloads (uint8 CUDA tensors, rank order) re-quantized with the chunk's phase-1 seed; with
     ``residual`` (a contiguous float32 CUDA tensor of the chunk's numel elements) error feedback on
-    the reducing rank, the residual updated in place (left as it was when the step fails); ``headers``:
-    as ``decode_sum``'s."""
+    the reducing rank, the residual updated in place (left as it was when the step fails); ``headers``,
+    ``expect`` and ``explain``: as ``decode_sum``'s (its verdict read in the call)."""
     import torch
     payloads = aligned(payloads)
-    cheads = _c_headers(payloads, headers, where)
+    cheads, status, heads, named = _headers_for(torch, payloads, headers, expect, explain, where)
     n, device = cheads[0].numel, payloads[0].device
     if residual is not None and (not _is_device(residual) or residual.dtype != torch.float32 or residual.numel() != n
                                  or not residual.is_contiguous() or residual.device != device):
@@ -233,33 +233,32 @@ def reduce_chunk(payloads, j, bits=4, bucket_size=512, norm="max", step_seed=0, 
     cap = codec.payload_nbytes(n, cfg.bits, cfg.bucket_size)
     out = torch.empty(cap, dtype=torch.uint8, device=device)
     scratch = torch.empty(n, dtype=torch.float32, device=device)
-    status = torch.zeros(1, dtype=torch.int32, device=device)
     ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
     out_len = ctypes.c_uint64()
     st = _lib().qsgd_reduce_chunk_cuda(ptrs, cheads, len(payloads), ctypes.byref(cfg), int(j),
                                        ctypes.c_void_p(scratch.data_ptr()), n, ctypes.c_void_p(out.data_ptr()), cap,
                                        ctypes.byref(out_len),
                                        None if residual is None else ctypes.c_void_p(residual.data_ptr()),
-                                       0 if residual is None else n, ctypes.c_void_p(status.data_ptr()),
+                                       0 if residual is None else n, ctypes.c_void_p(status.data_ptr()), heads,
                                        _stream_handle(torch, device))
-    _verdict(st, status, where)
+    _verdict(st, status, where, explain=named)
     return out[: out_len.value]
 
 
-def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks"):
+def decode_chunks(payloads, alpha, numel, bucket_size, where="decode_chunks", expect=None):
     """``alpha * decode`` of the n reduced chunk payloads (uint8 CUDA tensors) into one float32 CUDA
-    tensor of numel elements (``hvd_qsgd.reduction.decode_chunks``)."""
+    tensor of numel elements (``hvd_qsgd.reduction.decode_chunks``); ``expect``: as ``decode_sum``'s
+    (``cuda_headers.expected_chunks``), a header that differs named by its status."""
     import torch
     payloads = aligned(payloads)
-    cheads = device_headers(payloads, where)
+    cheads, status, heads, named = _headers_for(torch, payloads, None, expect, None, where)
     device = payloads[0].device
     out = torch.empty(int(numel), dtype=torch.float32, device=device)
-    status = torch.zeros(1, dtype=torch.int32, device=device)
     ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
     st = _lib().qsgd_decode_chunks_cuda(ptrs, cheads, len(payloads), float(alpha), ctypes.c_void_p(out.data_ptr()),
-                                        int(numel), int(bucket_size), ctypes.c_void_p(status.data_ptr()),
+                                        int(numel), int(bucket_size), ctypes.c_void_p(status.data_ptr()), heads,
                                         _stream_handle(torch, device))
-    _verdict(st, status, where, deferrable=True)
+    _verdict(st, status, where, deferrable=True, explain=named)
     return out
 
 
@@ -269,32 +268,20 @@ def decode_sum(payloads, scale=1.0, out=None, accumulate=False, where="decode_su
     ``codec.decode_sum``). Headers are checked on the host (``headers``: those ``read_headers`` gave
     for these payloads, else read here); checksums, scales and padding on the device, before ``out``
     is written. Synchronizes with the device to report errors (within ``deferred_verdicts``: at
-    ``settle``).
-
-    ``expect`` (``expected_header``; fixed coding), without ``headers``: the headers are checked
-    against it on the device, with the checksums, and nothing is read here: a header that differs is
-    the verdict's failure, named by ``explain(headers)`` (the payloads' parsed headers, read from the
-    device's copy once the verdict says they failed), else by its status. Payloads of another length
-    than ``expect``'s have their headers read and given to ``explain`` here, before the decode."""
+    ``settle``). ``expect`` and ``explain``: see ``_headers_for`` (the headers checked on the device,
+    nothing read here)."""
     import torch
     if not payloads:
         raise ValueError(f"{where}: no payloads")
     device = payloads[0].device
     payloads = aligned(payloads)
-    if expect is not None and headers is None:
-        if all(p.numel() == expect.payload_len for p in payloads):
-            return _decode_expected(torch, payloads, scale, out, accumulate, where, expect, explain)
-        headers = read_headers(payloads, where)   # (lengths that differ: checked on the host, as before)
-        if explain is not None:
-            explain(headers)
-    cheads = _c_headers(payloads, headers, where)
+    cheads, status, heads, named = _headers_for(torch, payloads, headers, expect, explain, where)
     out = _out(torch, out, accumulate, cheads[0].numel, device, where)
     ptrs = (ctypes.c_void_p * len(payloads))(*[p.data_ptr() for p in payloads])
-    status = torch.zeros(1, dtype=torch.int32, device=device)
     st = _lib().qsgd_decode_sum_cuda(ptrs, cheads, len(payloads), float(scale), ctypes.c_void_p(out.data_ptr()),
                                      cheads[0].numel, int(bool(accumulate)), ctypes.c_void_p(status.data_ptr()),
-                                     _stream_handle(torch, device))
-    _verdict(st, status, where, deferrable=True)
+                                     heads, _stream_handle(torch, device))
+    _verdict(st, status, where, deferrable=True, explain=named)
     return out
 
 
@@ -309,40 +296,32 @@ def _out(torch, out, accumulate, n, device, where):
     return out
 
 
-def _decode_expected(torch, payloads, scale, out, accumulate, where, expect, explain):
-    """``decode_sum`` whose headers the device checks against ``expect``: one int32 tensor holds the
-    status (its first word) and, from its fifth, the headers the device copied for ``explain``."""
-    count, device = len(payloads), payloads[0].device
-    out = _out(torch, out, accumulate, expect.numel, device, where)
-    status = torch.zeros(4 + count * codec.HEADER_BYTES // 4, dtype=torch.int32, device=device)
-    ptrs = (ctypes.c_void_p * count)(*[p.data_ptr() for p in payloads])
-    st = _lib().qsgd_decode_sum_expect_cuda(ptrs, ctypes.byref(expect), count, float(scale),
-                                            ctypes.c_void_p(out.data_ptr()), expect.numel, int(bool(accumulate)),
-                                            ctypes.c_void_p(status.data_ptr()),
-                                            ctypes.c_void_p(status.data_ptr() + 16), _stream_handle(torch, device))
+def _headers_for(torch, payloads, headers, expect, explain, where):
+    """(the C headers a kernel takes, its status tensor, where the device copies the payloads'
+    headers or None, what names a header's failure or None).
 
-    def named(code):   # (after a failure only: the copied headers, parsed as ``device_headers`` parses them)
-        heads = status[4:].cpu().numpy().view("uint8").reshape(count, codec.HEADER_BYTES)
-        parsed = _parse_headers(heads, [expect.payload_len] * count, where)
+    ``expect`` (``cuda_headers.expected``: the fixed-coding header each payload must have, one per
+    payload), without ``headers``, where each payload has its expected length: the expected headers,
+    which the device checks the payloads' own against with the checksums, so that nothing is read
+    here; a header that differs is the verdict's failure, named by ``explain(headers)`` (the parsed
+    headers the device copied beside the status, read once the verdict says they failed), else by
+    its status. Otherwise the payloads' own headers (``headers``, or read here and given to
+    ``explain``)."""
+    device = payloads[0].device
+    if expect is not None and headers is None:
+        if all(p.numel() == e.payload_len for p, e in zip(payloads, expect)):
+            status = torch.zeros(4 + len(payloads) * codec.HEADER_BYTES // 4, dtype=torch.int32, device=device)
+
+            def named(code):   # (after a failure only: the copied headers, parsed as ``device_headers`` parses them)
+                copies = status[4:].cpu().numpy().view("uint8").reshape(len(expect), codec.HEADER_BYTES)
+                parsed = cuda_headers.parse(copies, [e.payload_len for e in expect], where)
+                if explain is not None:
+                    explain([codec._header_from_c(h) for h in parsed])
+            return cuda_headers.array(expect), status, ctypes.c_void_p(status.data_ptr() + 16), named
+        headers = read_headers(payloads, where)   # (lengths that differ: checked on the host, as before)
         if explain is not None:
-            explain([codec._header_from_c(h) for h in parsed])
-    _verdict(st, status, where, deferrable=True, explain=named)
-    return out
-
-
-def expected_header(expect):
-    """The fields every fixed-coding payload of a tensor has in its header (``decode_sum``'s ``expect``;
-    the device checks the magic and version against its own, and reads each payload's flags and
-    checksum), from the exchange's expectation (bits, bucket_size, norm, numel, dtype, fingerprint)."""
-    return _expected_header(expect.bits, expect.bucket_size, expect.norm, expect.numel, expect.dtype,
-                            expect.fingerprint)
-
-
-@functools.lru_cache(maxsize=4096)   # (made once per tensor)
-def _expected_header(bits, bucket_size, norm, numel, dtype, fingerprint):
-    return _native.CHeader(coding=0, bits=bits, norm=codec.NORMS[norm], dtype=codec.DTYPES[dtype],
-                           bucket_size=bucket_size, numel=numel, fingerprint=fingerprint,
-                           payload_len=codec.payload_nbytes(numel, bits, bucket_size))
+            explain(headers)
+    return _c_headers(payloads, headers, where), torch.zeros(1, dtype=torch.int32, device=device), None, None
 
 
 def device_headers(payloads, where="payloads"):
@@ -356,42 +335,17 @@ def device_headers(payloads, where="payloads"):
     heads = torch.stack([p[: codec.HEADER_BYTES] if p.numel() >= codec.HEADER_BYTES else
                          torch.zeros(codec.HEADER_BYTES, dtype=torch.uint8, device=device)
                          for p in payloads]).cpu().numpy()
-    return _parse_headers(heads, [p.numel() for p in payloads], where)
-
-
-def _parse_headers(heads, lens, where):
-    """The C headers of host copies ``heads`` of payloads of ``lens`` bytes, each parsed and checked
-    against its payload's length (``codec.raise_status`` naming the payload that fails)."""
-    cheads = (_native.CHeader * len(lens))()
-    lib_cpu = _native.load()
-    for i, n in enumerate(lens):
-        if n < codec.HEADER_BYTES:
-            codec.raise_status(_native.E_TRUNCATED, f"{where}: payload {i} of {len(lens)}")
-        st = lib_cpu.qsgd_parse_header(heads[i].ctypes.data, n, ctypes.byref(cheads[i]))
-        if st == _native.OK and cheads[i].payload_len != n:
-            st = _native.E_LENGTH
-        if st != _native.OK:
-            codec.raise_status(st, f"{where}: payload {i} of {len(lens)}", heads[i])
-    return cheads
-
-
-class ParsedHeaders(list):
-    """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors, and in ``c`` the C headers
-    the kernels take: read from the device once for the host's checks and the decode alike."""
-
-    def __init__(self, cheads):
-        super().__init__(codec._header_from_c(h) for h in cheads)
-        self.c = cheads
+    return cuda_headers.parse(heads, [p.numel() for p in payloads], where)
 
 
 def read_headers(payloads, where="payloads"):
     """The parsed headers (``codec.Header``) of uint8 CUDA payload tensors (a ``ParsedHeaders``)."""
-    return ParsedHeaders(device_headers(payloads, where))
+    return cuda_headers.ParsedHeaders(device_headers(payloads, where))
 
 
 def _c_headers(payloads, headers, where):
     """The C headers of ``payloads``: those read with them (``headers``, the ``read_headers`` of the
     same payloads), else read from the device now."""
-    if isinstance(headers, ParsedHeaders) and len(headers.c) == len(payloads):
+    if isinstance(headers, cuda_headers.ParsedHeaders) and len(headers.c) == len(payloads):
         return headers.c
     return device_headers(payloads, where)

@@ -248,24 +248,20 @@ int32_t qsgd_encode_elias_cuda(const void* x, int32_t x_dtype, uint64_t numel, c
  * the host (qsgd_parse_header on a host copy of the first QSGD_HEADER_BYTES of each payload);
  * `d_payloads` is a host array of device pointers. Checksums and padding are verified on the device;
  * a failure is written to *d_status (device int32, QSGD_OK on success) and `out` is left untouched
- * whenever *d_status is not QSGD_OK. Same arithmetic as qsgd_decode_sum_cpu. */
+ * whenever *d_status is not QSGD_OK. Same arithmetic as qsgd_decode_sum_cpu.
+ * With d_heads (not null: device memory of count * QSGD_HEADER_BYTES bytes; fixed coding only),
+ * headers[p] is instead the header payload p must have (the caller's expectation: the host reads
+ * nothing), each payload is headers[p].payload_len bytes, and the device checks each payload's own
+ * header against it (qsgd_header_against, qsgd_math.h: every field but flags and checksum, which are
+ * each payload's own and read on the device) and copies it to d_heads, for the host to name what
+ * differs: a header that differs is a failure in *d_status like the others (QSGD_E_MAGIC,
+ * QSGD_E_VERSION, QSGD_E_HEADER, QSGD_E_MISMATCH, QSGD_E_LENGTH). */
 int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
                              int32_t count, float alpha, float* out, uint64_t n,
-                             int32_t accumulate, int32_t* d_status, void* stream);
-
-/* As qsgd_decode_sum_cuda for `count` payloads of the fixed coding, each expect->payload_len bytes,
- * whose headers are checked on the device (qsgd_header_against, qsgd_math.h) against `expect` (a
- * fixed-coding header; its flags and checksum are not read: each payload's own are) instead of
- * parsed on the host: the call does not wait for the device. A header that differs is a failure in
- * *d_status like the others (QSGD_E_MAGIC, QSGD_E_VERSION, QSGD_E_HEADER, QSGD_E_MISMATCH,
- * QSGD_E_LENGTH); each payload's header is copied to d_heads (device memory of count *
- * QSGD_HEADER_BYTES bytes) for the host to name what differs. */
-int32_t qsgd_decode_sum_expect_cuda(const uint8_t* const* d_payloads, const qsgd_header* expect,
-                                    int32_t count, float alpha, float* out, uint64_t n, int32_t accumulate,
-                                    int32_t* d_status, uint8_t* d_heads, void* stream);
+                             int32_t accumulate, int32_t* d_status, uint8_t* d_heads, void* stream);
 
 /* The chunk steps of scatter_allgather on the device (fixed coding), equal byte for byte and bit for
- * bit to their CPU counterparts above; headers and d_status as for qsgd_decode_sum_cuda.
+ * bit to their CPU counterparts above; headers, d_status and d_heads as for qsgd_decode_sum_cuda.
  * qsgd_encode_chunks_cuda: as qsgd_encode_chunks_cpu (lens[j] is each chunk's exact length). */
 int32_t qsgd_encode_chunks_cuda(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
                                 uint8_t* out, uint64_t cap, uint64_t* lens, void* stream);
@@ -274,11 +270,11 @@ int32_t qsgd_encode_chunks_cuda(const float* x, uint64_t numel, const qsgd_confi
 int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t count,
                                const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
                                uint8_t* out, uint64_t cap, uint64_t* out_len, float* residual,
-                               uint64_t residual_n, int32_t* d_status, void* stream);
+                               uint64_t residual_n, int32_t* d_status, uint8_t* d_heads, void* stream);
 /* As qsgd_decode_chunks_cpu: out[chunk j] = alpha * decode(payload j). */
 int32_t qsgd_decode_chunks_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t n,
                                 float alpha, float* out, uint64_t numel, uint32_t bucket_size,
-                                int32_t* d_status, void* stream);
+                                int32_t* d_status, uint8_t* d_heads, void* stream);
 
 /* A short English description of a status code. */
 const char* qsgd_status_string(int32_t status);

@@ -528,7 +528,7 @@ struct PayloadJob {
   uint64_t nb;
   uint32_t flags;
   uint32_t own_header; /* 1: flags and checksum are read from the payload's header on the device
-                        * (qsgd_decode_sum_expect_cuda; checked by expect_headers_kernel) */
+                        * (qsgd_decode_sum_cuda with d_heads; checked by expect_headers_kernel) */
   __device__ __forceinline__ uint32_t flags_now() const { return own_header ? ptr[9] : flags; }
   __device__ __forceinline__ uint64_t checksum_now() const { return own_header ? qsgd_load_le(ptr + QSGD_CHECKSUM_OFFSET, 8) : checksum; }
 };
@@ -572,7 +572,7 @@ __global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
   if (!elias && used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
 }
 
-/* The headers of a decode that expects their fields (qsgd_decode_sum_expect_cuda), before any other
+/* The headers of a decode that expects their fields (d_heads: qsgd_decode_sum_cuda), before any other
  * of its kernels: thread p copies payload p's header to heads (for the host to name what differs)
  * and checks it against want (qsgd_header_against); the first failure goes to *status. */
 __global__ void expect_headers_kernel(const Jobs jobs, int count, const qsgd_header want,
@@ -1140,6 +1140,7 @@ static int32_t decode_sum_impl(const uint8_t* const* d_payloads, const qsgd_head
                                bool reset_status, cudaStream_t s, uint8_t* d_heads) {
   if (count < 1 || !d_payloads || !headers || !d_status || (n && !out)) return QSGD_E_ARG;
   const qsgd_header& h0 = headers[0];
+  if (d_heads && h0.coding != QSGD_CODING_FIXED) return QSGD_E_ARG; /* (the headers checked on the device) */
   for (int p = 0; p < count; ++p) {
     const qsgd_header& h = headers[p];
     if (h.numel != n || h.fingerprint != h0.fingerprint || h.bits != h0.bits || h.coding != h0.coding ||
@@ -1210,21 +1211,8 @@ extern "C" int32_t qsgd_encode_cuda(const float* x, uint64_t numel, const qsgd_c
 
 extern "C" int32_t qsgd_decode_sum_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
                                         int32_t count, float alpha, float* out, uint64_t n,
-                                        int32_t accumulate, int32_t* d_status, void* stream) {
+                                        int32_t accumulate, int32_t* d_status, uint8_t* d_heads, void* stream) {
   return decode_sum_impl(d_payloads, headers, count, alpha, out, n, accumulate, d_status, true,
-                         static_cast<cudaStream_t>(stream));
-}
-
-extern "C" int32_t qsgd_decode_sum_expect_cuda(const uint8_t* const* d_payloads, const qsgd_header* expect,
-                                               int32_t count, float alpha, float* out, uint64_t n,
-                                               int32_t accumulate, int32_t* d_status, uint8_t* d_heads,
-                                               void* stream) {
-  if (!expect || !d_heads || count < 1 || expect->coding != QSGD_CODING_FIXED || expect->numel != n ||
-      expect->bits < 1 || expect->bits > 8 || expect->bucket_size < 1 || expect->bucket_size > QSGD_MAX_BUCKET ||
-      expect->payload_len != fixed_nbytes(n, expect->bits, expect->bucket_size))
-    return QSGD_E_ARG;
-  const std::vector<qsgd_header> headers(count, *expect);   /* each payload's, as the device checks it */
-  return decode_sum_impl(d_payloads, headers.data(), count, alpha, out, n, accumulate, d_status, true,
                          static_cast<cudaStream_t>(stream), d_heads);
 }
 
@@ -1346,7 +1334,8 @@ extern "C" int32_t qsgd_encode_chunks_cuda(const float* x, uint64_t numel, const
 extern "C" int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers,
                                           int32_t count, const qsgd_config* cfg, int32_t j, float* scratch,
                                           uint64_t scratch_n, uint8_t* out, uint64_t cap, uint64_t* out_len,
-                                          float* residual, uint64_t residual_n, int32_t* d_status, void* stream) {
+                                          float* residual, uint64_t residual_n, int32_t* d_status, uint8_t* d_heads,
+                                          void* stream) {
   if (!d_payloads || !headers || count < 1 || !cfg || j < 0 || !out || ((uintptr_t)out & 3) || !out_len || !d_status)
     return QSGD_E_ARG;
   int32_t st = qsgd_check_config(cfg);
@@ -1359,7 +1348,7 @@ extern "C" int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, cons
   if (cap < len) return QSGD_E_CAPACITY;
   cudaStream_t s = static_cast<cudaStream_t>(stream);
   /* scratch = S, the sum of the payloads in rank order; with feedback v = S + residual */
-  if ((st = decode_sum_impl(d_payloads, headers, count, 1.0f, scratch, n, 0, d_status, true, s)) != QSGD_OK)
+  if ((st = decode_sum_impl(d_payloads, headers, count, 1.0f, scratch, n, 0, d_status, true, s, d_heads)) != QSGD_OK)
     return st;
   const unsigned blocks = (unsigned)umin64(blocks_for(n), 4096);
   if (residual && n) QSGD_LAUNCH(add_kernel, blocks, kThreads, s)(scratch, residual, n);
@@ -1391,7 +1380,7 @@ extern "C" int32_t qsgd_reduce_chunk_cuda(const uint8_t* const* d_payloads, cons
 
 extern "C" int32_t qsgd_decode_chunks_cuda(const uint8_t* const* d_payloads, const qsgd_header* headers, int32_t n,
                                            float alpha, float* out, uint64_t numel, uint32_t bucket_size,
-                                           int32_t* d_status, void* stream) {
+                                           int32_t* d_status, uint8_t* d_heads, void* stream) {
   if (!d_payloads || !headers || n < 1 || (numel && !out) || !d_status) return QSGD_E_ARG;
   uint64_t b, e;
   int32_t st;
@@ -1403,7 +1392,9 @@ extern "C" int32_t qsgd_decode_chunks_cuda(const uint8_t* const* d_payloads, con
   QSGD_CUDA_TRY(cudaMemsetAsync(d_status, 0, sizeof(int32_t), s));
   for (int32_t j = 0; j < n; ++j) {
     qsgd_chunk_bounds(numel, bucket_size, n, j, &b, &e);
-    if ((st = decode_sum_impl(d_payloads + j, headers + j, 1, alpha, out + b, e - b, 0, d_status, false, s)) != QSGD_OK)
+    uint8_t* heads = d_heads ? d_heads + (uint64_t)QSGD_HEADER_BYTES * j : nullptr;
+    if ((st = decode_sum_impl(d_payloads + j, headers + j, 1, alpha, out + b, e - b, 0, d_status, false, s, heads)) !=
+        QSGD_OK)
       return st;
   }
   return QSGD_OK;

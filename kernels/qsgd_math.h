@@ -339,7 +339,7 @@ QSGD_HD void qsgd_write_header(uint8_t* out, const qsgd_config* cfg, uint64_t nu
 }
 
 /* A fixed-coding payload's header (the QSGD_HEADER_BYTES at p) against the header its decoder expects
- * (want: qsgd_decode_sum_expect_cuda), every field but flags and checksum, which are each payload's
+ * (want: qsgd_decode_sum_cuda with d_heads), every field but flags and checksum, which are each payload's
  * own: QSGD_OK, or QSGD_E_MAGIC, QSGD_E_VERSION, QSGD_E_HEADER (a flag, reserved or segment field
  * that no fixed-coding header has), QSGD_E_MISMATCH (another coding, bits, norm, dtype, bucket size,
  * numel or fingerprint), QSGD_E_LENGTH (another length). */

@@ -104,7 +104,7 @@ class EmulatedBackend:
         status = np.zeros(1, np.int32)
         ptrs = (ctypes.c_void_p * len(payloads))(*[p.ctypes.data for p in payloads])
         st = self.lib.qsgd_decode_sum_cuda(ptrs, heads, len(payloads), float(scale), out.ctypes.data, n,
-                                           int(accumulate), status.ctypes.data, None)
+                                           int(accumulate), status.ctypes.data, None, None)
         if st == 0:
             st = int(status[0])
         if st != 0:
@@ -168,7 +168,7 @@ class EmulatedBackend:
         st = self.lib.qsgd_reduce_chunk_cuda(ptrs, heads, len(payloads), ctypes.byref(cfg), j, scratch.ctypes.data, n,
                                              out.ctypes.data, cap, ctypes.byref(out_len),
                                              None if residual is None else residual.ctypes.data,
-                                             0 if residual is None else residual.size, status.ctypes.data, None)
+                                             0 if residual is None else residual.size, status.ctypes.data, None, None)
         st = st or int(status[0])
         if st != 0:
             codec.raise_status(st, "reduce_chunk")
@@ -178,7 +178,7 @@ class EmulatedBackend:
         payloads, heads, ptrs = self._heads(payloads)
         out, status = np.empty(numel, np.float32), np.zeros(1, np.int32)
         st = self.lib.qsgd_decode_chunks_cuda(ptrs, heads, len(payloads), float(alpha), out.ctypes.data, numel,
-                                              bucket_size, status.ctypes.data, None)
+                                              bucket_size, status.ctypes.data, None, None)
         st = st or int(status[0])
         if st != 0:
             codec.raise_status(st, "decode_chunks")
@@ -664,8 +664,8 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
     headers to the host once for the Elias coding, for their checks and the decode alike (it did
     twice, and read the coding byte a third time), and never for the fixed coding (the device checks
     them: the next test), whose payloads of an odd length are aligned for the kernels by one copy of
-    the result, not one per payload; the reduce step of scatter_allgather reads them once. A rank
-    whose tensor has another size is named by the field that differs, as on the CPU backend."""
+    the result, not one per payload; nor does the reduce step of scatter_allgather. A rank whose
+    tensor has another size is named by the field that differs, as on the CPU backend."""
     from hvd_qsgd import backends, cuda
     reads = []
     monkeypatch.setattr(cuda, "device_headers",
@@ -701,7 +701,7 @@ def test_cuda_backend_reads_a_gathered_results_headers_from_the_device_once(devi
         splits = [int(c[1][1]) for c in chunks]
         received = torch.cat([backends.CUDA.split_by(*c)[1] for c in chunks])
         frame, error = backends.CUDA.reduce_received(received, splits, 1, s, 41, expect, "t")
-        assert error is None and frame.numel() > 8 and reads == [3]
+        assert error is None and frame.numel() > 8 and reads == []
 
     short = backends.CPU.encode(xs[1][:20_000], s, 41, 5, "float32", "t")
     with pytest.raises(Exception) as on_host:
@@ -767,6 +767,56 @@ def test_a_fixed_coding_decode_checks_the_headers_on_the_device_and_names_what_d
         cuda.settle(pending)
     with expected:
         backends.CUDA.decode_gathered(gathered, 3, host[0].size, 1.0, expect, "t")
+
+
+@pytest.mark.parametrize("change", ["fingerprint", "magic"])
+def test_the_chunk_steps_check_the_headers_on_the_device_and_name_what_differs(device, change, monkeypatch):
+    """scatter_allgather's steps on the device (3 simulated ranks, fixed coding) read no header on the
+    host either: the reduce step of chunk 1, where rank 1's payload has another fingerprint (or a
+    broken magic), empties its frame with the error the host's check gives (the CPU backend's reduce
+    step's; the device backend's read of the headers, for the magic); the phase-2
+    decode of a chunk whose header is broken raises at ``settle`` what the host's parse raises,
+    and nothing is read before."""
+    import collections
+    from hvd_qsgd import backends, cuda
+    s = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", checksum=True, encoder=2,
+                        server_error_feedback=False)
+    expect = SimpleNamespace(bits=4, bucket_size=128, norm="max", coding="fixed", numel=3001, dtype="float32",
+                             fingerprint=5)
+    xs = [np.random.default_rng(r).standard_normal(3001).astype(np.float32) for r in range(3)]
+    host = [backends.CPU.encode_chunks(x, s, 9 + r, 3, 6 if change == "fingerprint" and r == 1 else 5, "float32",
+                                       "t") for r, x in enumerate(xs)]
+    parts = [backends.CPU.split_by(*c)[1].copy() for c in host]   # chunk 1 of each rank
+    if change == "magic":
+        parts[1][0] ^= 1
+    splits = [p.size for p in parts]
+    _, on_host = backends.CPU.reduce_received(np.concatenate(parts), splits, 1, s, 41, expect, "t")
+    if change == "magic":   # (named as the device backend's own read of the headers names it)
+        with pytest.raises(codec.PayloadError) as read:
+            cuda.read_headers([torch.from_numpy(p).to(device) for p in parts], "t: chunk 1")
+        on_host = read.value
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "cpu", lambda self, real=torch.Tensor.cpu: reads.append(1) or real(self))
+    frame, on_device = backends.CUDA.reduce_received(torch.from_numpy(np.concatenate(parts)).to(device), splits, 1, s,
+                                                     41, expect, "t")
+    assert type(on_device) is type(on_host) and str(on_device) == str(on_host) and frame.numel() == 8
+    assert reads == [1]   # (the verdict, read in the call: this result goes on to the other ranks)
+
+    host = [backends.CPU.encode_chunks(x, s, 9 + r, 3, 5, "float32", "t") for r, x in enumerate(xs)]
+    good = [backends.CPU.reduce_chunk([backends.CPU.split_by(*c)[j] for c in host], j, s, 41 + j, 5, "float32", "t")
+            for j in range(3)]
+    good[2] = good[2].copy()
+    good[2][0] ^= 1   # a reduced chunk whose header is broken
+    with pytest.raises(codec.PayloadError) as parse:
+        cuda.read_headers([torch.from_numpy(g).to(device) for g in good], "t: reduced chunks")
+    reads.clear()
+    pending = collections.deque()
+    with cuda.deferred_verdicts(pending):
+        backends.CUDA.decode_chunks([torch.from_numpy(g).to(device) for g in good], 1.0, 3001, 128, "t: reduced chunks",
+                                    expect=expect)
+    assert reads == [] and len(pending) == 1
+    with pytest.raises(codec.PayloadError, match="^" + re.escape(str(parse.value)) + "$"):
+        cuda.settle(pending)
 
 
 def test_cuda_backend_cuts_the_reduced_chunks_on_the_device(device, monkeypatch):

@@ -187,8 +187,8 @@ class ScatterAllgatherChain:
         ex.received += b.part_bytes(chunks, [k for k in range(n) if k != j])
         ex.cross_received += b.part_bytes(chunks, ex.remote_ranks())
         out = run.timed("decode_s", lambda: b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size,
-                                                            f"{ex.where}: reduced chunks", error=ex.reduce_error),
-                        gathered)
+                                                            f"{ex.where}: reduced chunks", error=ex.reduce_error,
+                                                            expect=ex.expect), gathered)
         run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
                       cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
         return out

@@ -265,7 +265,8 @@ class HierarchicalChain:
             return b.decode_report(received, lens, nodes, _shard_expect(ex, m), where)
         try:
             chunks = b.unframe(received, nodes, where, _shard_expect(ex, m))
-            return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks"), None
+            return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks",
+                                   expect=_shard_expect(ex, m)), None
         except Exception as error:
             return b.zeros(0, received), error
 

@@ -180,7 +180,7 @@ class TensorFlowOps:
         if isinstance(error, Exception):
             raise MismatchError(f"{message}: {error}") from error
 
-    def decode_chunks(self, parts, alpha, numel, bucket_size, where, error=None):
+    def decode_chunks(self, parts, alpha, numel, bucket_size, where, error=None, expect=None):
         return qops.load().qsgd_decode_chunks(parts.data, parts.lengths, alpha,
                                               tf.constant("") if error is None else error,
                                               numel=self.numel, world=self.world, **self.attrs)
