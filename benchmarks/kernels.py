@@ -369,7 +369,7 @@ def time_cuda(n, bits, bucket, repeats, seed, checksum, x_host, x, copy_s, norm=
     y = torch.empty(n, dtype=torch.float32, device=x.device)
     d_status = torch.zeros(1, dtype=torch.int32, device=x.device)
     td = _cuda_median(lambda: _check(lib.qsgd_decode_sum_cuda(ptrs, headers, 1, 1.0, y.data_ptr(), n, 0,
-                                                              d_status.data_ptr(), stream),
+                                                              d_status.data_ptr(), None, stream),
                                      "qsgd_decode_sum_cuda"), repeats)
     _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
     ref = codec.encode(x_host, bits=bits, bucket_size=bucket, norm=norm, seed=seed, checksum=checksum, encoder=encoder)
@@ -441,7 +441,7 @@ def time_cuda_elias(n, bucket, repeats, seed, checksum, x_host, x, copy_s, encod
     y = torch.empty(n, dtype=torch.float32, device=x.device)
     d_status = torch.zeros(1, dtype=torch.int32, device=x.device)
     td = _cuda_median(lambda: _check(lib.qsgd_decode_sum_cuda(ptrs, headers, 1, 1.0, y.data_ptr(), n, 0,
-                                                              d_status.data_ptr(), stream), "qsgd_decode_sum_cuda"),
+                                                              d_status.data_ptr(), None, stream), "qsgd_decode_sum_cuda"),
                       repeats)
     _check(int(d_status.item()), "qsgd_decode_sum_cuda (device status)")
     ref = codec.encode(x_host, bits=4, bucket_size=bucket, seed=seed, checksum=checksum, coding="elias", encoder=encoder)

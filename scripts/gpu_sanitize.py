@@ -2,11 +2,12 @@
 (``scripts/gpu_check.sh`` runs it under memcheck and racecheck). Each result is also compared with the
 CPU library, so a run that the sanitizer passes is a correct run too. Exits non-zero on a mismatch."""
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from hvd_qsgd import codec, cuda
+from hvd_qsgd import codec, cuda, cuda_headers
 
 
 def main():
@@ -33,6 +34,12 @@ def main():
                             want = np.float32(2.0) + codec.decode_sum([p.cpu().numpy() for p in ps], scale=0.5)
                             if not np.array_equal(out.cpu().numpy(), want, equal_nan=True):
                                 sys.exit(f"decode_sum differs: n={n} {kw}")
+                            # the headers checked on the device against what they must say
+                            expect = [cuda_headers.expected(SimpleNamespace(bits=bits, bucket_size=bucket, norm=norm,
+                                                                            numel=n, dtype="float32", fingerprint=0))] * 2
+                            got = cuda.decode_sum(ps, scale=0.5, expect=expect)
+                            if not np.array_equal(got.cpu().numpy() + np.float32(2.0), want, equal_nan=True):
+                                sys.exit(f"decode_sum with the headers checked on the device differs: n={n} {kw}")
                         cases += 1
     # half-precision input and error feedback fused into the encoder (both bucket paths)
     for bucket in (512, 100):
@@ -65,6 +72,9 @@ def main():
             cuda.reduce_chunk([chunks[r][j] for r in range(n)], j, bits, bucket, step_seed=j, residual=residual)
             reduced.append(cuda.reduce_chunk([chunks[r][j] for r in range(n)], j, bits, bucket, step_seed=j))
         cuda.decode_chunks(reduced, 1.0 / n, numel, bucket)
+        tensor = SimpleNamespace(bits=bits, bucket_size=bucket, norm="max", numel=numel, dtype="float32", fingerprint=0)
+        ranges = [(0, cuda.read_headers([c])[0].numel) for c in reduced]   # (each chunk's size is what matters)
+        cuda.decode_chunks(reduced, 1.0 / n, numel, bucket, expect=cuda_headers.expected_chunks(tensor, ranges))
         cases += 1
     # a corrupt payload: the error path of the verify kernels
     p = cuda.encode(torch.ones(1001, device="cuda"), bits=3)
@@ -72,6 +82,14 @@ def main():
     try:
         cuda.decode_sum([p])
         sys.exit("a corrupt payload was not detected")
+    except codec.PayloadError:
+        pass
+    p[200] ^= 4
+    p[20] ^= 1   # (its numel: a header that differs from the expected one, found on the device)
+    tensor = SimpleNamespace(bits=3, bucket_size=512, norm="max", numel=1001, dtype="float32", fingerprint=0)
+    try:
+        cuda.decode_sum([p], expect=[cuda_headers.expected(tensor)])
+        sys.exit("a header that differs was not detected on the device")
     except codec.PayloadError:
         pass
     torch.cuda.synchronize()
