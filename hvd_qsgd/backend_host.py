@@ -83,6 +83,13 @@ class HostCountedBackend:
             protocol.check_gathered(headers, expect, where)
         return headers
 
+    def split_fused_by(self, gathered, count, lens, by_headers, size, walk):
+        """A fused allgather's payloads cut at this rank's ``lens`` (every rank's, with the fixed coding),
+        else (``by_headers``, or a ``size`` they do not add up to: the ranks' tensors differ) by ``walk()``."""
+        if by_headers or size != count * int(sum(lens)):
+            return walk()
+        return self.split_by(gathered, [int(v) for v in lens] * count)
+
     def unframe(self, gathered, n: int, where: str, expect=None) -> list:
         """The n reduced chunks of an allgather of phase-2 frames, where ``gathered`` is (their
         lengths read on the host: a copy of the frames where they are on a device). ``expect``: the

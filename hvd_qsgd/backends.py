@@ -96,7 +96,7 @@ class CpuBackend(HostCountedBackend):
         payloads in order (``hvd_qsgd.exchange.fused``): cut at this rank's lengths (which every
         rank's share with the fixed coding, unless the ranks' tensors differ), or ``by_headers`` at
         each header's length."""
-        return _split_fused(self, gathered, count, lens, by_headers, where, gathered.size,
+        return self.split_fused_by(gathered, count, lens, by_headers, gathered.size,
                             lambda: codec.split_payloads(gathered, count=count * len(lens),
                                                          where=f"{where}: gathered payloads"))
 
@@ -247,7 +247,7 @@ class CudaBackend(HostCountedBackend):
 
     def split_fused(self, gathered, count: int, lens: Sequence[int], by_headers: bool, where: str) -> list:
         """As CpuBackend.split_fused, on the device (by headers: ``cuda.split_payloads``)."""
-        return _split_fused(self, gathered, count, lens, by_headers, where, gathered.numel(),
+        return self.split_fused_by(gathered, count, lens, by_headers, gathered.numel(),
                             lambda: cuda.split_payloads(gathered, count * len(lens), f"{where}: gathered payloads"))
 
     def empty_bytes(self, like):
@@ -309,7 +309,9 @@ class CudaBackend(HostCountedBackend):
         v = v + residual if residual_valid else v.clone()
         buf, lens = cuda.encode_chunks(v, n, s.bits, s.bucket_size, s.norm, step_seed, fingerprint, s.checksum,
                                        source_dtype, name=where, encoder=s.encoder)
-        d = v - self.decode_chunks(self.split_by(buf, lens), 1.0, v.numel(), s.bucket_size, where)
+        ours = SimpleNamespace(bits=s.bits, bucket_size=s.bucket_size, norm=s.norm, coding="fixed", numel=v.numel(),
+                               dtype=source_dtype, fingerprint=fingerprint)   # (their headers: no read of them)
+        d = v - self.decode_chunks(self.split_by(buf, lens), 1.0, v.numel(), s.bucket_size, where, expect=ours)
         residual.copy_(torch.where(torch.isfinite(d), d, residual if residual_valid else torch.zeros_like(d)))
         return buf, lens
 
@@ -370,12 +372,6 @@ class CudaBackend(HostCountedBackend):
 
 
 CPU, CUDA = CpuBackend(), CudaBackend()
-
-
-def _split_fused(backend, gathered, count, lens, by_headers, where, size, walk):
-    if by_headers or size != count * int(sum(lens)):  # (the ranks' tensors differ: the headers say how)
-        return walk()
-    return backend.split_by(gathered, [int(v) for v in lens] * count)
 
 
 def choose(device_type: str, settings, exchange_reduction: str) -> Tuple[Any, Optional[str]]:

@@ -13,7 +13,8 @@ index, so the same exchange names and seeds. Every step's result, every worker r
 server residual must be equal bit for bit; the device run must have taken the CUDA backend (no host
 fallback counted; emulated: the wrappers called the emulated kernels), except for the Elias coding,
 which must go through the host with every exchange counted. The device's verdicts on a step's
-decoded results are read once, at the step's last decompress (``hvd_qsgd.cuda.settle``).
+decoded results are read once, at the step's last decompress (``hvd_qsgd.cuda.settle``), and the
+fixed coding's headers are never read from the device (the device checks them).
 ``deferred-verdict-corrupt``: a payload corrupted before its device decode makes that step raise on
 every rank, naming its tensor, where the step's results are handed over. Each rank prints
 ``OK <configuration>``.
@@ -128,10 +129,23 @@ def counting_settles():
     return seen, lambda: setattr(hvd_qsgd.cuda, "settle", real)
 
 
+def counting_header_reads():
+    """Wrap ``hvd_qsgd.cuda.device_headers``: the list it fills has, per read of payloads' headers from
+    the device to the host, their count."""
+    real, seen = hvd_qsgd.cuda.device_headers, []
+
+    def device_headers(payloads, where="payloads"):
+        seen.append(len(payloads))
+        return real(payloads, where)
+    hvd_qsgd.cuda.device_headers = device_headers
+    return seen, lambda: setattr(hvd_qsgd.cuda, "device_headers", real)
+
+
 def check(name, device, lib, index):
     settings, dtype = CONFIGS[name]
     host, c_host = run(settings, dtype, index)
     settles, restore = counting_settles()
+    reads, restore_reads = counting_header_reads()
     try:
         if device == "emulated":
             with emulated_cuda.on_host(lib, adapter=True) as emu:
@@ -141,6 +155,11 @@ def check(name, device, lib, index):
             on_device, c_dev = run(settings, dtype, index, device="cuda")
     finally:
         restore()
+        restore_reads()
+    # the fixed coding's headers are checked on the device, never read to the host (the Elias coding's
+    # lengths, and fusion=True's cut of its members, read them)
+    reads_headers = settings.coding == "elias" and name not in THROUGH_HOST or settings.fusion
+    assert bool(reads) == bool(reads_headers), f"{name}: headers read from the device {reads}"
     # the results' verdicts read once a step, a decode each (a fusion buffer's: one for its members;
     # the hierarchical reduction decodes in its stages, whose results go on to other ranks: read
     # there; through the host: checked in the call)
