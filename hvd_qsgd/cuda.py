@@ -12,9 +12,9 @@ device-to-host copy each, so that a corrupt payload raises in the call that deco
 reads before ``settle``, are kept and read together there, one copy for all:
 ``hvd_qsgd.cuda_verdicts``); and a decode parses the payloads' headers on the host (one copy of
 their first 56 bytes), once: the headers a caller read to check them (``read_headers``) are the ones
-the kernels are given. A ``decode_sum`` that knows what the headers must say (``expect``: fixed
-coding) has the device check them instead, with its verdict: it does not wait at all. Encoding
-never waits.
+the kernels are given. A decode that knows what the headers must say (``expect``, the fixed coding:
+``decode_sum``, ``reduce_chunk``, ``decode_chunks``) has the device check them instead, with its
+verdict, and reads none. Encoding never waits.
 """
 import ctypes
 import functools
@@ -140,7 +140,7 @@ def split_fixed(gathered, count, size):
         return list(gathered.split(size))
     stride = -(-size // 16) * 16
     rows = gathered.new_empty((count, stride))
-    rows[:, :size].copy_(gathered.view(count, size))
+    rows[:, :size].copy_(gathered.reshape(count, size))
     return list(rows[:, :size].unbind(0))
 
 
