@@ -55,7 +55,7 @@ from hvd_qsgd.errors import EncodeError, PayloadError  # noqa: F401  (PayloadErr
 from hvd_qsgd.codec_params import (  # noqa: F401  (part of this module's API)
     CODINGS, DEFAULT_ENCODER, DTYPE_NAMES, DTYPES, ENCODERS, FLAG_CHECKSUM, FLAG_ENCODER2, HEADER_BYTES, MAX_BUCKET,
     MAX_SEED, NORM_NAMES, NORMS, _check_bits, _check_bucket, _check_choice, _check_u64, check_encoder, config_template,
-    cpu_isa, cpu_isas, is_bool, is_integer, make_config, set_cpu_isa)
+    cpu_isa, cpu_isas, expected_header, is_bool, is_integer, make_config, set_cpu_isa)
 
 
 @dataclass(frozen=True)
@@ -343,9 +343,6 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
     return out
 
 
-_expected = {}   # the C header each expectation's fields make (``decode_gathered``; read-only once made)
-
-
 def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
                     out: Optional[np.ndarray] = None) -> tuple:
     """(``scale`` * the decoded sum of the ``count`` payloads back to back in ``buffer``, what an
@@ -360,14 +357,8 @@ def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
         out = np.empty(n, dtype=np.float32)
     elif out.dtype != np.float32 or out.size != n or not out.flags.c_contiguous:
         raise ValueError(f"decode_gathered: out must be a C-contiguous float32 array of {n} elements")
-    fields = (expect.bits, expect.bucket_size, expect.norm, expect.coding, n, expect.dtype, expect.fingerprint)
-    want = _expected.get(fields)
-    if want is None:   # (the same tensor's exchanges expect the same header, step after step)
-        if len(_expected) >= 4096:
-            _expected.clear()
-        want = _expected[fields] = _native.CHeader(
-            bits=fields[0], bucket_size=fields[1], norm=NORMS[fields[2]], coding=CODINGS[fields[3]], numel=n,
-            dtype=DTYPES[fields[5]], fingerprint=fields[6])
+    want = expected_header(expect.bits, expect.bucket_size, expect.norm, expect.coding, n, expect.dtype,
+                           expect.fingerprint)
     lens = (ctypes.c_uint64 * max(1, count))()
     st = _native.load().qsgd_decode_gathered_cpu(buf.ctypes.data, buf.size, count, ctypes.byref(want), float(scale),
                                                  out.ctypes.data, n, lens)

@@ -4,6 +4,8 @@ variant (``hvd_qsgd.codec`` re-exports all of it). ``config_template`` keeps eac
 configuration: an encode of the same settings copies it and sets its seed and fingerprint, instead
 of checking every parameter again (a few microseconds per tensor and step, docs/performance.md
 "Per-tensor cost")."""
+import functools
+
 import numpy as np
 
 from hvd_qsgd import _native
@@ -106,6 +108,17 @@ def config_template(bits, bucket_size, norm, coding, checksum, encoder) -> "_nat
             _templates.clear()
         _templates[key] = cfg
     return cfg
+
+
+@functools.lru_cache(maxsize=4096)   # (a tensor's exchanges expect the same header step after step)
+def expected_header(bits, bucket_size, norm, coding, numel, dtype, fingerprint) -> "_native.CHeader":
+    """The header fields every payload of a tensor has, which the kernels compare with each payload's
+    own (``codec.decode_gathered`` on the host; the CUDA decodes on the device); with the fixed coding
+    its length too (0 with the Elias coding, whose length depends on the data). Read-only: shared."""
+    code = CODINGS[coding]
+    return _native.CHeader(bits=bits, bucket_size=bucket_size, norm=NORMS[norm], coding=code, numel=numel,
+                           dtype=DTYPES[dtype], fingerprint=fingerprint,
+                           payload_len=0 if code else _native.load().qsgd_fixed_nbytes(numel, bits, bucket_size))
 
 
 # -- the CPU kernels' instruction-set variant (a parameter of every CPU kernel call) ----------

@@ -17,7 +17,6 @@ the kernels are given. A decode that knows what the headers must say (``expect``
 verdict, and reads none. Encoding never waits.
 """
 import ctypes
-import functools
 
 from hvd_qsgd import _native, codec, cuda_headers
 from hvd_qsgd.cuda_verdicts import deferred_verdicts, settle, verdict as _verdict   # noqa: F401 (the backends')
@@ -81,8 +80,7 @@ def encode(x, bits=4, bucket_size=512, norm="max", seed=0, fingerprint=0, checks
     dtype_name = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}.get(x.dtype)
     if dtype_name is None:
         raise TypeError(f"{name}: dtype {x.dtype} is not supported; QSGD encodes float32, float16 and bfloat16")
-    cfg = _native.Config.from_buffer_copy(_template(bits, bucket_size, norm, fingerprint, checksum,
-                                                    source_dtype or dtype_name, encoder))
+    cfg = _config(bits, bucket_size, norm, 0, fingerprint, checksum, source_dtype or dtype_name, encoder)
     cfg.seed = codec._check_u64("seed", seed)
     flat = x.detach().reshape(-1).contiguous()
     n = flat.numel()
@@ -167,16 +165,13 @@ def split_payloads(gathered, count, where="gathered payloads"):
 
 
 def _config(bits, bucket_size, norm, seed, fingerprint, checksum, source_dtype, encoder):
-    cfg = _native.Config.from_buffer_copy(_template(bits, bucket_size, norm, fingerprint, checksum, source_dtype,
-                                                    encoder))
+    """``codec.make_config``'s configuration of the fixed coding, copied from the checked template of its
+    settings (``codec.config_template``, as ``codec.encode`` does): a tensor's encodes differ by their seed."""
+    cfg = _native.Config.from_buffer_copy(codec.config_template(bits, bucket_size, norm, "fixed", checksum, encoder))
+    cfg.fingerprint = codec._check_u64("fingerprint", fingerprint)
+    cfg.dtype = codec._check_choice("dtype", source_dtype, codec.DTYPES)
     cfg.seed = int(seed) & (2 ** 64 - 1)
     return cfg
-
-
-@functools.lru_cache(maxsize=4096)   # (a tensor's encodes differ by their seed only: checked once)
-def _template(bits, bucket_size, norm, fingerprint, checksum, source_dtype, encoder):
-    """The fixed coding's checked configuration of these settings, seed 0 (copied by each encode)."""
-    return codec.make_config(bits, bucket_size, norm, 0, "fixed", fingerprint, checksum, source_dtype, encoder=encoder)
 
 
 def _flat32(x, name):

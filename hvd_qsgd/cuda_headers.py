@@ -3,7 +3,6 @@ parsed from host copies of the payloads' first bytes (``parse``, ``ParsedHeaders
 what an exchange expects (``expected``, ``expected_chunks``), for the kernels to check the payloads'
 own headers against on the device."""
 import ctypes
-import functools
 
 from hvd_qsgd import _native, codec
 
@@ -34,25 +33,18 @@ class ParsedHeaders(list):
 
 
 def expected(expect, numel=None):
-    """The fields every fixed-coding payload of a tensor has in its header, from the exchange's
-    expectation (bits, bucket_size, norm, numel, dtype, fingerprint; ``numel``: another count, a
-    chunk's), for a decode whose headers the device checks (it checks the magic and version against
-    its own, and reads each payload's flags and checksum)."""
-    return _expected(expect.bits, expect.bucket_size, expect.norm, expect.numel if numel is None else numel,
-                     expect.dtype, expect.fingerprint)
+    """``codec.expected_header`` of the exchange's expectation (bits, bucket_size, norm, coding, numel,
+    dtype, fingerprint; ``numel``: another count, a chunk's), for a decode whose headers the device
+    checks (fixed coding; it checks the magic and version against its own, and reads each payload's
+    flags and checksum)."""
+    return codec.expected_header(expect.bits, expect.bucket_size, expect.norm, expect.coding,
+                                 expect.numel if numel is None else numel, expect.dtype, expect.fingerprint)
 
 
 def expected_chunks(expect, ranges):
     """``expected`` of each chunk of scatter_allgather, at its (begin, end) in ``ranges``
     (``reduction.chunk_ranges``)."""
     return [expected(expect, e - b) for b, e in ranges]
-
-
-@functools.lru_cache(maxsize=4096)   # (made once per tensor)
-def _expected(bits, bucket_size, norm, numel, dtype, fingerprint):
-    return _native.CHeader(coding=0, bits=bits, norm=codec.NORMS[norm], dtype=codec.DTYPES[dtype],
-                           bucket_size=bucket_size, numel=numel, fingerprint=fingerprint,
-                           payload_len=codec.payload_nbytes(numel, bits, bucket_size))
 
 
 def array(headers):

@@ -28,6 +28,7 @@ The chunk steps are the kernels' ``qsgd_encode_chunks_cpu``, ``qsgd_reduce_chunk
 runs both phases for all ranks in one process: the reference the multi-rank tests compare with.
 """
 import ctypes
+import functools
 from types import SimpleNamespace
 
 import numpy as np
@@ -37,16 +38,21 @@ from hvd_qsgd.errors import EncodeError, PayloadError
 
 
 def chunk_ranges(numel, bucket_size, n):
-    """[(begin, end)] of the n chunks of a numel-element tensor (whole buckets; some may be empty)."""
+    """((begin, end), ...) of the n chunks of a numel-element tensor (whole buckets; some may be empty)."""
+    return _chunk_ranges(int(numel), int(bucket_size), int(n))
+
+
+@functools.lru_cache(maxsize=4096)   # (a tensor's chunks are the same at every step and stage: found once)
+def _chunk_ranges(numel, bucket_size, n):
     lib = _native.load()
     b, e = ctypes.c_uint64(), ctypes.c_uint64()
     out = []
     for j in range(n):
-        st = lib.qsgd_chunk_range(int(numel), int(bucket_size), int(n), j, ctypes.byref(b), ctypes.byref(e))
+        st = lib.qsgd_chunk_range(numel, bucket_size, n, j, ctypes.byref(b), ctypes.byref(e))
         if st != _native.OK:
             raise ValueError(f"chunk_ranges({numel}, {bucket_size}, {n}): {_native.status_string(st)}")
         out.append((b.value, e.value))
-    return out
+    return tuple(out)
 
 
 def check_chunk(payloads, j, expect, where):

@@ -261,12 +261,13 @@ class HierarchicalChain:
             return b.zeros(0, received), ex.reduce_error
         if not m:  # an empty shard (a tensor of fewer buckets than the node has ranks)
             return b.zeros(0, received), None
+        expect = _shard_expect(ex, m)
         if ex.cross == "allgather":
-            return b.decode_report(received, lens, nodes, _shard_expect(ex, m), where)
+            return b.decode_report(received, lens, nodes, expect, where)
         try:
-            chunks = b.unframe(received, nodes, where, _shard_expect(ex, m))
+            chunks = b.unframe(received, nodes, where, expect)
             return b.decode_chunks(chunks, 1.0, m, ex.settings.bucket_size, f"{where}: reduced chunks",
-                                   expect=_shard_expect(ex, m)), None
+                                   expect=expect), None
         except Exception as error:
             return b.zeros(0, received), error
 

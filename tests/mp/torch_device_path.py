@@ -117,35 +117,26 @@ def as_bytes(v):
     return a.view(np.uint8).tobytes()
 
 
-def counting_settles():
-    """Wrap ``hvd_qsgd.cuda.settle``: the list it fills has, per call that had verdicts to read, their count."""
-    real, seen = hvd_qsgd.cuda.settle, []
+def counting(name, measure):
+    """Wrap ``hvd_qsgd.cuda.<name>``: the list it fills has ``measure(argument)`` per call, where not
+    None; and the function that restores it."""
+    real, seen = getattr(hvd_qsgd.cuda, name), []
 
-    def settle(pending):
-        if pending:
-            seen.append(len(pending))
-        return real(pending)
-    hvd_qsgd.cuda.settle = settle
-    return seen, lambda: setattr(hvd_qsgd.cuda, "settle", real)
-
-
-def counting_header_reads():
-    """Wrap ``hvd_qsgd.cuda.device_headers``: the list it fills has, per read of payloads' headers from
-    the device to the host, their count."""
-    real, seen = hvd_qsgd.cuda.device_headers, []
-
-    def device_headers(payloads, where="payloads"):
-        seen.append(len(payloads))
-        return real(payloads, where)
-    hvd_qsgd.cuda.device_headers = device_headers
-    return seen, lambda: setattr(hvd_qsgd.cuda, "device_headers", real)
+    def wrapped(first, *args, **kwargs):
+        value = measure(first)
+        if value is not None:
+            seen.append(value)
+        return real(first, *args, **kwargs)
+    setattr(hvd_qsgd.cuda, name, wrapped)
+    return seen, lambda: setattr(hvd_qsgd.cuda, name, real)
 
 
 def check(name, device, lib, index):
     settings, dtype = CONFIGS[name]
     host, c_host = run(settings, dtype, index)
-    settles, restore = counting_settles()
-    reads, restore_reads = counting_header_reads()
+    # per settle that had verdicts to read, their count; per read of payloads' headers to the host, theirs
+    settles, restore = counting("settle", lambda pending: len(pending) or None)
+    reads, restore_reads = counting("device_headers", len)
     try:
         if device == "emulated":
             with emulated_cuda.on_host(lib, adapter=True) as emu:
