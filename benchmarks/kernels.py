@@ -222,7 +222,7 @@ def self_check(bits_list, bucket, checksum, seed):
 # ---- CPU timing ----------------------------------------------------------------------------------
 _COLS = [("size", 6), ("bits", 4), ("isa", 8), ("enc", 3), ("memcpy", 8), ("qsgd enc", 9), ("qsgd dec", 9), ("qsgd e+d", 9),
          ("numpy e+d", 10), ("torch e+d", 10), ("e+d/torch", 10), ("e+d/memcpy", 11), ("enc ns/el", 10),
-         ("dec ns/el", 10), ("checksum", 9)]
+         ("dec ns/el", 10), ("checksum", 9), ("streamed", 9)]
 
 
 def _row_text(cells):
@@ -264,6 +264,7 @@ def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselin
     out2 = np.empty(n, dtype=np.float32)
     row["checksum_cost"] = paired_ratio(lambda: codec.decode_sum([with_ck(x, seed)], out=out),
                                         lambda: codec.decode_sum([without_ck(x, seed)], out=out2), repeats) - 1.0
+    row["streamed_cost"] = _streamed_cost(payload, out, repeats)
     for name in ("numpy", "torch"):
         row.update({f"{name}_encode_s": None, f"{name}_decode_s": None, f"{name}_ed_gbps": None})
         if not with_baselines or (name == "torch" and bl.torch is None):
@@ -282,6 +283,21 @@ def time_cpu(n, bits, bucket, repeats, seed, checksum, x, memcpy_s, with_baselin
     return row
 
 
+def _streamed_cost(payload, out, repeats):
+    """The decode's streaming stores against cached ones, side by side: the median over rounds of
+    t(decode with streaming stores) / t(decode with cached stores) - 1 (the qsgd dec column uses the
+    codec's choice: streaming where the result is at least ``codec.stream_bytes()``)."""
+    chosen = codec.stream_bytes()
+
+    def decode_with(nbytes):
+        codec.set_stream_bytes(nbytes)
+        try:
+            codec.decode_sum([payload], out=out)
+        finally:
+            codec.set_stream_bytes(chosen)
+    return paired_ratio(lambda: decode_with(1), lambda: decode_with(2**64 - 1), repeats) - 1.0
+
+
 def roofline(n, payload_bytes, memcpy_s, encode_s, decode_s):
     """The bytes each kernel must move, the floor time they take at the bandwidth memcpy reached
     (8 * n bytes moved in memcpy_s), and floor / measured."""
@@ -297,7 +313,8 @@ def _print_cpu_row(r):
                      _num(r["qsgd_decode_gbps"]), _num(r["qsgd_ed_gbps"]), _num(r["numpy_ed_gbps"]),
                      _num(r["torch_ed_gbps"]), _num(r["ratio_qsgd_torch"], True),
                      _num(r["ratio_qsgd_memcpy"], True), f"{r['encode_ns_per_elem_thread']:.2f}",
-                     f"{r['decode_ns_per_elem_thread']:.2f}", f"{100 * r['checksum_cost']:+.1f}%"]), flush=True)
+                     f"{r['decode_ns_per_elem_thread']:.2f}", f"{100 * r['checksum_cost']:+.1f}%",
+                     f"{100 * r['streamed_cost']:+.1f}%"]), flush=True)
 
 
 _ROOF_COLS = [("size", 6), ("bits", 4), ("isa", 8), ("enc", 3), ("mem GB/s", 9), ("enc B/el", 9), ("dec B/el", 9),
@@ -528,6 +545,8 @@ def run_cpu(args, isas, in_use, checksum):
           "many); qsgd enc = encode into an existing buffer, including the checksum; qsgd dec = decode_sum "
           "into an existing array; ns/el = ns per element per thread (t * threads / numel); checksum = "
           "median of t(encode+decode with the checksum) / t(without) - 1, timed back to back per round; "
+          "streamed = the same for decode with streaming stores against cached ones (qsgd dec: streaming "
+          "from the size above); "
           f"'-' = not measured (baselines skipped above {fmt_size(args.baseline_max)} elements)")
     _print_roofline(rows)
     return rows
@@ -548,7 +567,7 @@ def run(args):
           f"load average {info['load_avg_1min']:.2f}")
     print(f"CPU kernels: variant in use {codec.cpu_isa()}; compiled: "
           + ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in codec.cpu_isas().items())
-          + f"; timed: {', '.join(isas)}")
+          + f"; timed: {', '.join(isas)}; decodes stream results of >= {codec.stream_bytes() / 2**20:.1f} MiB")
     if info["load_avg_1min"] > 0.5 * info["usable_cores"]:
         print("warning: other processes are using the CPUs (load average above half the usable cores); "
               "the timings below are shared with them")

@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 10  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 11  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -200,6 +200,10 @@ def load():
         lib.qsgd_set_num_threads.argtypes = [_I32]
         lib.qsgd_get_num_threads.restype = _I32
         lib.qsgd_get_num_threads.argtypes = []
+        lib.qsgd_set_stream_bytes.restype = None
+        lib.qsgd_set_stream_bytes.argtypes = [_U64]
+        lib.qsgd_get_stream_bytes.restype = _U64
+        lib.qsgd_get_stream_bytes.argtypes = []
         _declare_isa(lib)
         check_isa_env(lib, path)
         _cpu = lib

@@ -55,7 +55,7 @@ from hvd_qsgd.errors import EncodeError, PayloadError  # noqa: F401  (PayloadErr
 from hvd_qsgd.codec_params import (  # noqa: F401  (part of this module's API)
     CODINGS, DEFAULT_ENCODER, DTYPE_NAMES, DTYPES, ENCODERS, FLAG_CHECKSUM, FLAG_ENCODER2, HEADER_BYTES, MAX_BUCKET,
     MAX_SEED, NORM_NAMES, NORMS, _check_bits, _check_bucket, _check_choice, _check_u64, check_encoder, config_template,
-    cpu_isa, cpu_isas, expected_header, is_bool, is_integer, make_config, set_cpu_isa)
+    cpu_isa, cpu_isas, expected_header, is_bool, is_integer, make_config, set_cpu_isa, set_stream_bytes, stream_bytes)
 
 
 @dataclass(frozen=True)

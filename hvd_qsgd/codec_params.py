@@ -1,10 +1,12 @@
 """The codec's parameters, each checked with one message naming it and the value, the kernels'
 encoder configuration (``_native.Config``) made from them, and the CPU kernels' instruction-set
-variant (``hvd_qsgd.codec`` re-exports all of it). ``config_template`` keeps each checked
+variant and the size from which its decodes stream their results (``hvd_qsgd.codec`` re-exports all
+of it). ``config_template`` keeps each checked
 configuration: an encode of the same settings copies it and sets its seed and fingerprint, instead
 of checking every parameter again (a few microseconds per tensor and step, docs/performance.md
 "Per-tensor cost")."""
 import functools
+from typing import Optional
 
 import numpy as np
 
@@ -147,3 +149,17 @@ def set_cpu_isa(name: str = "auto") -> None:
     if st != _native.OK:
         known = ", ".join(f"{n}{'' if ok else ' (not on this CPU)'}" for n, ok in _native.isa_variants(lib))
         raise ValueError(f"set_cpu_isa({name!r}): {_native.status_string(st)}; the variants are {known}")
+
+
+def stream_bytes() -> int:
+    """The size (bytes) of a decoded result from which the CPU decodes write it past the caches
+    (streaming stores: the same values, without the read of each line a cached write makes); by
+    default 3/8 of the last-level cache, where the C library's memcpy starts to stream."""
+    return int(_native.load().qsgd_get_stream_bytes())
+
+
+def set_stream_bytes(nbytes: Optional[int] = None) -> None:
+    """Set ``stream_bytes`` (None: the default; 2**64 - 1: never stream)."""
+    _check_u64("nbytes", 0 if nbytes is None else nbytes)
+    _native.load().qsgd_set_stream_bytes(0 if nbytes is None else int(nbytes))
+

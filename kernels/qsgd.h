@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 10
+#define QSGD_ABI_VERSION 11
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -128,6 +128,12 @@ int32_t qsgd_validate_cpu(const uint8_t* payload, uint64_t len);
  * payload is validated completely before out is written. */
 int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                             float alpha, float* out, uint64_t n, int32_t accumulate);
+/* The size (bytes) of a decoded result from which the CPU decodes write it with streaming stores,
+ * past the caches (bypassing the read of each line that a cached write makes), where out is
+ * 16-byte aligned and accumulate is 0; the values are the same either way. 0 sets the default, 3/8
+ * of the last-level cache (the C library's memcpy streams from about there); UINT64_MAX: never. */
+void qsgd_set_stream_bytes(uint64_t bytes);
+uint64_t qsgd_get_stream_bytes(void);
 /* An allgather's result, buf[0:len): count payloads back to back, each cut at its header's
  * payload_len (lens[p] receives it), which must fill the buffer exactly and each agree with
  * expect's numel, fingerprint, bits, bucket size, coding, norm and dtype (QSGD_E_MISMATCH

@@ -11,6 +11,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <xmmintrin.h>
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
@@ -30,6 +31,33 @@ static const uint64_t kStage = 4096;          /* codes staged before packing (mu
 static const uint64_t kChunkElems = 1 << 15;  /* target elements per parallel chunk */
 static const uint64_t kParallelMin = 1 << 16; /* smaller jobs run on the calling thread */
 static const uint64_t kPrefetch = 512;        /* encode: elements read ahead of the next bucket */
+
+/* Decoded results of at least this many bytes are written with streaming stores (qsgd.h:
+ * qsgd_set_stream_bytes); 0 until first asked: then the default */
+static std::atomic<uint64_t> g_stream_bytes{0};
+
+static uint64_t default_stream_bytes() {
+  /* 3/8 of the last-level cache, as the C library's memcpy decides where to stream (a result larger
+   * than that leaves the cache before it is read again, and writing it through the cache reads each
+   * of its lines from memory first); 32 MiB where the size is unknown */
+  long llc = -1;
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  llc = sysconf(_SC_LEVEL3_CACHE_SIZE);
+  if (llc <= 0) llc = sysconf(_SC_LEVEL2_CACHE_SIZE);
+#endif
+  return llc > 0 ? (uint64_t)llc / 8 * 3 : (uint64_t)32 << 20;
+}
+
+static uint64_t stream_bytes() {
+  uint64_t b = g_stream_bytes.load();
+  if (b == 0) {
+    b = default_stream_bytes();
+    uint64_t unset = 0;
+    g_stream_bytes.compare_exchange_strong(unset, b);
+    b = g_stream_bytes.load();
+  }
+  return b;
+}
 
 int threads_for(uint64_t n) {
   if (n < kParallelMin) return 1;
@@ -455,6 +483,9 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
   }
   const qsgd_header* h0 = &hs[0];
   const Kernels& K = active_kernels();
+  /* the last payload's step writes out: added to it, set, or set with streaming stores where out is
+   * too large for the caches (Kernels::decode_step's FIN) */
+  const int last = accumulate ? 2 : (n * sizeof(float) >= stream_bytes() && (uintptr_t)out % 16 == 0) ? 3 : 1;
   const int elias = h0->coding == QSGD_CODING_ELIAS;
   /* parallel units: Elias segments, or runs of kStage elements */
   uint64_t unit;
@@ -472,7 +503,7 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     if (!elias) { /* the first payload starts the sum, the last one finishes it into out */
       for (int32_t p = 0; p < count; ++p)
         fixed_decode_step(K, payloads[p], &hs[p], lo, m, codes, acc, p == 0,
-                          p == count - 1 ? (accumulate ? 2 : 1) : 0, out + lo, alpha);
+                          p == count - 1 ? last : 0, out + lo, alpha);
       return;
     }
     memset(acc, 0, sizeof(float) * m);
@@ -507,6 +538,8 @@ extern "C" int32_t qsgd_decode_gathered_cpu(const uint8_t* buf, uint64_t len, in
 }
 
 extern "C" void qsgd_set_num_threads(int32_t n) { g_threads.store(n > 0 ? n : 0); }
+extern "C" void qsgd_set_stream_bytes(uint64_t bytes) { g_stream_bytes.store(bytes ? bytes : default_stream_bytes()); }
+extern "C" uint64_t qsgd_get_stream_bytes(void) { return stream_bytes(); }
 extern "C" int32_t qsgd_get_num_threads(void) {
   const int t = g_threads.load();
   return t > 0 ? t : omp_get_max_threads();

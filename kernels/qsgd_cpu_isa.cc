@@ -710,9 +710,11 @@ void finish(float* __restrict out, const float* __restrict acc, uint64_t n, floa
  * 0.0f, payload after payload (qsgd.h), and each step does with the decoded value v of element k
  *   FIRST: s = 0 + v, else s = acc[k] + v;
  *   FIN == KEEP: acc[k] = s;  FIN == SET: out[k] = alpha * s;  FIN == ACCUMULATE: out[k] = out[k] + alpha * s
+ *   FIN == STREAM: as SET, the values written with streaming stores (past the caches: out is
+ *   16-byte aligned and larger than they hold, qsgd_set_stream_bytes)
  * -- the operations of "zero acc; acc += v for each payload; finish" in the same order, without the
  * passes that zero acc and finish it. */
-enum { KEEP = 0, SET = 1, ACCUMULATE = 2 };
+enum { KEEP = 0, SET = 1, ACCUMULATE = 2, STREAM = 3 };
 
 template <int BITS, bool FIRST, int FIN>
 void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
@@ -749,6 +751,10 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
         const __m256 sum = _mm256_add_ps(FIRST ? zero : _mm256_loadu_ps(a + k), v);
         if (FIN == KEEP) {
           _mm256_storeu_ps(a + k, sum);
+        } else if (FIN == STREAM) { /* (o + k is 16-byte aligned: k and the unit's start are multiples of 8) */
+          const __m256 t = _mm256_mul_ps(valpha, sum);
+          _mm_stream_ps(o + k, _mm256_castps256_ps128(t));
+          _mm_stream_ps(o + k + 4, _mm256_extractf128_ps(t, 1));
         } else {
           const __m256 t = _mm256_mul_ps(valpha, sum);
           _mm256_storeu_ps(o + k, FIN == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
@@ -762,6 +768,7 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
       }
       i = hi;
     }
+    if (FIN == STREAM) _mm_sfence(); /* the streamed values visible before the caller's threads join */
     return;
   }
 #endif
@@ -782,10 +789,12 @@ void decode_step(int bits, const uint8_t* data, const uint8_t* data_end, const u
     constexpr int B = b.value;
     if (first) {
       if (fin == SET) decode_t<B, true, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else if (fin == STREAM) decode_t<B, true, STREAM>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
       else if (fin == ACCUMULATE) decode_t<B, true, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
       else decode_t<B, true, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
     } else {
       if (fin == SET) decode_t<B, false, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+      else if (fin == STREAM) decode_t<B, false, STREAM>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
       else if (fin == ACCUMULATE) decode_t<B, false, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
       else decode_t<B, false, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
     }

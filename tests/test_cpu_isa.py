@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import _native, codec, reduction
+from hvd_qsgd.settings import Settings
 from tests.helpers import ROOT
 
 VARIANTS = codec.cpu_isas()
@@ -201,3 +202,55 @@ def test_hvd_qsgd_isa_with_a_bad_value_is_an_import_error_not_a_silent_fallback(
         proc = _in_fresh_process(unrunnable[0])
         assert proc.returncode != 0
         assert "cannot run on this CPU" in proc.stderr and unrunnable[0] in proc.stderr
+
+
+@pytest.fixture
+def restore_stream_bytes():
+    yield
+    codec.set_stream_bytes(None)
+
+
+@pytest.mark.parametrize("bits,bucket", [(b, 512) for b in range(1, 9)] + [(4, 8), (3, 100), (8, 3), (2, 4072)])
+def test_streamed_decodes_write_the_same_bits_as_cached_ones(restore_isa, restore_stream_bytes, bits, bucket):
+    """A decoded result at least ``stream_bytes`` large is written with streaming stores (past the
+    caches); every variant must write the same bits as with cached stores: one and two payloads, an
+    output that is 16-byte aligned (streamed) and one that is not (written through the cache), sizes
+    with every kind of tail and above the parallel threshold, and the chunk steps' decodes."""
+    for n in (1, 7, 8, 4097, 70_001, 200_003):
+        x, y = _data(n, seed=n + bits, kind="wide"), _data(n, seed=n + 5, kind="normal")
+        kw = dict(bits=bits, bucket_size=bucket, seed=n, fingerprint=3)
+        payloads = [codec.encode(x, **kw), codec.encode(y, **dict(kw, seed=n + 1))]
+        for name in RUNNABLE:
+            codec.set_cpu_isa(name)
+            results = {}
+            for label, nbytes in (("cached", 2**64 - 1), ("streamed", 1)):
+                codec.set_stream_bytes(nbytes)
+                backing = np.full(n + 5, np.float32(7.0))
+                start = (-backing.ctypes.data // 4) % 4   # out 16-byte aligned, and 4 bytes past it
+                for offset in (start, start + 1):
+                    for count, alpha in ((1, 1.0), (2, 0.5)):
+                        out = backing[offset:offset + n]
+                        codec.decode_sum(payloads[:count], alpha, out=out)
+                        results[label, offset - start, count] = out.view(np.uint32).copy()
+                buf, lens = reduction.encode_chunks(x, Settings.make(bits=bits, bucket_size=bucket), step_seed=2, n=3)
+                chunks = np.split(np.asarray(buf), np.cumsum(lens)[:-1])
+                results[label, "chunks"] = reduction.decode_chunks(chunks, 0.25, n, bucket).view(np.uint32).copy()
+            for key in [k for k in results if k[0] == "cached"]:
+                assert np.array_equal(results[("streamed",) + key[1:]], results[key]), (name, n, key)
+
+
+def test_stream_bytes_defaults_to_three_eighths_of_the_last_level_cache(restore_stream_bytes):
+    codec.set_stream_bytes(12345)
+    assert codec.stream_bytes() == 12345
+    codec.set_stream_bytes(None)
+    def getconf(name):  # the C library's sysconf, as the kernels read it (Python's os.sysconf lacks these)
+        out = subprocess.run(["getconf", name], capture_output=True, text=True).stdout.strip()
+        return int(out) if out.isdigit() else -1
+    llc = getconf("LEVEL3_CACHE_SIZE")
+    if llc <= 0:
+        llc = getconf("LEVEL2_CACHE_SIZE")
+    assert codec.stream_bytes() == (llc // 8 * 3 if llc > 0 else 32 << 20)
+    for bad in (-1, 2**64, 1.5, "1"):
+        with pytest.raises(ValueError, match="nbytes"):
+            codec.set_stream_bytes(bad)
+    assert codec.stream_bytes() == (llc // 8 * 3 if llc > 0 else 32 << 20)
