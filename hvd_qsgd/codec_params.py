@@ -162,4 +162,3 @@ def set_stream_bytes(nbytes: Optional[int] = None) -> None:
     """Set ``stream_bytes`` (None: the default; 2**64 - 1: never stream)."""
     _check_u64("nbytes", 0 if nbytes is None else nbytes)
     _native.load().qsgd_set_stream_bytes(0 if nbytes is None else int(nbytes))
-

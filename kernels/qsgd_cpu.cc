@@ -485,7 +485,8 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
   const Kernels& K = active_kernels();
   /* the last payload's step writes out: added to it, set, or set with streaming stores where out is
    * too large for the caches (Kernels::decode_step's FIN) */
-  const int last = accumulate ? 2 : (n * sizeof(float) >= stream_bytes() && (uintptr_t)out % 16 == 0) ? 3 : 1;
+  const int last = accumulate ? FIN_ACCUMULATE
+                   : (n * sizeof(float) >= stream_bytes() && (uintptr_t)out % 16 == 0) ? FIN_STREAM : FIN_SET;
   const int elias = h0->coding == QSGD_CODING_ELIAS;
   /* parallel units: Elias segments, or runs of kStage elements */
   uint64_t unit;
@@ -503,7 +504,7 @@ extern "C" int32_t qsgd_decode_sum_cpu(const uint8_t* const* payloads, const uin
     if (!elias) { /* the first payload starts the sum, the last one finishes it into out */
       for (int32_t p = 0; p < count; ++p)
         fixed_decode_step(K, payloads[p], &hs[p], lo, m, codes, acc, p == 0,
-                          p == count - 1 ? last : 0, out + lo, alpha);
+                          p == count - 1 ? last : FIN_KEEP, out + lo, alpha);
       return;
     }
     memset(acc, 0, sizeof(float) * m);

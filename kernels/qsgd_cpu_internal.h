@@ -71,6 +71,9 @@ int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& 
 
 /* The per-element loops, compiled once per instruction-set variant (qsgd_cpu_isa.cc). Every
  * variant computes the same bytes and the same sums; active_kernels() is the one in use. */
+/* What a payload's step of decode_sum does with its sums (Kernels::decode_step's fin) */
+enum DecodeFinish { FIN_KEEP = 0, FIN_SET = 1, FIN_ACCUMULATE = 2, FIN_STREAM = 3 };
+
 struct Kernels {
   const char* name;
   /* the bucket's stored scale (qsgd_math.h: max, L2 or the sign norm's mean |x|) */
@@ -92,8 +95,9 @@ struct Kernels {
   void (*pack)(int bits, const uint8_t* codes, uint64_t m, uint8_t* dst);
   /* One payload's step of decode_sum over elements [lo, lo+n) of a fixed-coding payload (data: its
    * packed codes, data_end one past their last byte; scales: its bucket scales; lo a multiple of 8;
-   * codes: scratch of n bytes). With v the decoded values: s = (first ? 0 : acc) + v; then fin == 0
-   * keeps s in acc[0:n), fin == 1 writes out[0:n) = alpha * s, fin == 2 out = out + alpha * s. */
+   * codes: scratch of n bytes). With v the decoded values: s = (first ? 0 : acc) + v; then fin
+   * (DecodeFinish) FIN_KEEP keeps s in acc[0:n), FIN_SET writes out[0:n) = alpha * s, FIN_ACCUMULATE
+   * out = out + alpha * s, FIN_STREAM as FIN_SET with streaming stores (out + lo 16-byte aligned). */
   void (*decode_step)(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales,
                       uint64_t bucket, uint64_t lo, uint64_t n, uint8_t* codes, float* acc, int first,
                       int fin, float* out, float alpha);

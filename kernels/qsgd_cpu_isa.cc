@@ -714,7 +714,7 @@ void finish(float* __restrict out, const float* __restrict acc, uint64_t n, floa
  *   16-byte aligned and larger than they hold, qsgd_set_stream_bytes)
  * -- the operations of "zero acc; acc += v for each payload; finish" in the same order, without the
  * passes that zero acc and finish it. */
-enum { KEEP = 0, SET = 1, ACCUMULATE = 2, STREAM = 3 };
+enum { KEEP = FIN_KEEP, SET = FIN_SET, ACCUMULATE = FIN_ACCUMULATE, STREAM = FIN_STREAM };
 
 template <int BITS, bool FIRST, int FIN>
 void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
