@@ -156,6 +156,9 @@ def load():
         lib.qsgd_encode_cpu.restype = _I32
         lib.qsgd_encode_cpu.argtypes = [_P, _U64, ctypes.POINTER(Config), _P, _U64,
                                         ctypes.POINTER(_U64)]
+        lib.qsgd_encode_segments_cpu.restype = _I32
+        lib.qsgd_encode_segments_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), ctypes.POINTER(_U64), _I32,
+                                                 _U64, ctypes.POINTER(Config), _P, _U64, ctypes.POINTER(_U64)]
         lib.qsgd_validate_cpu.restype = _I32
         lib.qsgd_validate_cpu.argtypes = [_P, _U64]
         lib.qsgd_decode_sum_cpu.restype = _I32

@@ -16,6 +16,12 @@ class HostCountedBackend:
 
     reduces_across_nodes = True   # the hierarchical cross stage may run scatter_allgather (frames)
 
+    @staticmethod
+    def encodes_members(settings) -> bool:
+        """Whether ``encode`` takes a fusion buffer's members where they are (``codec_segments.Members``,
+        without error feedback) instead of the buffer assembled in one array."""
+        return False
+
     def total(self, lens) -> int:
         return int(sum(lens))
 

@@ -29,7 +29,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_qsgd import _native, codec, cuda, cuda_headers, protocol, reduction
+from hvd_qsgd import _native, codec, codec_segments, cuda, cuda_headers, protocol, reduction
 from hvd_qsgd.backend_host import HostCountedBackend
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.result_pool import ResultPool
@@ -48,6 +48,8 @@ class CpuBackend(HostCountedBackend):
         """The payload of x32; with ``residual`` (float32, x32's size) error feedback: the payload of
         v = x32 + residual (x32 alone when not ``residual_valid``), and residual = v - decode(payload)
         where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
+        if type(x32) is codec_segments.Members:   # a fusion buffer's members, no residual (``encodes_members``)
+            return codec_segments.encode(self._prepared(settings, fingerprint, source_dtype, x32.numel), x32, seed, where)
         v = x32 if residual is None else x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
         q = codec.encode_prepared(self._prepared(settings, fingerprint, source_dtype, v.size), v, seed, where)
         if residual is None:
@@ -56,6 +58,8 @@ class CpuBackend(HostCountedBackend):
             d = v - codec.decode(q, where)
         residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
         return q
+
+    encodes_members = staticmethod(codec_segments.takes)
 
     _kept = {}   # codec.prepare's of each tensor: (its settings, what was prepared), by their ids and size
 

@@ -171,20 +171,18 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
         raise ValueError(f"{name}: encode out= must be a writeable contiguous 1-D uint8 array of at least "
                          f"{cap} bytes, got {getattr(out, 'dtype', type(out).__name__)} "
                          f"{getattr(out, 'shape', '')}")
-    return _encode_into(flat, cfg, cap, out, name)
+    return _encode_into((flat.ctypes.data, flat.size), cfg, cap, out, name)
 
 
-def _encode_into(flat, cfg, cap, out, name):
-    """The kernel's encode of ``flat`` (contiguous float32) with the checked ``cfg`` into ``out`` (a
-    view of its first bytes is returned), or into a new array of the bound ``cap``."""
+def _encode_into(source, cfg, cap, out, name, kernel="qsgd_encode_cpu"):
+    """The kernel's encode of ``source`` (its arguments before the config: a contiguous float32
+    array's address and size) with the checked ``cfg`` into ``out`` (a view of its first bytes is
+    returned), or into a new array of the bound ``cap``."""
     given = out is not None
-    if not given:
-        out = np.empty(cap, dtype=np.uint8)
-    else:
-        cap = out.size
+    out = out if given else np.empty(cap, dtype=np.uint8)
+    cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = _native.load().qsgd_encode_cpu(flat.ctypes.data, flat.size, ctypes.byref(cfg), out.ctypes.data, cap,
-                                        ctypes.byref(out_len))
+    st = getattr(_native.load(), kernel)(*source, ctypes.byref(cfg), out.ctypes.data, cap, ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if given:
@@ -216,7 +214,7 @@ def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tens
         raise ValueError(f"{name}: encode_prepared was prepared for {numel} elements, got {x.size}")
     cfg = _native.Config.from_buffer_copy(template)
     cfg.seed = _check_u64("seed", seed)
-    return _encode_into(x.reshape(-1), cfg, cap, None, name)
+    return _encode_into((x.ctypes.data, x.size), cfg, cap, None, name)
 
 
 def raise_status(st, where, payload=None):

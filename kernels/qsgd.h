@@ -120,6 +120,13 @@ uint64_t qsgd_checksum_cpu(const uint8_t* payload, uint64_t len);
 /* Encode x[0:numel) into out[0:cap). *out_len receives the payload length. */
 int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                         uint64_t cap, uint64_t* out_len);
+/* Encode, with the fixed coding, the tensor of numel elements whose elements offsets[i] ..
+ * offsets[i] + counts[i] - 1 are srcs[i][0 .. counts[i] - 1] and all others 0 (the segments sorted
+ * by offset and apart): the same bytes as qsgd_encode_cpu of that tensor, without assembling it
+ * (a fusion buffer's members where they are). Buckets of at most 65,536 elements. */
+int32_t qsgd_encode_segments_cpu(const float* const* srcs, const uint64_t* offsets, const uint64_t* counts,
+                                 int32_t nseg, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
+                                 uint64_t cap, uint64_t* out_len);
 /* Fully validate a payload (header, layout, checksum when flagged, scales, stream, padding). */
 int32_t qsgd_validate_cpu(const uint8_t* payload, uint64_t len);
 /* out[i] = (accumulate ? out[i] : 0) + alpha * (v_0[i] + v_1[i] + ... + v_{count-1}[i]), where

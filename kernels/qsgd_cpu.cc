@@ -339,12 +339,36 @@ extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
  * quantized and packed straight into the payload). With the checksum, each chunk adds up the terms of
  * the payload words wholly inside its packed bytes while they are in cache; the header, the
  * scales and the words straddling two chunks are added at the end. */
+/* The tensor that qsgd_encode_segments_cpu encodes: segment i's counts[i] elements at offsets[i]
+ * (sorted, apart), zeros elsewhere. */
+struct Segments {
+  const float* const* srcs;
+  const uint64_t* offsets;
+  const uint64_t* counts;
+  int32_t n;
+};
+static const uint64_t kSegmentBucketMax = 1 << 16; /* the largest bucket a segmented encode pads */
+
+/* Elements [lo, hi) of a segmented tensor, hi - lo <= the bucket size: a pointer into the segment
+ * that holds them all, else padded[0:hi-lo) filled with them (zeros where no segment is). *s: the
+ * first segment that may hold lo, advanced (buckets are asked for in order). */
+static const float* segment_span(const Segments& g, int32_t* s, uint64_t lo, uint64_t hi, float* padded) {
+  while (*s < g.n && g.offsets[*s] + g.counts[*s] <= lo) ++*s;
+  if (*s < g.n && g.offsets[*s] <= lo && hi <= g.offsets[*s] + g.counts[*s]) return g.srcs[*s] + (lo - g.offsets[*s]);
+  memset(padded, 0, sizeof(float) * (hi - lo));
+  for (int32_t t = *s; t < g.n && g.offsets[t] < hi; ++t) {
+    const uint64_t a = std::max(lo, g.offsets[t]), b = std::min(hi, g.offsets[t] + g.counts[t]);
+    if (a < b) memcpy(padded + (a - lo), g.srcs[t] + (a - g.offsets[t]), sizeof(float) * (b - a));
+  }
+  return padded;
+}
+
 static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
-                            uint64_t cap, uint64_t* out_len) {
+                            uint64_t cap, uint64_t* out_len, const Segments* segs = nullptr) {
   const uint64_t need = qsgd_fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (out_len) *out_len = need;
   if (cap < need) return QSGD_E_CAPACITY;
-  if (numel && !x) return QSGD_E_ARG;
+  if (numel && !x && !segs) return QSGD_E_ARG;
   const Kernels& K = active_kernels();
   qsgd_write_header(out, cfg, numel, need, 0);
   uint8_t* scales = out + QSGD_HEADER_BYTES;
@@ -370,31 +394,36 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
     if (!sums) return QSGD_E_NOMEM;
   }
   const int nt = threads_for(numel);
-  const int32_t status = parallel_for_with_scratch(nt, nchunks, kStage, [&](uint64_t c, void* scratch) {
+  /* per thread: the staged codes, then (segments) one bucket padded with zeros */
+  const size_t padded_at = kStage, scratch_bytes = kStage + (segs ? sizeof(float) * B : 0);
+  const int32_t status = parallel_for_with_scratch(nt, nchunks, scratch_bytes, [&](uint64_t c, void* scratch) {
     uint8_t* stage = (uint8_t*)scratch;
     const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
     uint64_t pos = b0 * B, staged = 0;
+    int32_t seg = 0;
     for (uint64_t b = b0; b < b1; ++b) {
       const uint64_t lo = b * B, hi = std::min(numel, lo + B);
       /* x a bucket and kPrefetch elements ahead on its way from memory while this bucket is worked
        * on (measured: encode ~8% faster; long buckets are left to the hardware prefetcher); the
        * one-pass quantize_packed prefetches from its own loop instead */
-      if (B <= kStage && !packed)
+      if (B <= kStage && !packed && !segs)
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
-      const float scale = K.bucket_scale(x + lo, hi - lo, cfg->norm);
+      /* xb[k]: element lo + k */
+      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + padded_at)) : x + lo;
+      const float scale = K.bucket_scale(xb, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
       if (packed) { /* quantized and packed in one pass (encoder 2; the avx2 and avx512 variants) */
-        quantize_packed_run(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, data + lo / 8 * bits);
+        quantize_packed_run(K, xb, hi - lo, lo, cfg->seed, scale, bits, data + lo / 8 * bits);
         continue;
       }
       if (bits == 8) { /* 8-bit codes are their own packing: straight into the payload */
-        quantize_run_with(K, x + lo, hi - lo, lo, cfg->seed, scale, bits, encoder, data + lo);
+        quantize_run_with(K, xb, hi - lo, lo, cfg->seed, scale, bits, encoder, data + lo);
         continue;
       }
       for (uint64_t i = lo; i < hi;) {
         const uint64_t take = std::min(hi - i, kStage - staged);
-        if (cfg->norm == QSGD_NORM_SIGN) sign_run_with(K, x + i, take, scale, stage + staged);
-        else quantize_run_with(K, x + i, take, i, cfg->seed, scale, bits, encoder, stage + staged);
+        if (cfg->norm == QSGD_NORM_SIGN) sign_run_with(K, xb + (i - lo), take, scale, stage + staged);
+        else quantize_run_with(K, xb + (i - lo), take, i, cfg->seed, scale, bits, encoder, stage + staged);
         staged += take, i += take;
         if (staged == kStage) {
           K.pack(bits, stage, kStage, data + pos / 8 * bits);
@@ -416,6 +445,25 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
     qsgd_store_le(out + 48, qsgd_checksum_final(checksum_with_chunks(K, out, need, sums, nchunks), need), 8);
   free(sums);
   return status;
+}
+
+extern "C" int32_t qsgd_encode_segments_cpu(const float* const* srcs, const uint64_t* offsets,
+                                            const uint64_t* counts, int32_t nseg, uint64_t numel,
+                                            const qsgd_config* cfg, uint8_t* out, uint64_t cap,
+                                            uint64_t* out_len) {
+  const int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  if (!out || numel > (1ull << 56) || nseg < 0 || (nseg && (!srcs || !offsets || !counts)) ||
+      cfg->coding != QSGD_CODING_FIXED || cfg->bucket_size > kSegmentBucketMax)
+    return QSGD_E_ARG;
+  uint64_t end = 0; /* sorted, apart, inside the tensor */
+  for (int32_t i = 0; i < nseg; ++i) {
+    if (offsets[i] < end || counts[i] > numel || offsets[i] > numel - counts[i] || (counts[i] && !srcs[i]))
+      return QSGD_E_ARG;
+    end = offsets[i] + counts[i];
+  }
+  const Segments segs{srcs, offsets, counts, nseg};
+  return encode_fixed(nullptr, numel, cfg, out, cap, out_len, &segs);
 }
 
 extern "C" int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg,

@@ -10,7 +10,7 @@ from hvd_qsgd import backends, codec, cuda, reduction
 from hvd_qsgd.settings import Settings, Stats
 
 METHODS = ("encode", "decode", "split", "read_headers", "decode_sum", "encode_chunks", "split_by", "reduce_chunk",
-           "reduce_received", "decode_chunks")
+           "reduce_received", "decode_chunks", "encodes_members")
 
 
 def test_both_backends_have_the_same_methods_and_signatures():

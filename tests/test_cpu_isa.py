@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from hvd_qsgd import _native, codec, reduction
+from hvd_qsgd import _native, codec, codec_segments, reduction
 from hvd_qsgd.settings import Settings
 from tests.helpers import ROOT
 
@@ -254,3 +254,69 @@ def test_stream_bytes_defaults_to_three_eighths_of_the_last_level_cache(restore_
         with pytest.raises(ValueError, match="nbytes"):
             codec.set_stream_bytes(bad)
     assert codec.stream_bytes() == (llc // 8 * 3 if llc > 0 else 32 << 20)
+
+
+SEGMENT_CASES = [(b, "max", 512, 2) for b in range(1, 9)] + [
+    (4, "l2", 512, 2), (1, "sign", 512, 2), (4, "max", 8, 1), (3, "max", 100, 2), (8, "max", 3, 2),
+    (2, "max", 4072, 2), (4, "max", 128, 1), (3, "max", 5000, 1), (4, "max", 5000, 2)]
+
+
+@pytest.mark.parametrize("bits,norm,bucket,encoder", SEGMENT_CASES)
+def test_a_segmented_encode_writes_the_bytes_of_the_assembled_tensor(restore_isa, bits, norm, bucket, encoder):
+    """``codec_segments.encode`` (a fusion buffer's members encoded where they are) gives the bytes of
+    ``codec.encode`` of the tensor they make with zeros between: every variant, members at bucket
+    boundaries and not, with tails, empty ones, long gaps and a tensor beyond the last member."""
+    rng = np.random.default_rng(bits * 31 + bucket)
+    sizes = [20_000, 1, 777, 0, 4096, 70_001, 9]
+    layouts = {"aligned": [], "anywhere": []}
+    end = 0
+    for n in sizes:   # each member at the next bucket boundary, as a fusion buffer places them
+        layouts["aligned"].append((-(-end // bucket) * bucket, n))
+        end = layouts["aligned"][-1][0] + n
+    end = 0
+    for n in sizes:   # and at any offset after a gap of 0-2 buckets
+        layouts["anywhere"].append((end + int(rng.integers(0, 2 * bucket + 1)), n))
+        end = layouts["anywhere"][-1][0] + n
+    for label, layout in layouts.items():
+        numel = layout[-1][0] + layout[-1][1] + int(rng.integers(0, bucket + 1))
+        parts = [_data(n, seed=i + bits, kind="wide" if i % 2 else "normal") for i, (_, n) in enumerate(layout)]
+        dense = np.zeros(numel, np.float32)
+        for (o, n), p in zip(layout, parts):
+            dense[o:o + n] = p
+        for checksum in (True, False):
+            prepared = codec.prepare(numel, bits, bucket, norm, fingerprint=5, checksum=checksum, encoder=encoder)
+            for name in RUNNABLE:
+                codec.set_cpu_isa(name)
+                want = codec.encode_prepared(prepared, dense, seed=77)
+                got = codec_segments.encode(prepared, codec_segments.Members(parts, [o for o, _ in layout], numel), 77)
+                assert np.array_equal(got, want), (name, label, checksum)
+                assert np.array_equal(codec_segments.encode(prepared, codec_segments.Members([], [], numel), 77),
+                                      codec.encode_prepared(prepared, np.zeros(numel, np.float32), seed=77))
+
+
+def test_a_segmented_encode_refuses_what_it_cannot_encode():
+    x = np.ones(1000, np.float32)
+    ok = codec.prepare(3000, 4, 512)
+    for parts, offsets in (([x, x], [1000, 500]),        # not sorted
+                           ([x, x], [0, 999]),           # overlapping
+                           ([x], [2001]),                # beyond the tensor
+                           ([x[::2].copy(), x], [0, 0])):  # overlapping (a shorter first part)
+        with pytest.raises(codec.EncodeError, match="invalid argument"):
+            codec_segments.encode(ok, codec_segments.Members(parts, offsets, 3000), 1)
+    top = codec_segments.BUCKET_MAX   # the largest bucket the kernel pads, as takes() says
+    for bucket, coding in ((top + 1, "fixed"), (512, "elias")):
+        prepared = codec.prepare(2 * top, 4, bucket, coding=coding)
+        assert not codec_segments.takes(Settings.make(4, bucket_size=bucket, coding=coding))
+        with pytest.raises(codec.EncodeError, match="invalid argument"):
+            codec_segments.encode(prepared, codec_segments.Members([x], [top - 10], prepared[1]), 1)
+    prepared = codec.prepare(2 * top, 4, top)
+    assert codec_segments.takes(Settings.make(4, bucket_size=top))
+    dense = np.zeros(2 * top, np.float32)
+    dense[top - 10:top + 990] = x
+    assert np.array_equal(codec_segments.encode(prepared, codec_segments.Members([x], [top - 10], 2 * top), 1),
+                          codec.encode_prepared(prepared, dense, 1))
+    for bad in (x.astype(np.float64), x[::2], x.reshape(10, 100)):
+        with pytest.raises(ValueError, match="contiguous 1-D float32"):
+            codec_segments.encode(ok, codec_segments.Members([bad], [0], 3000), 1)
+    with pytest.raises(ValueError, match="prepared for 3000 elements, got 2999"):
+        codec_segments.encode(ok, codec_segments.Members([x], [0], 2999), 1)

@@ -15,8 +15,9 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 control vector carries the buffer and the offset in its exchange key, so ranks that
                 fused differently fail the control check, on every rank, before any rank waits on a
                 buffer
-    close       when full, or at the first decompress of a member: the members copied into the
-                group's staging array (zeros between them), encoded as one tensor with their
+    close       when full, or at the first decompress of a member: the members encoded where they are
+                (``codec_segments``: an allgather's payload without error feedback, on the CPU) or
+                copied into the group's staging array (zeros between them), encoded as one tensor with their
                 error-feedback residuals (each kept under its member's own key), and the buffer's
                 presence allreduce started, with one more entry: the ranks that could not encode it
                 (then nothing more starts, and every member raises on every rank). At a member's
@@ -37,7 +38,7 @@ import collections
 import functools
 import threading
 
-from hvd_qsgd import codec, protocol
+from hvd_qsgd import codec, codec_segments, protocol
 from hvd_qsgd.state import Route
 
 RECENT = 16   # closed buffers whose layout ``recent`` keeps
@@ -124,11 +125,22 @@ class FusionBuffers:
         try:
             if buf.fault is not None:
                 raise buf.fault
-            x = self._stage(buf, numel)
-            run.encode(buf, x, lr=None)
+            run.encode(buf, self._members(buf, numel) or self._stage(buf, numel), lr=None)
         except Exception as e:  # every rank learns it from the presence allreduce
             buf.fault = e
         run.start(buf)
+
+    @staticmethod
+    def _members(buf, numel):
+        """The buffer as its members where they are (``codec_segments.Members``: no copy into the staging
+        array), where its backend encodes it so: an allgather's single payload without error feedback;
+        else None."""
+        if buf.reduction != "allgather" or buf.settings.error_feedback or not buf.backend.encodes_members(buf.settings):
+            return None
+        placed = [(m.source, o) for m, o in zip(buf.members, buf.offsets) if m.source is not None]
+        for m in buf.members:   # (the encode reads them before the buffer's first collective starts)
+            m.source = None
+        return codec_segments.Members([p for p, _ in placed], [o for _, o in placed], numel)
 
     def _stage(self, buf, numel):
         """The members back to back at their offsets in the group's staging array, zeros between."""

@@ -1,0 +1,48 @@
+"""A tensor given as its nonzero parts, encoded without assembling it: a fusion buffer's members
+where they are (``hvd_qsgd.exchange.buffers``).
+
+``Members(parts, offsets, numel)`` is the tensor of ``numel`` elements that is ``parts[i]`` from
+``offsets[i]`` on (contiguous 1-D float32 arrays, sorted by offset and apart) and 0 elsewhere;
+``encode`` gives the bytes ``codec.encode_prepared`` gives for that tensor assembled (kernel
+``qsgd_encode_segments_cpu``: each bucket read from the member that holds it, a bucket that holds
+a member's end padded with zeros in the kernel's scratch), without the copy into one array.
+"""
+import ctypes
+from typing import NamedTuple, Sequence
+
+import numpy as np
+
+from hvd_qsgd import _native, codec
+from hvd_qsgd.codec_params import _check_u64
+
+BUCKET_MAX = 1 << 16   # the largest bucket the kernel pads (kernels/qsgd_cpu.cc: kSegmentBucketMax)
+
+
+class Members(NamedTuple):
+    """A tensor of ``numel`` elements: ``parts[i]`` from ``offsets[i]`` on, 0 elsewhere."""
+
+    parts: Sequence[np.ndarray]
+    offsets: Sequence[int]
+    numel: int
+
+
+def takes(settings) -> bool:
+    """Whether ``encode`` encodes a tensor with these settings (fixed coding, buckets it pads)."""
+    return settings.coding == "fixed" and settings.bucket_size <= BUCKET_MAX
+
+
+def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor") -> np.ndarray:
+    """``codec.encode_prepared(prepared, assembled, seed)`` of the tensor ``members`` is, without
+    assembling it: the same bytes."""
+    template, numel, cap = prepared
+    parts = members.parts
+    if members.numel != numel:
+        raise ValueError(f"{name}: encode was prepared for {numel} elements, got {members.numel}")
+    if not all(type(p) is np.ndarray and p.dtype == np.float32 and p.flags.c_contiguous and p.ndim == 1 for p in parts):
+        raise ValueError(f"{name}: a segmented encode reads contiguous 1-D float32 arrays")
+    cfg = _native.Config.from_buffer_copy(template)
+    cfg.seed = _check_u64("seed", seed)
+    k = len(parts)
+    source = ((ctypes.c_void_p * k)(*[p.ctypes.data for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
+              (ctypes.c_uint64 * k)(*[p.size for p in parts]), k, numel)
+    return codec._encode_into(source, cfg, cap, None, name, "qsgd_encode_segments_cpu")
