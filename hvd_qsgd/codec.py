@@ -212,9 +212,14 @@ def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tens
         x = _as_float32(x, name)[0]
     if x.size != numel:
         raise ValueError(f"{name}: encode_prepared was prepared for {numel} elements, got {x.size}")
+    return _encode_into((x.ctypes.data, x.size), seeded(template, seed), cap, None, name)
+
+
+def seeded(template: "_native.Config", seed: int) -> "_native.Config":
+    """A copy of a prepared (checked) encoder configuration with ``seed``."""
     cfg = _native.Config.from_buffer_copy(template)
     cfg.seed = _check_u64("seed", seed)
-    return _encode_into((x.ctypes.data, x.size), cfg, cap, None, name)
+    return cfg
 
 
 def raise_status(st, where, payload=None):

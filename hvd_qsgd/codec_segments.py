@@ -12,8 +12,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from hvd_qsgd import _native, codec
-from hvd_qsgd.codec_params import _check_u64
+from hvd_qsgd import codec
 
 BUCKET_MAX = 1 << 16   # the largest bucket the kernel pads (kernels/qsgd_cpu.cc: kSegmentBucketMax)
 
@@ -40,9 +39,7 @@ def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor") -
         raise ValueError(f"{name}: encode was prepared for {numel} elements, got {members.numel}")
     if not all(type(p) is np.ndarray and p.dtype == np.float32 and p.flags.c_contiguous and p.ndim == 1 for p in parts):
         raise ValueError(f"{name}: a segmented encode reads contiguous 1-D float32 arrays")
-    cfg = _native.Config.from_buffer_copy(template)
-    cfg.seed = _check_u64("seed", seed)
     k = len(parts)
     source = ((ctypes.c_void_p * k)(*[p.ctypes.data for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
               (ctypes.c_uint64 * k)(*[p.size for p in parts]), k, numel)
-    return codec._encode_into(source, cfg, cap, None, name, "qsgd_encode_segments_cpu")
+    return codec._encode_into(source, codec.seeded(template, seed), cap, None, name, "qsgd_encode_segments_cpu")

@@ -332,13 +332,6 @@ extern "C" uint64_t qsgd_checksum_cpu(const uint8_t* p, uint64_t len) {
   return qsgd_checksum_final(sum, len);
 }
 
-/* ---- encode (fixed) ------------------------------------------------------------------------
- * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
- * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
- * packed into the payload every kStage codes (or, where the variant has Kernels::quantize_packed,
- * quantized and packed straight into the payload). With the checksum, each chunk adds up the terms of
- * the payload words wholly inside its packed bytes while they are in cache; the header, the
- * scales and the words straddling two chunks are added at the end. */
 /* The tensor that qsgd_encode_segments_cpu encodes: segment i's counts[i] elements at offsets[i]
  * (sorted, apart), zeros elsewhere. */
 struct Segments {
@@ -363,6 +356,13 @@ static const float* segment_span(const Segments& g, int32_t* s, uint64_t lo, uin
   return padded;
 }
 
+/* ---- encode (fixed) ------------------------------------------------------------------------
+ * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
+ * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
+ * packed into the payload every kStage codes (or, where the variant has Kernels::quantize_packed,
+ * quantized and packed straight into the payload). With the checksum, each chunk adds up the terms of
+ * the payload words wholly inside its packed bytes while they are in cache; the header, the
+ * scales and the words straddling two chunks are added at the end. */
 static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                             uint64_t cap, uint64_t* out_len, const Segments* segs = nullptr) {
   const uint64_t need = qsgd_fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
@@ -395,7 +395,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   }
   const int nt = threads_for(numel);
   /* per thread: the staged codes, then (segments) one bucket padded with zeros */
-  const size_t padded_at = kStage, scratch_bytes = kStage + (segs ? sizeof(float) * B : 0);
+  const size_t scratch_bytes = kStage + (segs ? sizeof(float) * B : 0);
   const int32_t status = parallel_for_with_scratch(nt, nchunks, scratch_bytes, [&](uint64_t c, void* scratch) {
     uint8_t* stage = (uint8_t*)scratch;
     const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
@@ -409,7 +409,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       if (B <= kStage && !packed && !segs)
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
       /* xb[k]: element lo + k */
-      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + padded_at)) : x + lo;
+      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + kStage)) : x + lo;
       const float scale = K.bucket_scale(xb, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
       if (packed) { /* quantized and packed in one pass (encoder 2; the avx2 and avx512 variants) */

@@ -751,13 +751,14 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
         const __m256 sum = _mm256_add_ps(FIRST ? zero : _mm256_loadu_ps(a + k), v);
         if (FIN == KEEP) {
           _mm256_storeu_ps(a + k, sum);
-        } else if (FIN == STREAM) { /* (o + k is 16-byte aligned: k and the unit's start are multiples of 8) */
-          const __m256 t = _mm256_mul_ps(valpha, sum);
-          _mm_stream_ps(o + k, _mm256_castps256_ps128(t));
-          _mm_stream_ps(o + k + 4, _mm256_extractf128_ps(t, 1));
         } else {
           const __m256 t = _mm256_mul_ps(valpha, sum);
-          _mm256_storeu_ps(o + k, FIN == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
+          if (FIN == STREAM) { /* (o + k is 16-byte aligned: k and the unit's start are multiples of 8) */
+            _mm_stream_ps(o + k, _mm256_castps256_ps128(t));
+            _mm_stream_ps(o + k + 4, _mm256_extractf128_ps(t, 1));
+          } else {
+            _mm256_storeu_ps(o + k, FIN == SET ? t : _mm256_add_ps(_mm256_loadu_ps(o + k), t));
+          }
         }
       }
       if (k < m) { /* the bucket's last < 8 elements of the tensor */
@@ -785,19 +786,21 @@ void decode_t(const uint8_t* data, const uint8_t* data_end, const uint8_t* scale
 
 void decode_step(int bits, const uint8_t* data, const uint8_t* data_end, const uint8_t* scales, uint64_t bucket,
                  uint64_t lo, uint64_t n, uint8_t* codes, float* acc, int first, int fin, float* out, float alpha) {
-  dispatch_bits(bits, [&](auto b) {
-    constexpr int B = b.value;
-    if (first) {
-      if (fin == SET) decode_t<B, true, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else if (fin == STREAM) decode_t<B, true, STREAM>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else if (fin == ACCUMULATE) decode_t<B, true, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else decode_t<B, true, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-    } else {
-      if (fin == SET) decode_t<B, false, SET>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else if (fin == STREAM) decode_t<B, false, STREAM>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else if (fin == ACCUMULATE) decode_t<B, false, ACCUMULATE>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
-      else decode_t<B, false, KEEP>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+  /* decode_t of the bits, first and fin given: one instance per combination, picked by value */
+  const auto run = [&](auto b, auto is_first, auto f) {
+    decode_t<b.value, is_first.value, f.value>(data, data_end, scales, bucket, lo, n, codes, acc, out, alpha);
+  };
+  const auto with_fin = [&](auto b, auto is_first) {
+    switch (fin) {
+      case SET: run(b, is_first, std::integral_constant<int, SET>{}); break;
+      case STREAM: run(b, is_first, std::integral_constant<int, STREAM>{}); break;
+      case ACCUMULATE: run(b, is_first, std::integral_constant<int, ACCUMULATE>{}); break;
+      default: run(b, is_first, std::integral_constant<int, KEEP>{}); break;
     }
+  };
+  dispatch_bits(bits, [&](auto b) {
+    if (first) with_fin(b, std::true_type{});
+    else with_fin(b, std::false_type{});
   });
 }
 
