@@ -31,14 +31,40 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
     """``--calls``: a row per K and mode, the compressor's calls timed (QSGD's compress costs more than
     Horovod's own none, whose compress returns the tensor), without horovodrun."""
     cmd = [sys.executable, "-m", "benchmarks", "overhead", "--calls", "--tensors", "3", "--steps", "30",
-           "--warmup", "1", "--modes", "none,qsgd4-buffered"]
+           "--warmup", "1", "--modes", "none,qsgd4-buffered,floor-buffered"]
     returncode, stdout = run_bounded(cmd, 240)
     assert returncode == 0, stdout[-5000:]
     assert "one process (Horovod of one rank)" in stdout, stdout[-3000:]
     rows = dict(re.findall(r"^\| \. \| 3 \| (\S+) \| ([\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+) \|$", stdout, re.M))
-    assert set(rows) == {"none", "qsgd4-buffered"}, stdout[-3000:]
-    none, buffered = ([float(v) for v in rows[m].split(" | ")] for m in ("none", "qsgd4-buffered"))
+    assert set(rows) == {"none", "qsgd4-buffered", "floor-buffered"}, stdout[-3000:]
+    none, buffered, floor = ([float(v) for v in rows[m].split(" | ")] for m in ("none", "qsgd4-buffered", "floor-buffered"))
     assert buffered[0] > none[0] and buffered[2] > 0 and buffered[3] > 0, stdout[-3000:]
+    assert floor[2] > 0 and floor[3] > 0, stdout[-3000:]   # (its buffer's exchange: in the first decompress)
+
+
+FLOOR_CHECK = """
+import numpy as np, torch, horovod.torch as hvd
+from benchmarks.overhead_floor import FloorBuffered, reference
+hvd.init()
+floor = FloorBuffered(hvd, bits=4, bucket_size=512)
+rng = np.random.default_rng(3)
+for step in range(2):
+    tensors = [rng.standard_normal(n).astype(np.float32) for n in (20000, 700, 5000)]
+    handed = [floor.compress(torch.from_numpy(t)) for t in tensors]
+    got = [floor.decompress(c, i).numpy() for c, i in handed]
+    want = reference(4, 512, tensors, seed=step)
+    assert all(np.array_equal(g, w) for g, w in zip(got, want)), step
+    assert all(float(c.abs().sum()) == 0 for c, _ in handed)
+print("floor ok")
+"""
+
+
+def test_the_floor_mode_makes_the_buffered_exchange_it_is_compared_with():
+    """``floor-buffered`` is a fair floor only if it does the work of a fusion buffer: its members at
+    bucket-aligned offsets, encoded as one tensor, decoded, cut again; on one rank its results are
+    those of the assembled buffer encoded and decoded, step after step."""
+    returncode, stdout = run_bounded([sys.executable, "-c", FLOOR_CHECK], 240)
+    assert returncode == 0 and "floor ok" in stdout, stdout[-5000:]
 
 
 def test_trees_are_launched_in_abba_order(monkeypatch):
@@ -71,6 +97,9 @@ def test_cuda_device_is_refused_where_it_cannot_run(capsys):
     launches nothing."""
     base = dict(worker=False, calls_worker=False, codec_calls_worker=False, codec_calls=False, calls=False,
                 framework="torch", modes="none", trees=".", tensors="1", device="cuda")
+    floor = overhead.run(SimpleNamespace(**{**base, "modes": "none,floor-buffered"}))
+    assert floor == 2 and "floor-buffered mode encodes CPU gradients only" in capsys.readouterr().out \
+        or overhead.cuda_missing() is not None
     for more, why in ((dict(framework="tensorflow"), "PyTorch only"),
                       (dict(codec_calls=True), "the codec's calls are the CPU library's"),
                       ({}, overhead.cuda_missing())):

@@ -1,0 +1,82 @@
+"""The ``floor-buffered`` mode of ``python -m benchmarks overhead``: the least a step's fusion buffer
+can cost with this codec and Horovod's operations, to read the compressor's own cost against.
+
+``FloorBuffered`` is a Horovod PyTorch compression that does a buffered QSGD(4) exchange with
+nothing else: ``compress`` keeps the gradient (a NumPy view) and hands Horovod's optimizer a zero
+vector of the control vector's length, so Horovod makes the same one allreduce a gradient as for
+``hvd_qsgd.QSGD(4, fusion_mb=...)``; the step's first ``decompress`` encodes the members where they
+are (``codec_segments``, at the same bucket-aligned offsets, the same kernel), allgathers the payload
+and decodes the gathered payloads in one native call (``codec.decode_gathered``, scaled by 1/size:
+Horovod's Average); each ``decompress`` returns its member's slice. No names, seeds from the
+parameters, control checks, statistics, joins or error handling: what it does not pay is what the
+compressor adds for those. For CPU float32 gradients only, and every rank must hand the same
+gradients over in the same order (as fusion buffers ask too). Not a compressor for training.
+"""
+import numpy as np
+
+CONTROL_LENGTH = 8   # about the length of hvd_qsgd's control vector of one tensor (float64 entries)
+
+
+class FloorBuffered:
+    """A fusion buffer of QSGD(4) with buckets of ``bucket_size``, and nothing else (the module
+    docstring). ``hvd``: ``horovod.torch``."""
+
+    def __init__(self, hvd, bits=4, bucket_size=512):
+        import torch
+        from hvd_qsgd import threads
+        self._hvd, self._torch, self.bits, self.bucket = hvd, torch, bits, bucket_size
+        self._members, self._result, self._left, self._step = [], None, 0, 0
+        self._prepared = {}
+        self._control = torch.zeros(CONTROL_LENGTH, dtype=torch.float64)
+        threads.share_cores(hvd.local_size)   # the ranks on a node share its cores, as hvd_qsgd's do
+
+    def compress(self, tensor):
+        if tensor.device.type != "cpu" or tensor.dtype != self._torch.float32:
+            raise ValueError("benchmarks.overhead_floor: CPU float32 gradients only")
+        self._members.append(tensor.detach().reshape(-1).numpy())
+        return self._control.clone(), len(self._members) - 1
+
+    def decompress(self, tensor, index):
+        if self._result is None:
+            self._result = self._exchange()
+        out, offsets = self._result
+        member = self._members[index]
+        result = self._torch.from_numpy(out[offsets[index]:offsets[index] + member.size])
+        self._left -= 1
+        if self._left == 0:   # the step's last member: the next compress opens the next buffer
+            self._members, self._result = [], None
+        return result
+
+    def _exchange(self):
+        """The buffer's members encoded where they are, one allgather, one decode of the gathered."""
+        from hvd_qsgd import codec, codec_segments
+        members, offsets, end = self._members, [], 0
+        for m in members:
+            offsets.append(end)
+            end += -(-m.size // self.bucket) * self.bucket
+        numel = offsets[-1] + members[-1].size
+        prepared = self._prepared.get(numel)
+        if prepared is None:
+            prepared = self._prepared[numel] = codec.prepare(numel, self.bits, self.bucket)
+        payload = codec_segments.encode(prepared, codec_segments.Members(members, offsets, numel), self._step)
+        gathered = self._hvd.allgather(self._torch.from_numpy(payload), name=f"floor_buffered.{self._step}")
+        size = self._hvd.size()
+        out, _ = codec.decode_gathered(gathered.numpy(), size, codec.read_header(payload), 1.0 / size)
+        self._step += 1
+        self._left = len(members)
+        return out, offsets
+
+
+def reference(bits, bucket_size, tensors, seed):
+    """What ``FloorBuffered`` returns on one rank at step ``seed``: the assembled buffer (each tensor at
+    its bucket-aligned offset, zeros between) encoded and decoded, cut at the offsets."""
+    from hvd_qsgd import codec
+    offsets, end = [], 0
+    for t in tensors:
+        offsets.append(end)
+        end += -(-t.size // bucket_size) * bucket_size
+    assembled = np.zeros(offsets[-1] + tensors[-1].size, dtype=np.float32)
+    for t, o in zip(tensors, offsets):
+        assembled[o:o + t.size] = t
+    out = codec.decode(codec.encode(assembled, bits, bucket_size, seed=seed))
+    return [out[o:o + t.size] for t, o in zip(tensors, offsets)]
