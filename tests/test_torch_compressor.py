@@ -98,8 +98,10 @@ def test_fusion_buffers_equal_their_reference_on_every_rank(np_, controller):
     """fusion_mb: a step's gradients quantized in buffers (three a step here, one of two gradients),
     each gradient at a bucket boundary of its buffer; allgather and scatter_allgather buffers, error
     feedback and float16 equal the reference built with the codec from every rank's gradients, bit
-    for bit, replicas are identical, and stats count the gradients (tests/mp/torch_buffers.py). The
-    mismatch "buffered-order": tensors in different orders fail on every rank."""
+    for bit, replicas are identical, and stats count the gradients (tests/mp/torch_buffers.py); members
+    of one buffer reduced with different ops get alpha times their slice of the sum (bit for bit for the
+    op of the member that decompresses first, within rounding for the other). The mismatch
+    "buffered-order": tensors in different orders fail on every rank."""
     out = scatter_launch(np_, controller)
     assert ok_lines(out, "buffers") == np_, out[-3000:]
 

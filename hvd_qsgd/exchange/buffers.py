@@ -27,8 +27,12 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 a full buffer goes on the wire during the backward pass, as DDP's buckets do; a rank
                 that could not encode it sends nothing, which every rank sees, and every member
                 raises on every rank
-    finish      the buffer's chain once, with alpha 1; each member: its slice of the result (a view,
-                as DDP's gradients are views of its buckets), times its alpha in place
+    finish      the buffer's chain once, its decode scaled by the first finishing member's alpha (the
+                same bits as alpha times the unscaled sum); each member: its slice of the result (a
+                view, as DDP's gradients are views of its buckets). A member whose alpha differs (an
+                ``hvd.allreduce_async`` of another op sharing the buffer) scales its slice by the
+                ratio of the two, in place: the same on every rank, within rounding of alpha times
+                its sum; the joined path's sum is scaled by each member
 
 The payload's header records the buffer's numel and the fingerprint of its layout (each member's
 fingerprint at its offset). A tensor larger than a buffer goes alone, as without fusion buffers.
@@ -191,15 +195,17 @@ class FusionBuffers:
 
     @staticmethod
     def member_finish(run, buf, ex, alpha):
-        """Member ``ex``'s result: its slice of the buffer's (computed once, alpha 1), times alpha."""
+        """Member ``ex``'s result: its slice of the buffer's, computed once, scaled by ``alpha``."""
         with buf.lock:
             if buf.gathered is None and buf.stage_error is None:
                 try:
-                    buf.gathered = (run.wait(buf.handle) if buf.stage == "joined"
-                                    else buf.chain.finish(run, buf, 1.0))
-                    if buf.stage != "joined":  # counted by member: no padding, one tensor each
+                    if buf.stage == "joined":   # (the stepping ranks' sum: each member scales its slice)
+                        buf.gathered, buf.scale = run.wait(buf.handle), 1.0
+                    else:   # the first member's alpha in the decode (the bits of alpha * the sum's slice)
+                        buf.scale = alpha or 1.0
+                        buf.gathered = buf.chain.finish(run, buf, buf.scale)
                         run.stats.add(elements=sum(m.expect.numel for m in buf.members) - buf.expect.numel,
-                                      tensors=len(buf.members) - 1)
+                                      tensors=len(buf.members) - 1)   # (by member: no padding, one tensor each)
                 except Exception as e:  # (a failed collective stays itself, for elastic training)
                     buf.stage_error = e if buf.fault is None or isinstance(e, run.collectives.interrupts) else \
                         protocol.MismatchError(f"{buf.where}: this rank could not encode it: {buf.fault}")
@@ -209,9 +215,9 @@ class FusionBuffers:
                 raise protocol.MismatchError(f"{ex.where}: {buf.stage_error}") from buf.stage_error
         o = ex.offset
         out = buf.gathered[o:o + ex.expect.numel]   # a view: no copy (the result pool hands the buffer's
-        if alpha != 1.0:                            # array out again only once no member's result holds it)
-            out *= alpha                            # (each member's slice is its own: scaled once, here)
-        return out
+        if alpha != buf.scale:                      # array out again only once no member's result holds it)
+            out *= alpha / buf.scale   # (each member's slice is its own: scaled once, here; a member of
+        return out                     # another op than the first's: within rounding of alpha * its sum)
 
     def member_done(self, ex):
         """Member ``ex`` has its result: once every member has, the buffer's name is free."""

@@ -26,8 +26,8 @@ class Exchange:
     FIELDS = ("route", "where", "settings", "expect", "reduction", "chain", "backend", "group", "set_ranks",
               "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
               "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "started", "origin",
-              "layout", "nodes", "cross", "fused", "members", "lock", "pending", "gathered", "cut", "offsets", "offset",
-              "source", "per_node", "device_type", "group_key", "direct", "defer")
+              "layout", "nodes", "cross", "fused", "members", "lock", "pending", "gathered", "scale", "cut", "offsets",
+              "offset", "source", "per_node", "device_type", "group_key", "direct", "defer")
     COUNTERS = ("sent", "received", "cross_sent", "cross_received")
 
     def __init__(self, **fields):

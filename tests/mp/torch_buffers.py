@@ -201,6 +201,42 @@ def check_buffer_fault(n, rank):
         assert torch.all(out == n * (n + 1) / 2), (red, out[:4])   # (a constant quantizes exactly)
 
 
+def check_buffer_ops(n, rank):
+    """Members of one buffer reduced with different ops (``hvd.allreduce_async`` of Average and Sum):
+    the buffer is decoded once with the alpha of the member that decompresses first; a member of
+    that member's op gets the bits of alpha times its slice of the sum, one of the other op its slice
+    rescaled (within rounding of alpha times its sum, three float32 roundings); every rank alike."""
+    from hvd_qsgd.adapters.torch import TorchCompressor
+    sizes = {"a": 20000, "b": 30000, "c": 12000}
+    ops = {"a": hvd.Average, "b": hvd.Sum, "c": hvd.Average}
+    for i, order in enumerate((["a", "b", "c"], ["b", "a", "c"])):   # Average first, Sum first
+        c = TorchCompressor(seed=SEED, fusion_mb=1, reduction="allgather", creation_index=2300 + i)
+        grads = {r: {k: torch.randn(v, generator=torch.Generator().manual_seed(10 * r + j))
+                     for j, (k, v) in enumerate(sizes.items())} for r in range(n)}
+        ctxs = {k: c.compress(grads[rank][k]) for k in sizes}
+        handles = {k: hvd.allreduce_async(ctxs[k][0], op=ops[k], name=f"buffer-ops.{i}.{k}") for k in sizes}
+        got = {k: c.decompress(hvd.synchronize(handles[k]), ctxs[k][1]) for k in order}
+        (name, occurrence, members), = list(c.runner.buffers.recent)
+        offsets = [o for _, o, _ in members]
+        numel = offsets[-1] + sizes["c"]
+        fps = [codec.tensor_fingerprint("", (v,), "float32") for v in sizes.values()]
+        fp = codec.tensor_fingerprint("|".join(f"{f}@{o}" for f, o in zip(fps, offsets)), (numel,), "float32")
+        layout = [(k, o, v) for (k, v), o in zip(sizes.items(), offsets)]
+        payloads = [codec.encode(staged(grads[r], layout, numel), 4, 512, "max",
+                                 protocol.payload_seed(SEED, r, name, occurrence), "fixed", fp, True) for r in range(n)]
+        total = codec.decode_sum(payloads, 1.0)
+        first = ops[order[0]]
+        for k, o, size in layout:
+            exact = total[o:o + size] * (1.0 / n if ops[k] == hvd.Average else 1.0)
+            mine = got[k].numpy()
+            if ops[k] == first:
+                assert np.array_equal(mine, exact), (order, k, np.abs(mine - exact).max())
+            else:
+                assert np.allclose(mine, exact, rtol=3 * 2.0 ** -24, atol=0), (order, k, np.abs(mine - exact).max())
+            copies = gather(got[k], f"buffer-ops.same.{i}.{k}")
+            assert all(torch.equal(cp, copies[0]) for cp in copies), (order, k)
+
+
 def check_join_buffered(n, rank):
     """hvd.join() with fusion buffers: rank r takes 3 - r steps, then joins. While ranks have joined,
     a buffer goes through Horovod's allreduce of the stepping ranks' dequantized buffers (the joined

@@ -318,9 +318,10 @@ def scenario(s):
     elif s == "fusion":
         check_fusion(n, rank)
     elif s == "buffers":
-        from torch_buffers import check_buffer_fault, check_buffers
+        from torch_buffers import check_buffer_fault, check_buffer_ops, check_buffers
         check_buffers(n, rank)
         check_buffer_fault(n, rank)
+        check_buffer_ops(n, rank)
     elif s == "overlap":
         check_overlap(rank)
     elif s == "default-large":
