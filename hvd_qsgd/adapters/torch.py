@@ -109,17 +109,18 @@ class TorchCompressor(Compressor):
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Optional[Exchange]]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
-        if (tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES
-                or tensor.numel() < self.settings.min_numel):
-            self.runner.stats.add(raw_elements=tensor.numel(), raw_tensors=1)
+        numel = tensor.numel()
+        if tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES or numel < self.settings.min_numel:
+            self.runner.stats.add(raw_elements=numel, raw_tensors=1)
             return tensor, None
-        ex = self._open(tensor)
+        device = tensor.device
+        ex = self._open(tensor, numel, device)
         try:
             if ex.fault is not None:  # the compressor's set or names disagree with Horovod's call
                 raise ex.fault
             threads.share_cores(hvd.local_size)   # once per process: ranks on a node share its cores
-            if tensor.device.type not in ("cpu", "cuda"):
-                raise ValueError(f"the tensor is on device {str(tensor.device)!r}: hvd_qsgd encodes tensors on "
+            if ex.device_type not in ("cpu", "cuda"):
+                raise ValueError(f"the tensor is on device {str(device)!r}: hvd_qsgd encodes tensors on "
                                  "the CPU or a CUDA device (move it there, or pass it uncompressed)")
             self.runner.encode(ex, self._backend_input(tensor, ex), self._current_lr(ex.route.residual_key))
         except Exception as e:  # reported through the control vector, raised on every rank
@@ -127,9 +128,10 @@ class TorchCompressor(Compressor):
         self.runner.start(ex)
         return torch.from_numpy(self.runner.control(ex)), ex
 
-    def _open(self, tensor):
-        """The exchange of ``tensor``: its process set and name (Horovod's call, or the compressor's;
-        a disagreement is this exchange's fault, raised on every rank through the control vector)."""
+    def _open(self, tensor, numel, device):
+        """The exchange of ``tensor`` (of ``numel`` elements on ``device``): its process set and name
+        (Horovod's call, or the compressor's; a disagreement is this exchange's fault, raised on every
+        rank through the control vector)."""
         caller, world = horovod_caller(), hvd.size()
         ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, world)
         with self._lock:
@@ -153,9 +155,10 @@ class TorchCompressor(Compressor):
                 per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
             except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
                 per_node, fault = 0, fault or e
-        ex = self.runner.open(param, tensor.numel(), SOURCE_DTYPES[tensor.dtype], tensor.shape, tensor.device.type,
-                              ps, process_set_ranks(ps, world), hvd.rank(), world, ranks_per_node=per_node)
-        ex.origin, ex.fault = (tensor.shape, tensor.dtype, tensor.device), fault or ex.fault
+        shape, dtype = tensor.shape, tensor.dtype
+        ex = self.runner.open(param, numel, SOURCE_DTYPES[dtype], shape, device.type, ps, process_set_ranks(ps, world),
+                              hvd.rank(), world, ranks_per_node=per_node)
+        ex.origin, ex.fault = (shape, dtype, device), fault or ex.fault
         # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
         # a decompress (no collective started here moves the handle numbers of unnamed ones)
         ex.defer = caller.name is not None
@@ -168,7 +171,7 @@ class TorchCompressor(Compressor):
         for the CUDA backend."""
         if ex.backend is not backends.CPU:
             return tensor.detach().reshape(-1)
-        if tensor.dtype is torch.float32 and tensor.device.type == "cpu" and tensor.is_contiguous():
+        if tensor.dtype is torch.float32 and ex.device_type == "cpu" and tensor.is_contiguous():
             a = (tensor.detach() if tensor.requires_grad else tensor).numpy()   # (a gradient needs no detach)
             return a if a.ndim == 1 else a.reshape(-1)   # (NumPy's reshape of a view: no dispatch)
         return tensor.detach().reshape(-1).cpu().float().contiguous().numpy()

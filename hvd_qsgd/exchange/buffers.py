@@ -86,7 +86,9 @@ class FusionBuffers:
             buf.offsets.append(offset)
             buf.expect.numel = offset + ex.expect.numel
             ex.fused, ex.offset = buf, offset
-            ex.route = ex.route._replace(key=_member_key(ex.route.key, buf.route.slot, offset))
+            r = ex.route   # (its key: the buffer's slot and the offset too)
+            ex.route = Route(r.exchange, r.seed_name, r.occurrence, _member_key(r.key, buf.route.slot, offset),
+                             r.residual_key, r.param, r.slot)
             if _aligned(buf.expect.numel, bucket) + ex.settings.min_numel > cap:  # full: no tensor fits any more
                 del self._open[key]
                 self._close(run, buf)
