@@ -15,7 +15,8 @@ signatures, same payload bytes for the same input, settings and seed:
 What both share is ``hvd_qsgd.backend_host.HostCountedBackend``.
 
 ``encode`` and ``encode_chunks`` take an error-feedback ``residual`` (float32, where the backend reads)
-and update it in place: the one error-feedback path, on the CPU as on the device.
+and update it in place: the one error-feedback path, on the CPU as on the device (without one, the
+CPU's also take a fusion buffer's members where they are: ``encodes_members``).
 
 ``choose(device, settings, reduction)`` picks the backend of one exchange, once: ``CudaBackend`` for
 a CUDA tensor when every step of its exchange has a CUDA kernel; else the host (copied down, run by
@@ -60,7 +61,6 @@ class CpuBackend(HostCountedBackend):
         return q
 
     encodes_members = staticmethod(codec_segments.takes)
-
     _kept = {}   # codec.prepare's of each tensor: (its settings, what was prepared), by their ids and size
 
     @classmethod
@@ -162,8 +162,8 @@ class CpuBackend(HostCountedBackend):
     def encode_chunks(self, x32: np.ndarray, settings, step_seed: int, n: int, fingerprint: int,
                       source_dtype: str, where: str, residual: Optional[np.ndarray] = None,
                       residual_valid: bool = True) -> Tuple[np.ndarray, List[int]]:
-        """The n chunk payloads of x32 back to back and their lengths; with ``residual`` error feedback
-        as ``encode`` has it, the residual being v - decode of the n chunk payloads."""
+        """The n chunk payloads of x32 (or a fusion buffer's members) back to back and their lengths; with
+        ``residual`` error feedback as ``encode`` has it, the residual being v - decode of the n chunk payloads."""
         if residual is None:
             return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
         v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)

@@ -30,9 +30,10 @@ def takes(settings) -> bool:
     return settings.coding == "fixed" and settings.bucket_size <= BUCKET_MAX
 
 
-def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor") -> np.ndarray:
+def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor", out: np.ndarray = None) -> np.ndarray:
     """``codec.encode_prepared(prepared, assembled, seed)`` of the tensor ``members`` is, without
-    assembling it: the same bytes."""
+    assembling it: the same bytes (``out``: a uint8 array it writes into, a view of whose first
+    bytes is returned)."""
     template, numel, cap = prepared
     parts = members.parts
     if members.numel != numel:
@@ -42,4 +43,4 @@ def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor") -
     k = len(parts)
     source = ((ctypes.c_void_p * k)(*[p.ctypes.data for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
               (ctypes.c_uint64 * k)(*[p.size for p in parts]), k, numel)
-    return codec._encode_into(source, codec.seeded(template, seed), cap, None, name, "qsgd_encode_segments_cpu")
+    return codec._encode_into(source, codec.seeded(template, seed), cap, out, name, "qsgd_encode_segments_cpu")

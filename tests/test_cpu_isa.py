@@ -294,6 +294,31 @@ def test_a_segmented_encode_writes_the_bytes_of_the_assembled_tensor(restore_isa
                                       codec.encode_prepared(prepared, np.zeros(numel, np.float32), seed=77))
 
 
+@pytest.mark.parametrize("bits,bucket,n", [(4, 512, 2), (4, 512, 3), (2, 128, 5), (8, 100, 16), (3, 8, 7), (1, 512, 4)])
+def test_members_encode_to_the_chunk_payloads_of_the_assembled_tensor(restore_isa, bits, bucket, n):
+    """scatter_allgather's phase 1 of a fusion buffer from its members where they are
+    (``reduction.encode_member_chunks``, through ``encode_chunks``): the bytes and lengths of the
+    chunks of the assembled buffer, members inside a chunk and across chunk boundaries, empty chunks
+    (more ranks than buckets), empty members, the avx512 variant and the baseline."""
+    rng = np.random.default_rng(bits * 7 + n)
+    for sizes in ([20_000, 700, 5_000, 1, 0, 12_345], [3], []):
+        offsets, end = [], 0
+        for k in sizes:
+            offsets.append(-(-end // bucket) * bucket + int(rng.integers(0, 2)) * bucket)
+            end = offsets[-1] + k
+        numel = end + int(rng.integers(0, bucket))
+        parts = [_data(k, seed=i + bits, kind="wide" if i % 2 else "normal") for i, k in enumerate(sizes)]
+        dense = np.zeros(numel, np.float32)
+        for o, p in zip(offsets, parts):
+            dense[o:o + p.size] = p
+        s = Settings.make(bits=bits, bucket_size=bucket, norm="sign" if bits == 1 else "max")
+        for name in {"baseline", RUNNABLE[-1]}:
+            codec.set_cpu_isa(name)
+            want = reduction.encode_chunks(dense, s, 99, n, 5, "float16")
+            got = reduction.encode_chunks(codec_segments.Members(parts, offsets, numel), s, 99, n, 5, "float16")
+            assert got[1] == want[1] and np.array_equal(got[0], want[0]), (name, sizes)
+
+
 def test_a_segmented_encode_refuses_what_it_cannot_encode():
     x = np.ones(1000, np.float32)
     ok = codec.prepare(3000, 4, 512)

@@ -16,7 +16,8 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 fused differently fail the control check, on every rank, before any rank waits on a
                 buffer
     close       when full, or at the first decompress of a member: the members encoded where they are
-                (``codec_segments``: an allgather's payload without error feedback, on the CPU) or
+                (``codec_segments``: allgather's payload or scatter_allgather's chunk payloads without
+                error feedback, on the CPU) or
                 copied into the group's staging array (zeros between them), encoded as one tensor with their
                 error-feedback residuals (each kept under its member's own key), and the buffer's
                 presence allreduce started, with one more entry: the ranks that could not encode it
@@ -139,9 +140,10 @@ class FusionBuffers:
     @staticmethod
     def _members(buf, numel):
         """The buffer as its members where they are (``codec_segments.Members``: no copy into the staging
-        array), where its backend encodes it so: an allgather's single payload without error feedback;
-        else None."""
-        if buf.reduction != "allgather" or buf.settings.error_feedback or not buf.backend.encodes_members(buf.settings):
+        array), where its backend encodes it so: an allgather's payload or scatter_allgather's chunk
+        payloads, without error feedback; else None."""
+        if (buf.reduction not in ("allgather", "scatter_allgather") or buf.settings.error_feedback
+                or not buf.backend.encodes_members(buf.settings)):
             return None
         placed = [(m.source, o) for m, o in zip(buf.members, buf.offsets) if m.source is not None]
         for m in buf.members:   # (the encode reads them before the buffer's first collective starts)

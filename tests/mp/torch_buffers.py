@@ -110,9 +110,10 @@ def check_buffers(n, rank):
             assert cfg.get("overlap") or any(name.endswith(".present") for name in reduced[:ended[0]]), (i, reduced)
             closed = list(c.runner.buffers.recent)[before:]
             check_layouts(closed, model, c.settings.fusion_elements())
-            # an allgather buffer without error feedback is encoded from its members where they are
-            # (hvd_qsgd.codec_segments): no staging array; the others are assembled in one first
-            direct = cfg["reduction"] == "allgather" and not cfg.get("error_feedback")
+            # a buffer without error feedback is encoded from its members where they are (allgather's
+            # payload, scatter_allgather's chunks: hvd_qsgd.codec_segments): no staging array; the
+            # others are assembled in one first
+            direct = not cfg.get("error_feedback")
             assert bool(c.runner.buffers._staging) != direct, (i, list(c.runner.buffers._staging))
             expected = {}
             for name, occurrence, members in closed:
