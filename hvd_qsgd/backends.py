@@ -30,7 +30,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from hvd_qsgd import _native, codec, codec_segments, cuda, cuda_headers, protocol, reduction
+from hvd_qsgd import _native, codec, codec_segments, cuda, cuda_headers, error_feedback, protocol, reduction
 from hvd_qsgd.backend_host import HostCountedBackend
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.result_pool import ResultPool
@@ -55,9 +55,8 @@ class CpuBackend(HostCountedBackend):
         q = codec.encode_prepared(self._prepared(settings, fingerprint, source_dtype, v.size), v, seed, where)
         if residual is None:
             return q
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = v - codec.decode(q, where)
-        residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
+        codec.decode_sum([q], -1.0, out=v, accumulate=True, where=where)   # v - decode(q), in place (v is its own)
+        error_feedback.keep_where_finite(residual, v, residual_valid)
         return q
 
     encodes_members = staticmethod(codec_segments.takes)
@@ -170,8 +169,8 @@ class CpuBackend(HostCountedBackend):
         buf, lens = reduction.encode_chunks(v, settings, step_seed, n, fingerprint, source_dtype, where=where)
         own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, v.size, settings.bucket_size, where=where)
         with np.errstate(invalid="ignore", over="ignore"):
-            d = v - own
-        residual[:] = np.where(np.isfinite(d), d, residual if residual_valid else np.float32(0))
+            np.subtract(v, own, out=v)
+        error_feedback.keep_where_finite(residual, v, residual_valid)
         return buf, lens
 
     def split_by(self, buffer, lens) -> List[np.ndarray]:

@@ -34,6 +34,8 @@ recorded: the residual keeps the last positive rate it was made at.
 import math
 from typing import Any
 
+import numpy as np
+
 
 def usable_rate(lr: Any) -> bool:
     """Whether ``lr`` can rescale a residual (a finite positive number)."""
@@ -50,3 +52,12 @@ def rescale_factor(lr_made: Any, lr_now: Any) -> float:
     if not (usable_rate(lr_made) and usable_rate(lr_now)):
         return 1.0
     return float(lr_made) / float(lr_now)
+
+
+def keep_where_finite(residual: np.ndarray, d: np.ndarray, valid: bool = True) -> None:
+    """``residual`` = ``d`` where that is finite, in place; elsewhere the residual keeps its value
+    (0 where it was not ``valid``): what an encode's residual update does with an overflow or a
+    non-finite gradient."""
+    if not valid:
+        residual.fill(0)
+    np.copyto(residual, d, where=np.isfinite(d))
