@@ -13,8 +13,9 @@ compare with a tree that predates a mode or ``--framework``, copy this file into
 
 Each mode (none, QSGD(4) with the "auto" reduction, QSGD(4) allgather, QSGD(4) scatter_allgather,
 QSGD(4) "auto" with ``fusion=True``, with ``overlap=True``, with ``fusion_mb=64``: fusion buffers, and
-with both of the last two; ``floor-buffered``: the least a fusion buffer of QSGD(4) costs with this
-codec and Horovod's operations, no compressor around it, ``benchmarks/overhead_floor.py``)
+with both of the last two; ``floor-buffered`` and ``floor-allgather``: the least a fusion buffer of
+QSGD(4), or a gradient's own allgather exchange, costs with this codec and Horovod's operations, no
+compressor around it, ``benchmarks/overhead_floor.py``)
 trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x) for ``--steps``
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks (and its CPU time, every thread of every rank, in
@@ -37,7 +38,7 @@ from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info,
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
          "qsgd4-buffered": "auto+buffers", "qsgd4-buffered-overlap": "auto+buffers+overlap",
-         "floor-buffered": "floor"}
+         "floor-buffered": "floor", "floor-allgather": "floor"}
 # "+<setting>": that setting on ("+buffers": fusion_mb=BUFFER_MB); "floor": benchmarks.overhead_floor
 BUFFER_MB = 64
 TF_MODES = [m for m in MODES if "+" not in (MODES[m] or "") and MODES[m] != "floor"]
@@ -75,8 +76,8 @@ def compression_of(hvd, hvd_qsgd_module, mode, **more):
     red = MODES[mode]
     if red is None:
         return hvd.Compression.none
-    if red == "floor":   # the least a fusion buffer costs: a reference, not hvd_qsgd's compressor
-        return overhead_floor.FloorBuffered(hvd)
+    if red == "floor":   # the least such an exchange costs: a reference, not hvd_qsgd's compressor
+        return (overhead_floor.FloorBuffered if mode == "floor-buffered" else overhead_floor.FloorAllgather)(hvd)
     on = red.split("+")
     return hvd_qsgd_module.QSGD(4, reduction=on[0], fusion="fusion" in on, overlap="overlap" in on,
                                 fusion_mb=BUFFER_MB if "buffers" in on else 0, **more)
@@ -204,8 +205,8 @@ def run(args):
     if unknown:
         print(f"overhead: modes {unknown} are not among {TF_MODES if tensorflow else list(MODES)} ({args.framework})")
         return 2
-    if device == "cuda" and "floor-buffered" in args.modes.split(","):
-        print("overhead: --device cuda: the floor-buffered mode encodes CPU gradients only")
+    if device == "cuda" and any(m.startswith("floor-") for m in args.modes.split(",")):
+        print("overhead: --device cuda: the floor modes encode CPU gradients only")
         return 2
     trees = [os.path.abspath(t) for t in args.trees.split(",")]
     ks = [int(v) for v in args.tensors.split(",")]

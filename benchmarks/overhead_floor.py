@@ -1,5 +1,6 @@
-"""The ``floor-buffered`` mode of ``python -m benchmarks overhead``: the least a step's fusion buffer
-can cost with this codec and Horovod's operations, to read the compressor's own cost against.
+"""The ``floor-buffered`` and ``floor-allgather`` modes of ``python -m benchmarks overhead``: the least
+a step's fusion buffer, or a gradient's own allgather exchange, can cost with this codec and
+Horovod's operations, to read the compressor's own cost against.
 
 ``FloorBuffered`` is a Horovod PyTorch compression that does a buffered QSGD(4) exchange with
 nothing else: ``compress`` keeps the gradient (a NumPy view) and hands Horovod's optimizer a zero
@@ -11,6 +12,12 @@ Horovod's Average); each ``decompress`` returns its member's slice. No names, se
 parameters, control checks, statistics, joins or error handling: what it does not pay is what the
 compressor adds for those. For CPU float32 gradients only, and every rank must hand the same
 gradients over in the same order (as fusion buffers ask too). Not a compressor for training.
+
+``FloorAllgather`` is the same for QSGD(4) by allgather a gradient (what "auto" sends gradients of
+this size by): ``compress`` encodes the gradient and hands over the zero vector; the step's first
+``decompress`` starts every pending gradient's allgather, in the order compressed (as the
+compressor starts its deferred exchanges there); each ``decompress`` waits for its own and decodes
+the gathered payloads in one native call.
 """
 import numpy as np
 
@@ -65,6 +72,41 @@ class FloorBuffered:
         self._step += 1
         self._left = len(members)
         return out, offsets
+
+
+class FloorAllgather:
+    """QSGD(4) by allgather a gradient, and nothing else (the module docstring)."""
+
+    def __init__(self, hvd, bits=4, bucket_size=512):
+        import torch
+        from hvd_qsgd import threads
+        self._hvd, self._torch, self.bits, self.bucket = hvd, torch, bits, bucket_size
+        self._pending, self._handles, self._count, self._prepared = [], {}, 0, {}
+        self._control = torch.zeros(CONTROL_LENGTH, dtype=torch.float64)
+        threads.share_cores(hvd.local_size)
+
+    def compress(self, tensor):
+        from hvd_qsgd import codec
+        if tensor.device.type != "cpu" or tensor.dtype != self._torch.float32:
+            raise ValueError("benchmarks.overhead_floor: CPU float32 gradients only")
+        x = tensor.detach().reshape(-1).numpy()
+        prepared = self._prepared.get(x.size)
+        if prepared is None:
+            prepared = self._prepared[x.size] = codec.prepare(x.size, self.bits, self.bucket)
+        key, self._count = self._count, self._count + 1
+        self._pending.append((key, codec.encode_prepared(prepared, x, key)))
+        return self._control.clone(), key
+
+    def decompress(self, tensor, key):
+        from hvd_qsgd import codec
+        for k, payload in self._pending:   # the step's first decompress: every pending allgather
+            self._handles[k] = (self._hvd.allgather_async(self._torch.from_numpy(payload), name=f"floor_ag.{k}"),
+                                codec.read_header(payload))
+        self._pending = []
+        handle, header = self._handles.pop(key)
+        size = self._hvd.size()
+        out, _ = codec.decode_gathered(self._hvd.synchronize(handle).numpy(), size, header, 1.0 / size)
+        return self._torch.from_numpy(out)
 
 
 def reference(bits, bucket_size, tensors, seed):

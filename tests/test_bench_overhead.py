@@ -44,7 +44,8 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
 
 FLOOR_CHECK = """
 import numpy as np, torch, horovod.torch as hvd
-from benchmarks.overhead_floor import FloorBuffered, reference
+from benchmarks.overhead_floor import FloorAllgather, FloorBuffered, reference
+from hvd_qsgd import codec
 hvd.init()
 floor = FloorBuffered(hvd, bits=4, bucket_size=512)
 rng = np.random.default_rng(3)
@@ -55,14 +56,22 @@ for step in range(2):
     want = reference(4, 512, tensors, seed=step)
     assert all(np.array_equal(g, w) for g, w in zip(got, want)), step
     assert all(float(c.abs().sum()) == 0 for c, _ in handed)
+gather = FloorAllgather(hvd, bits=4, bucket_size=512)
+for step in range(2):
+    tensors = [rng.standard_normal(n).astype(np.float32) for n in (20000, 700)]
+    handed = [gather.compress(torch.from_numpy(t)) for t in tensors]
+    for t, (c, key) in zip(tensors, handed):
+        want = codec.decode(codec.encode(t, 4, 512, seed=key))
+        assert np.array_equal(gather.decompress(c, key).numpy(), want), (step, key)
 print("floor ok")
 """
 
 
-def test_the_floor_mode_makes_the_buffered_exchange_it_is_compared_with():
+def test_the_floor_modes_make_the_exchanges_they_are_compared_with():
     """``floor-buffered`` is a fair floor only if it does the work of a fusion buffer: its members at
     bucket-aligned offsets, encoded as one tensor, decoded, cut again; on one rank its results are
-    those of the assembled buffer encoded and decoded, step after step."""
+    those of the assembled buffer encoded and decoded, step after step. ``floor-allgather``: each
+    gradient's own payload, encoded and decoded."""
     returncode, stdout = run_bounded([sys.executable, "-c", FLOOR_CHECK], 240)
     assert returncode == 0 and "floor ok" in stdout, stdout[-5000:]
 
@@ -98,7 +107,7 @@ def test_cuda_device_is_refused_where_it_cannot_run(capsys):
     base = dict(worker=False, calls_worker=False, codec_calls_worker=False, codec_calls=False, calls=False,
                 framework="torch", modes="none", trees=".", tensors="1", device="cuda")
     floor = overhead.run(SimpleNamespace(**{**base, "modes": "none,floor-buffered"}))
-    assert floor == 2 and "floor-buffered mode encodes CPU gradients only" in capsys.readouterr().out \
+    assert floor == 2 and "floor modes encode CPU gradients only" in capsys.readouterr().out \
         or overhead.cuda_missing() is not None
     for more, why in ((dict(framework="tensorflow"), "PyTorch only"),
                       (dict(codec_calls=True), "the codec's calls are the CPU library's"),
