@@ -24,23 +24,42 @@ import numpy as np
 CONTROL_LENGTH = 8   # about the length of hvd_qsgd's control vector of one tensor (float64 entries)
 
 
-class FloorBuffered:
-    """A fusion buffer of QSGD(4) with buckets of ``bucket_size``, and nothing else (the module
-    docstring). ``hvd``: ``horovod.torch``."""
+class _Floor:
+    """What both floors share: Horovod, the codec's settings, the zero vector handed over for each
+    gradient, the kernels' threads as the compressor sets them, and ``codec.prepare`` once a size."""
 
     def __init__(self, hvd, bits=4, bucket_size=512):
         import torch
         from hvd_qsgd import threads
         self._hvd, self._torch, self.bits, self.bucket = hvd, torch, bits, bucket_size
-        self._members, self._result, self._left, self._step = [], None, 0, 0
         self._prepared = {}
         self._control = torch.zeros(CONTROL_LENGTH, dtype=torch.float64)
         threads.share_cores(hvd.local_size)   # the ranks on a node share its cores, as hvd_qsgd's do
 
-    def compress(self, tensor):
+    def _host(self, tensor):
+        """The gradient as the flat float32 NumPy view the codec reads."""
         if tensor.device.type != "cpu" or tensor.dtype != self._torch.float32:
             raise ValueError("benchmarks.overhead_floor: CPU float32 gradients only")
-        self._members.append(tensor.detach().reshape(-1).numpy())
+        return tensor.detach().reshape(-1).numpy()
+
+    def _prepare(self, numel):
+        from hvd_qsgd import codec
+        prepared = self._prepared.get(numel)
+        if prepared is None:
+            prepared = self._prepared[numel] = codec.prepare(numel, self.bits, self.bucket)
+        return prepared
+
+
+class FloorBuffered(_Floor):
+    """A fusion buffer of QSGD(4) with buckets of ``bucket_size``, and nothing else (the module
+    docstring). ``hvd``: ``horovod.torch``."""
+
+    def __init__(self, hvd, bits=4, bucket_size=512):
+        super().__init__(hvd, bits, bucket_size)
+        self._members, self._result, self._left, self._step = [], None, 0, 0
+
+    def compress(self, tensor):
+        self._members.append(self._host(tensor))
         return self._control.clone(), len(self._members) - 1
 
     def decompress(self, tensor, index):
@@ -57,15 +76,10 @@ class FloorBuffered:
     def _exchange(self):
         """The buffer's members encoded where they are, one allgather, one decode of the gathered."""
         from hvd_qsgd import codec, codec_segments
-        members, offsets, end = self._members, [], 0
-        for m in members:
-            offsets.append(end)
-            end += -(-m.size // self.bucket) * self.bucket
-        numel = offsets[-1] + members[-1].size
-        prepared = self._prepared.get(numel)
-        if prepared is None:
-            prepared = self._prepared[numel] = codec.prepare(numel, self.bits, self.bucket)
-        payload = codec_segments.encode(prepared, codec_segments.Members(members, offsets, numel), self._step)
+        members = self._members
+        offsets, numel = bucket_offsets([m.size for m in members], self.bucket)
+        payload = codec_segments.encode(self._prepare(numel), codec_segments.Members(members, offsets, numel),
+                                        self._step)
         gathered = self._hvd.allgather(self._torch.from_numpy(payload), name=f"floor_buffered.{self._step}")
         size = self._hvd.size()
         out, _ = codec.decode_gathered(gathered.numpy(), size, codec.read_header(payload), 1.0 / size)
@@ -74,27 +88,18 @@ class FloorBuffered:
         return out, offsets
 
 
-class FloorAllgather:
+class FloorAllgather(_Floor):
     """QSGD(4) by allgather a gradient, and nothing else (the module docstring)."""
 
     def __init__(self, hvd, bits=4, bucket_size=512):
-        import torch
-        from hvd_qsgd import threads
-        self._hvd, self._torch, self.bits, self.bucket = hvd, torch, bits, bucket_size
-        self._pending, self._handles, self._count, self._prepared = [], {}, 0, {}
-        self._control = torch.zeros(CONTROL_LENGTH, dtype=torch.float64)
-        threads.share_cores(hvd.local_size)
+        super().__init__(hvd, bits, bucket_size)
+        self._pending, self._handles, self._count = [], {}, 0
 
     def compress(self, tensor):
         from hvd_qsgd import codec
-        if tensor.device.type != "cpu" or tensor.dtype != self._torch.float32:
-            raise ValueError("benchmarks.overhead_floor: CPU float32 gradients only")
-        x = tensor.detach().reshape(-1).numpy()
-        prepared = self._prepared.get(x.size)
-        if prepared is None:
-            prepared = self._prepared[x.size] = codec.prepare(x.size, self.bits, self.bucket)
+        x = self._host(tensor)
         key, self._count = self._count, self._count + 1
-        self._pending.append((key, codec.encode_prepared(prepared, x, key)))
+        self._pending.append((key, codec.encode_prepared(self._prepare(x.size), x, key)))
         return self._control.clone(), key
 
     def decompress(self, tensor, key):
@@ -109,15 +114,22 @@ class FloorAllgather:
         return self._torch.from_numpy(out)
 
 
+def bucket_offsets(sizes, bucket_size):
+    """(each tensor's offset in a buffer, at the next multiple of ``bucket_size`` after the one before
+    it, as a fusion buffer places them; the buffer's numel)."""
+    offsets, end = [], 0
+    for n in sizes:
+        offsets.append(-(-end // bucket_size) * bucket_size)
+        end = offsets[-1] + n
+    return offsets, end
+
+
 def reference(bits, bucket_size, tensors, seed):
     """What ``FloorBuffered`` returns on one rank at step ``seed``: the assembled buffer (each tensor at
     its bucket-aligned offset, zeros between) encoded and decoded, cut at the offsets."""
     from hvd_qsgd import codec
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += -(-t.size // bucket_size) * bucket_size
-    assembled = np.zeros(offsets[-1] + tensors[-1].size, dtype=np.float32)
+    offsets, numel = bucket_offsets([t.size for t in tensors], bucket_size)
+    assembled = np.zeros(numel, dtype=np.float32)
     for t, o in zip(tensors, offsets):
         assembled[o:o + t.size] = t
     out = codec.decode(codec.encode(assembled, bits, bucket_size, seed=seed))

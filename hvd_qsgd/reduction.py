@@ -84,37 +84,36 @@ def _raise(st, where, payloads=()):
 
 
 def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="float32", where="encode_chunks"):
-    """Phase 1 on one rank: the payloads of the n chunks of float32 ``x32`` (or of a fusion buffer's
-    ``codec_segments.Members``: ``encode_member_chunks``) back to back, and their lengths (the
-    alltoall's splits)."""
-    if type(x32) is codec_segments.Members:
-        return encode_member_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where)
-    x = np.ascontiguousarray(x32, dtype=np.float32).reshape(-1)
+    """Phase 1 on one rank: the payloads of the n chunks of float32 ``x32`` back to back, and their
+    lengths (the alltoall's splits). ``x32`` may also be a fusion buffer's ``codec_segments.Members``
+    (the fixed coding: ``codec_segments.takes``), encoded without assembling it: the same bytes."""
+    members = type(x32) is codec_segments.Members
+    x = x32 if members else np.ascontiguousarray(x32, dtype=np.float32).reshape(-1)
+    numel = x.numel if members else x.size
     lib = _native.load()
     cfg = _config(settings, step_seed, fingerprint, source_dtype)
-    cap = lib.qsgd_chunks_max_nbytes(x.size, cfg.bits, cfg.bucket_size, cfg.coding, int(n))
-    out = np.empty(cap, dtype=np.uint8)
-    lens = np.zeros(n, dtype=np.uint64)
-    st = lib.qsgd_encode_chunks_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), int(n), out.ctypes.data, cap,
-                                    lens.ctypes.data)
-    if st != _native.OK:
-        raise EncodeError(f"{where}: encode failed: {_native.status_string(st)}", st)
-    total = int(lens.sum())
-    return (out if total == cap else out[:total].copy()), [int(v) for v in lens]
-
-
-def encode_member_chunks(members, settings, step_seed, n, fingerprint=0, source_dtype="float32",
-                         where="encode_chunks"):
-    """``encode_chunks`` of the tensor ``members`` (``codec_segments.Members``: a fusion buffer's
-    members where they are) without assembling it: chunk j, elements [b_j, e_j), encoded from the
-    parts of the members inside it (``qsgd_encode_segments_cpu``) with chunk j's phase-1 seed. The
-    same bytes; the fixed coding only (``codec_segments.takes``)."""
-    parts, offsets, numel = members
-    cfg = _config(settings, 0, fingerprint, source_dtype)
-    lib = _native.load()
     cap = lib.qsgd_chunks_max_nbytes(numel, cfg.bits, cfg.bucket_size, cfg.coding, int(n))
-    out, lens, at, first = np.empty(cap, dtype=np.uint8), [], 0, 0
-    for j, (b, e) in enumerate(chunk_ranges(numel, settings.bucket_size, n)):
+    out = np.empty(cap, dtype=np.uint8)
+    if members:
+        lens = _encode_member_chunks(x, cfg, step_seed, n, out, where)
+    else:
+        lens = np.zeros(n, dtype=np.uint64)
+        st = lib.qsgd_encode_chunks_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), int(n), out.ctypes.data, cap,
+                                        lens.ctypes.data)
+        if st != _native.OK:
+            raise EncodeError(f"{where}: encode failed: {_native.status_string(st)}", st)
+        lens = [int(v) for v in lens]
+    total = sum(lens)
+    return (out if total == cap else out[:total].copy()), lens
+
+
+def _encode_member_chunks(members, cfg, step_seed, n, out, where):
+    """The chunk payloads of the tensor ``members`` into ``out``, and their lengths: chunk j, elements
+    [b_j, e_j), encoded from the parts of the members inside it (``qsgd_encode_segments_cpu``) with
+    chunk j's phase-1 seed."""
+    parts, offsets, numel = members
+    lens, at, first = [], 0, 0
+    for j, (b, e) in enumerate(chunk_ranges(numel, cfg.bucket_size, n)):
         inside = ([], [])   # the parts of chunk j: each member's elements in [b, e), at its offset from b
         while first < len(parts) and offsets[first] + parts[first].size <= b:
             first += 1   # (members end before the chunk: done with)
@@ -125,11 +124,11 @@ def encode_member_chunks(members, settings, step_seed, n, fingerprint=0, source_
             if hi > lo:
                 inside[0].append(p[lo - o:hi - o])
                 inside[1].append(lo - b)
-        q = codec_segments.encode((cfg, e - b, cap - at), codec_segments.Members(*inside, e - b),
+        q = codec_segments.encode((cfg, e - b, None), codec_segments.Members(*inside, e - b),
                                   chunk_seed(step_seed, j, 0), where, out=out[at:])
         lens.append(q.size)
         at += q.size
-    return (out if at == cap else out[:at].copy()), lens
+    return lens
 
 
 def _pointers(payloads):

@@ -27,8 +27,7 @@ PACKAGE = "hvd_qsgd"
 LAYERS = [
     ("native binding", {"hvd_qsgd._native", "hvd_qsgd._tf_ops", "hvd_qsgd.errors"}),
     ("codec kernels on arrays", {"hvd_qsgd.codec", "hvd_qsgd.codec_params", "hvd_qsgd.codec_segments", "hvd_qsgd.cuda",
-                                 "hvd_qsgd.cuda_headers",
-                                 "hvd_qsgd.cuda_verdicts", "hvd_qsgd.threads"}),
+                                 "hvd_qsgd.cuda_headers", "hvd_qsgd.cuda_verdicts", "hvd_qsgd.threads"}),
     ("protocol, chunk steps, codec backends", {"hvd_qsgd.protocol", "hvd_qsgd.reduction", "hvd_qsgd.cost_model",
                                                 "hvd_qsgd.result_pool",
                                                 "hvd_qsgd.error_feedback", "hvd_qsgd.backends", "hvd_qsgd.backend_host"}),

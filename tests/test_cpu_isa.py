@@ -297,7 +297,7 @@ def test_a_segmented_encode_writes_the_bytes_of_the_assembled_tensor(restore_isa
 @pytest.mark.parametrize("bits,bucket,n", [(4, 512, 2), (4, 512, 3), (2, 128, 5), (8, 100, 16), (3, 8, 7), (1, 512, 4)])
 def test_members_encode_to_the_chunk_payloads_of_the_assembled_tensor(restore_isa, bits, bucket, n):
     """scatter_allgather's phase 1 of a fusion buffer from its members where they are
-    (``reduction.encode_member_chunks``, through ``encode_chunks``): the bytes and lengths of the
+    (``reduction.encode_chunks`` of ``codec_segments.Members``): the bytes and lengths of the
     chunks of the assembled buffer, members inside a chunk and across chunk boundaries, empty chunks
     (more ranks than buckets), empty members, the avx512 variant and the baseline."""
     rng = np.random.default_rng(bits * 7 + n)
