@@ -8,7 +8,10 @@ compressor told nothing (it learns the parameters' names from the optimizer, as 
 and wrapped to time its calls. Per mode and K: the median over blocks of 30 steps of the time per call of
 compress, of decompress after the step's first, and of the step's first decompress (which waits for
 the step's collectives and, with fusion buffers, encodes and decodes the buffer), and the step's
-time per gradient. Each tree in ``--trees`` runs in its own process, alternating, ``--repeats`` times.
+time per gradient; then, over 3 more steps, the Python instructions (``sys.settrace``'s opcode
+events) a gradient's compress and decompress run, the step's first decompress spread over its
+gradients: a count that does not move with the machine's load, as the times here do by 10-30%,
+to compare two trees' Python paths with (the C calls they make are not in it). Each tree in ``--trees`` runs in its own process, alternating, ``--repeats`` times.
 With ``--device cuda`` the parameters are CUDA tensors: a call's time is then the host's (the kernels
 run on the device's stream; a decode waits for the device where it reads the payloads' headers and
 its verdict), and a block of steps is timed until the device is done.
@@ -16,9 +19,11 @@ its verdict), and a block of steps is timed until the device is done.
 import json
 import os
 import statistics
+import sys
 import time
 
 BLOCK = 30   # steps a block
+OPCODE_STEPS = 3   # steps whose Python instructions are counted (the same at every step: deterministic)
 
 
 def worker(args):
@@ -59,7 +64,13 @@ def worker(args):
                 spent = timed.spent
                 rows.append((spent[0] / BLOCK / k, spent[1] / BLOCK / max(1, k - 1), spent[2] / BLOCK,
                              wall / BLOCK / k))
-            results[f"{mode}/{k}"] = [statistics.median(col) for col in zip(*rows)]
+            timed.opcodes = [0, 0]   # one more block of steps, counting the Python instructions run
+            for _ in range(OPCODE_STEPS):
+                step()
+            done()
+            results[f"{mode}/{k}"] = [statistics.median(col) for col in zip(*rows)] + [
+                n / OPCODE_STEPS / k for n in timed.opcodes]
+            timed.opcodes = None
     print(json.dumps(results))
 
 
@@ -71,14 +82,36 @@ class Timed:
 
     def __init__(self, inner, clock):
         self.inner, self.clock, self.spent, self.first = inner, clock, [0.0, 0.0, 0.0], True
+        self.opcodes = None   # [compress, decompress]: the Python instructions counted (``counting``)
 
     def compress(self, tensor):
+        if self.opcodes is not None:
+            return self._counted(0, self.inner.compress, tensor)
         t0 = self.clock()
         out = self.inner.compress(tensor)
         self.spent[0] += self.clock() - t0
         return out
 
+    def _counted(self, which, call, *args):
+        """call(*args), every Python instruction it runs in this thread counted in ``opcodes[which]``
+        (``sys.settrace``'s opcode events: a measure of the Python path that does not move with the
+        machine's load, as time does)."""
+        counts = self.opcodes
+
+        def trace(frame, event, arg):
+            frame.f_trace_opcodes = True
+            if event == "opcode":
+                counts[which] += 1
+            return trace
+        sys.settrace(trace)
+        try:
+            return call(*args)
+        finally:
+            sys.settrace(None)
+
     def decompress(self, tensor, ctx):
+        if self.opcodes is not None:
+            return self._counted(1, self.inner.decompress, tensor, ctx)
         t0 = self.clock()
         out = self.inner.decompress(tensor, ctx)
         self.spent[2 if self.first else 1] += self.clock() - t0
@@ -98,13 +131,15 @@ def run(args, trees, ks, modes):
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; one process "
           f"(Horovod of one rank), gradients of {args.numel} elements on the {args.device.upper()}; us a call (first decompress: ms), median "
           f"over blocks of {BLOCK} steps, median of {args.repeats} runs per tree, in ABBA order")
-    print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient |")
-    print("|---|---|---|---|---|---|---|")
+    print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient | Python "
+          "instructions a gradient: compress / decompress |")
+    print("|---|---|---|---|---|---|---|---|")
     for k in ks:
         for mode in modes:
             for tree in trees:
                 name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
-                comp, dec, first, step = (statistics.median(col) for col in zip(*table[(tree, f"{mode}/{k}")]))
+                comp, dec, first, step, ops_c, ops_d = (statistics.median(col)
+                                                        for col in zip(*table[(tree, f"{mode}/{k}")]))
                 print(f"| {name} | {k} | {mode} | {1e6 * comp:.0f} | {1e6 * dec:.0f} | {1e3 * first:.2f} | "
-                      f"{1e6 * step:.0f} |")
+                      f"{1e6 * step:.0f} | {ops_c:.0f} / {ops_d:.0f} |")
     return 0

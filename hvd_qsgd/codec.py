@@ -171,7 +171,7 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
         raise ValueError(f"{name}: encode out= must be a writeable contiguous 1-D uint8 array of at least "
                          f"{cap} bytes, got {getattr(out, 'dtype', type(out).__name__)} "
                          f"{getattr(out, 'shape', '')}")
-    return _encode_into((flat.ctypes.data, flat.size), cfg, cap, out, name)
+    return _encode_into((_native.address(flat), flat.size), cfg, cap, out, name)
 
 
 def _encode_into(source, cfg, cap, out, name, kernel="qsgd_encode_cpu"):
@@ -182,7 +182,7 @@ def _encode_into(source, cfg, cap, out, name, kernel="qsgd_encode_cpu"):
     out = out if given else np.empty(cap, dtype=np.uint8)
     cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = getattr(_native.load(), kernel)(*source, ctypes.byref(cfg), out.ctypes.data, cap, ctypes.byref(out_len))
+    st = getattr(_native.load(), kernel)(*source, ctypes.byref(cfg), _native.address(out), cap, ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if given:
@@ -212,7 +212,7 @@ def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tens
         x = _as_float32(x, name)[0]
     if x.size != numel:
         raise ValueError(f"{name}: encode_prepared was prepared for {numel} elements, got {x.size}")
-    return _encode_into((x.ctypes.data, x.size), seeded(template, seed), cap, None, name)
+    return _encode_into((_native.address(x), x.size), seeded(template, seed), cap, None, name)
 
 
 def seeded(template: "_native.Config", seed: int) -> "_native.Config":
@@ -256,7 +256,7 @@ def read_header(payload: Any, where: str = "payload") -> Header:
     buffer). Does not read the data; ``validate`` does."""
     p = _as_bytes(payload, where)
     h = _native.CHeader()
-    st = _native.load().qsgd_parse_header(p.ctypes.data, p.size, ctypes.byref(h))
+    st = _native.load().qsgd_parse_header(_native.address(p), p.size, ctypes.byref(h))
     if st != _native.OK:
         raise_status(st, where, p)
     return _header_from_c(h)
@@ -266,7 +266,7 @@ def validate(payload: Any, where: str = "payload") -> Header:
     """Check a payload completely (header, length, checksum, scales, data); return its Header."""
     p = _as_bytes(payload, where)
     header = read_header(p, where)
-    st = _native.load().qsgd_validate_cpu(p.ctypes.data, p.size)
+    st = _native.load().qsgd_validate_cpu(_native.address(p), p.size)
     if st != _native.OK:
         raise_status(st, where, p)
     return header
@@ -333,13 +333,13 @@ def decode_sum(payloads: Sequence[Any], scale: float = 1.0, out: Optional[np.nda
         raise ValueError(f"{where}: out must be a C-contiguous float32 array of {n} elements, got "
                          f"{out.dtype} with {out.size} elements")
     lib = _native.load()
-    ptrs = (ctypes.c_void_p * len(ps))(*[p.ctypes.data for p in ps])
+    ptrs = (ctypes.c_void_p * len(ps))(*[_native.address(p) for p in ps])
     lens = (ctypes.c_uint64 * len(ps))(*[p.size for p in ps])
-    st = lib.qsgd_decode_sum_cpu(ptrs, lens, len(ps), float(scale), out.ctypes.data, n, int(bool(accumulate)))
+    st = lib.qsgd_decode_sum_cpu(ptrs, lens, len(ps), float(scale), _native.address(out), n, int(bool(accumulate)))
     if st != _native.OK:
         # name the payload that fails
         for i, p in enumerate(ps):
-            st_i = lib.qsgd_validate_cpu(p.ctypes.data, p.size)
+            st_i = lib.qsgd_validate_cpu(_native.address(p), p.size)
             if st_i != _native.OK:
                 raise_status(st_i, f"{where}: payload {i} of {len(ps)}", p)
         raise_status(st, where)
@@ -363,8 +363,8 @@ def decode_gathered(buffer: Any, count: int, expect: Any, scale: float = 1.0,
     want = expected_header(expect.bits, expect.bucket_size, expect.norm, expect.coding, n, expect.dtype,
                            expect.fingerprint)
     lens = (ctypes.c_uint64 * max(1, count))()
-    st = _native.load().qsgd_decode_gathered_cpu(buf.ctypes.data, buf.size, count, ctypes.byref(want), float(scale),
-                                                 out.ctypes.data, n, lens)
+    st = _native.load().qsgd_decode_gathered_cpu(_native.address(buf), buf.size, count, ctypes.byref(want),
+                                                 float(scale), _native.address(out), n, lens)
     if st != _native.OK:
         raise PayloadError(f"gathered payloads: {_native.status_string(st)}", st)
     return out, lens[:count]

@@ -12,7 +12,7 @@ from typing import NamedTuple, Sequence
 
 import numpy as np
 
-from hvd_qsgd import codec
+from hvd_qsgd import _native, codec
 
 BUCKET_MAX = 1 << 16   # the largest bucket the kernel pads (kernels/qsgd_cpu.cc: kSegmentBucketMax)
 
@@ -41,6 +41,6 @@ def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor", o
     if not all(type(p) is np.ndarray and p.dtype == np.float32 and p.flags.c_contiguous and p.ndim == 1 for p in parts):
         raise ValueError(f"{name}: a segmented encode reads contiguous 1-D float32 arrays")
     k = len(parts)
-    source = ((ctypes.c_void_p * k)(*[p.ctypes.data for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
+    source = ((ctypes.c_void_p * k)(*[_native.address(p) for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
               (ctypes.c_uint64 * k)(*[p.size for p in parts]), k, numel)
     return codec._encode_into(source, codec.seeded(template, seed), cap, out, name, "qsgd_encode_segments_cpu")

@@ -49,6 +49,7 @@ each peer re-quantizing one chunk and sending it framed to the others (scatter_a
 With L = 1 these are the flat rows above. ``choose_in_nodes`` picks the fastest of the three (of the
 flat two where the hierarchical reduction cannot run: server error feedback, a process set).
 """
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -82,6 +83,13 @@ def received_bytes(reduction: str, n: int, payload_bytes: float) -> float:
     if reduction in ("scatter_allgather", "allreduce"):
         return 2 * (n - 1) / n * payload_bytes
     raise ValueError(f"unknown reduction {reduction!r}")
+
+
+@functools.lru_cache(maxsize=4096)
+def fp32_allreduce_bytes(n: int, numel: int) -> int:
+    """Bytes a ring allreduce of ``numel`` float32 elements over n ranks makes one rank receive, as a
+    whole number (``Stats.allreduce_bytes``, counted per exchange; worked out once per size)."""
+    return int(received_bytes("allreduce", n, 4 * numel))
 
 
 def seconds(reduction: str, n: int, payload_bytes: float, latency_s: Optional[float] = None,

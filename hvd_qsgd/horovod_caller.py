@@ -40,6 +40,7 @@ class Caller(NamedTuple):
     process_set: Any          # the Horovod ProcessSet the result is reduced over, or None (not learned)
     name: Optional[str]       # the parameter's name in Horovod's PyTorch optimizer, or None
     where: str                # the Horovod function that called ("horovod.torch.optimizer._allreduce_grad_async")
+    parameter: Any = None     # the parameter whose gradient it is, where ``name`` was learned
 
 
 NOT_LEARNED = Caller(None, None, "")
@@ -49,18 +50,56 @@ def _module(frame) -> str:
     return frame.f_globals.get("__name__") or ""
 
 
+# what a frame is to the walk, by its code object (a function's code runs in its module's globals):
+# PASSED_OVER, OTHER, or for Horovod's frames the name ``Caller.where`` gives them
+PASSED_OVER, OTHER = object(), object()
+_KINDS: dict = {}
+KINDS_KEPT = 4096
+# process-set types by type (``_is_process_set``'s duck test, once per type)
+_SET_TYPES: dict = {}
+
+
+def _kind(frame) -> Any:
+    """What ``frame`` is to the walk (see ``_KINDS``), worked out once per code object."""
+    code = frame.f_code
+    kind = _KINDS.get(code)
+    if kind is None:
+        module = _module(frame)
+        kind = (PASSED_OVER if module.startswith(_PASSED_OVER) or code.co_name == "compress" else
+                f"{module}.{code.co_name}" if module.startswith("horovod.") else OTHER)
+        if len(_KINDS) >= KINDS_KEPT:
+            _KINDS.clear()
+        _KINDS[code] = kind
+    return kind
+
+
 def _is_process_set(value: Any) -> bool:
-    return value is not None and hasattr(value, "process_set_id") and hasattr(value, "ranks")
+    if value is None:
+        return False
+    kind = type(value)
+    known = _SET_TYPES.get(kind)
+    if known is None:
+        known = _SET_TYPES[kind] = hasattr(value, "process_set_id") and hasattr(value, "ranks")
+    return known
 
 
-def horovod_caller() -> Caller:
-    """The process set and parameter name Horovod's calling frames hold (see the module docstring)."""
-    frame = sys._getframe(1)
-    while frame is not None and (_module(frame).startswith(_PASSED_OVER) or frame.f_code.co_name == "compress"):
+def horovod_caller(ours: int = 0) -> Caller:
+    """The process set and parameter name Horovod's calling frames hold (see the module docstring);
+    ``ours``: how many frames from the caller's up are known to be this package's (not looked at)."""
+    try:
+        frame, kinds, kind = sys._getframe(1 + ours), _KINDS, OTHER
+    except ValueError:   # (no frame above ours: not called from Python)
+        return NOT_LEARNED
+    while frame is not None:
+        kind = kinds.get(frame.f_code)
+        if kind is None:
+            kind = _kind(frame)
+        if kind is not PASSED_OVER:
+            break
         frame = frame.f_back
-    process_set, name, where = None, None, ""
+    process_set, name, where, parameter = None, None, "", None
     for _ in range(DEPTH):
-        if frame is None or not _module(frame).startswith("horovod."):
+        if frame is None or kind is OTHER or kind is PASSED_OVER:
             break
         local = frame.f_locals
         owner = local.get("self")
@@ -69,18 +108,21 @@ def horovod_caller() -> Caller:
             if not _is_process_set(candidate) and owner is not None:
                 candidate = getattr(owner, "process_set", None)
             if _is_process_set(candidate):
-                process_set, where = candidate, f"{_module(frame)}.{frame.f_code.co_name}"
+                process_set, where = candidate, kind
         if name is None and owner is not None and "p" in local:
             names = getattr(owner, "_parameter_names", None)
             if isinstance(names, dict):
-                name = names.get(local["p"])
-                where = where or f"{_module(frame)}.{frame.f_code.co_name}"
+                parameter = local["p"]
+                name = names.get(parameter)
+                where = where or kind
         if process_set is not None and name is not None:  # all there is to learn (f_locals costs)
             break
         frame = frame.f_back
+        if frame is not None:
+            kind = kinds.get(frame.f_code) or _kind(frame)
     if process_set is None and name is None:
         return NOT_LEARNED
-    return Caller(process_set, name, where)
+    return Caller(process_set, name, where, None if name is None else parameter)
 
 
 def _describe(process_set: Any, ranks) -> str:

@@ -97,8 +97,8 @@ def control_vector(world_size, global_rank, set_rank, tags, failed=False):
     v = np.empty(control_length(world_size), dtype=np.float64)
     t = np.ascontiguousarray(tags, dtype=np.int32)
     st = _native.load().qsgd_control_vector(int(world_size), int(global_rank),
-                                            -1 if set_rank is None else int(set_rank), t.ctypes.data,
-                                            int(bool(failed)), v.ctypes.data, v.size)
+                                            -1 if set_rank is None else int(set_rank), _native.address(t),
+                                            int(bool(failed)), _native.address(v), v.size)
     if st != _native.OK:
         raise ValueError(f"control_vector: {_native.status_string(st)} (world {world_size}, rank "
                          f"{global_rank}, tags {tuple(tags)})")
@@ -114,12 +114,12 @@ def _native_verdict(vector, world_size, set_ranks, present):
     ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
     alpha, detail = ctypes.c_double(0.0), ctypes.c_int32(0)
     if present is None:
-        st = _native.load().qsgd_check_control(r.ctypes.data, r.size, world_size, ranks.ctypes.data,
+        st = _native.load().qsgd_check_control(_native.address(r), r.size, world_size, _native.address(ranks),
                                                ranks.size, ctypes.byref(alpha), ctypes.byref(detail))
     else:
         who = np.ascontiguousarray(present, dtype=np.int32)
-        st = _native.load().qsgd_check_control_present(r.ctypes.data, r.size, world_size, ranks.ctypes.data,
-                                                       ranks.size, who.ctypes.data, who.size, ctypes.byref(alpha),
+        st = _native.load().qsgd_check_control_present(_native.address(r), r.size, world_size, _native.address(ranks),
+                                                       ranks.size, _native.address(who), who.size, ctypes.byref(alpha),
                                                        ctypes.byref(detail))
     return st, alpha.value, detail.value
 

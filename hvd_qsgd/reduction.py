@@ -78,7 +78,7 @@ def _config(settings, step_seed, fingerprint, source_dtype):
 
 def _raise(st, where, payloads=()):
     for i, p in enumerate(payloads):  # name the payload that fails, when one does
-        if p.size and _native.load().qsgd_validate_cpu(p.ctypes.data, p.size) != _native.OK:
+        if p.size and _native.load().qsgd_validate_cpu(_native.address(p), p.size) != _native.OK:
             codec.validate(p, f"{where}: payload {i}")
     codec.raise_status(st, where)
 
@@ -98,8 +98,8 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
         lens = _encode_member_chunks(x, cfg, step_seed, n, out, where)
     else:
         lens = np.zeros(n, dtype=np.uint64)
-        st = lib.qsgd_encode_chunks_cpu(x.ctypes.data, x.size, ctypes.byref(cfg), int(n), out.ctypes.data, cap,
-                                        lens.ctypes.data)
+        st = lib.qsgd_encode_chunks_cpu(_native.address(x), x.size, ctypes.byref(cfg), int(n), _native.address(out),
+                                        cap, _native.address(lens))
         if st != _native.OK:
             raise EncodeError(f"{where}: encode failed: {_native.status_string(st)}", st)
         lens = [int(v) for v in lens]
@@ -133,7 +133,7 @@ def _encode_member_chunks(members, cfg, step_seed, n, out, where):
 
 def _pointers(payloads):
     ps = [codec._as_bytes(p, "payload") for p in payloads]
-    return ps, (ctypes.c_void_p * len(ps))(*[p.ctypes.data for p in ps]), \
+    return ps, (ctypes.c_void_p * len(ps))(*[_native.address(p) for p in ps]), \
         (ctypes.c_uint64 * len(ps))(*[p.size for p in ps])
 
 
@@ -163,12 +163,12 @@ def reduce_chunk(payloads, j, settings, step_seed, fingerprint=0, source_dtype="
     out = np.empty(cap, dtype=np.uint8)
     out_len = ctypes.c_uint64(0)
     if residual is None:
-        st = lib.qsgd_reduce_chunk_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data, numel,
-                                       out.ctypes.data, cap, ctypes.byref(out_len))
+        st = lib.qsgd_reduce_chunk_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), _native.address(scratch), numel,
+                                       _native.address(out), cap, ctypes.byref(out_len))
     else:
-        st = lib.qsgd_reduce_chunk_ef_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), scratch.ctypes.data,
-                                          numel, out.ctypes.data, cap, ctypes.byref(out_len),
-                                          residual.ctypes.data, residual.size)
+        st = lib.qsgd_reduce_chunk_ef_cpu(ptrs, lens, len(ps), ctypes.byref(cfg), int(j), _native.address(scratch),
+                                          numel, _native.address(out), cap, ctypes.byref(out_len),
+                                          _native.address(residual), residual.size)
     if st != _native.OK:
         _raise(st, where, ps)
     return out if out_len.value == cap else out[:out_len.value].copy()
@@ -185,7 +185,7 @@ def decode_chunks(payloads, alpha, numel, bucket_size, out=None, where="decode_c
         raise PayloadError(f"{where}: rank(s) {empty} sent no reduced chunk: they could not reduce their "
                            "chunk (see the error on those ranks)", _native.E_TRUNCATED)
     ps, ptrs, lens = _pointers(payloads)
-    st = _native.load().qsgd_decode_chunks_cpu(ptrs, lens, len(ps), float(alpha), out.ctypes.data, int(numel),
+    st = _native.load().qsgd_decode_chunks_cpu(ptrs, lens, len(ps), float(alpha), _native.address(out), int(numel),
                                                int(bucket_size))
     if st != _native.OK:
         if st == _native.E_MISMATCH:

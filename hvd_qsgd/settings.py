@@ -14,7 +14,7 @@ import inspect
 import itertools
 import math
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 from hvd_qsgd import codec, cost_model, protocol
@@ -75,6 +75,18 @@ class Settings:
     overlap: bool = False
     encoder: int = codec.DEFAULT_ENCODER
     fusion_mb: float = 0.0
+
+    def __hash__(self) -> int:
+        """The fields' hash, worked out once (settings key the exchanges' caches at every compress)."""
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """The fields, without the hash (another process hashes strings with another seed)."""
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
     @classmethod
     def make(cls, bits: int = 4, bucket_size: Optional[int] = None, norm: str = "max", coding: str = "fixed",
@@ -256,14 +268,28 @@ class Stats:
         self._values.update(dict.fromkeys(self.TIME_FIELDS, 0.0))
 
     def add(self, **counts: float) -> None:
-        values, kinds = self._values, _STAT_KINDS
+        values = self._values
         with self._lock:
             for k, v in counts.items():
-                values[k] += kinds[k](v)
+                values[k] += v
+
+    def exchanged(self, elements: int, sent: int, received: int, cross_sent: int = 0, cross_received: int = 0,
+                  allreduce_bytes: int = 0) -> None:
+        """One compressed exchange's counts (``add`` of each, in one call: one is made per tensor)."""
+        values = self._values
+        with self._lock:
+            values["elements"] += elements
+            values["bytes_sent"] += sent
+            values["tensors"] += 1
+            values["bytes_received"] += received
+            values["cross_bytes_sent"] += cross_sent
+            values["cross_bytes_received"] += cross_received
+            values["allreduce_bytes"] += allreduce_bytes
 
     def as_dict(self) -> Dict[str, float]:
+        """The counters (counts as int, times as float), and ``ratio``."""
         with self._lock:
-            d = dict(self._values)
+            d = {k: _STAT_KINDS[k](v) for k, v in self._values.items()}
         d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
         return d
 
@@ -285,5 +311,5 @@ class Stats:
         return total
 
 
-# each statistic as ``Stats.add`` adds it: counts as int, times as float
+# each statistic as ``Stats.as_dict`` gives it: counts as int, times as float
 _STAT_KINDS = {**dict.fromkeys(Stats.FIELDS, int), **dict.fromkeys(Stats.TIME_FIELDS, float)}

@@ -52,6 +52,12 @@ def _named_route(prefix: str, sep: str, param: str) -> tuple:
     return f"{prefix}{sep}p{sep}{param}", 2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1
 
 
+@functools.lru_cache(maxsize=65536)
+def named_where(param: str) -> str:
+    """How messages name the exchange of parameter ``param`` (made once a name)."""
+    return f"hvd_qsgd: tensor {param!r}"
+
+
 class ExchangeNames:
     """The naming state of one compressor (see the module docstring). Thread-safe."""
 

@@ -41,6 +41,7 @@ LAYERS = [
                                       "hvd_qsgd.exchange.buffers", "hvd_qsgd.exchange.residuals",
                                       "hvd_qsgd.exchange.openings", "hvd_qsgd.exchange.joined"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
+                            "hvd_qsgd.adapters.torch_places",
                             "hvd_qsgd.adapters.torch_collectives", "hvd_qsgd.adapters.tensorflow",
                             "hvd_qsgd.adapters.tensorflow.compressor", "hvd_qsgd.adapters.tensorflow.graph",
                             "hvd_qsgd.adapters.tensorflow.state", "hvd_qsgd.adapters.tensorflow.schedule",

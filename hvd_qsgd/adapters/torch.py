@@ -14,9 +14,10 @@ With error feedback, e_r <- (g_r + e_r) - decode(p_r) after each encoding (Karim
 2019): what quantization dropped is sent in later steps.
 
 What is this adapter's own: which process set and parameter name an exchange has (from Horovod's
-calling frames, ``hvd_qsgd.horovod_caller``, or the compressor's ``named_parameters``), tensor
-conversion, Horovod's collectives (``hvd_qsgd.adapters.torch_collectives``), learning-rate
-following from a ``torch.optim.Optimizer``, and checkpoints as torch tensors.
+calling frames, ``hvd_qsgd.horovod_caller``, or the compressor's ``named_parameters``; learned once
+per tensor, ``hvd_qsgd.adapters.torch_places``), tensor conversion, Horovod's collectives
+(``hvd_qsgd.adapters.torch_collectives``), learning-rate following from a ``torch.optim.Optimizer``,
+and checkpoints as torch tensors.
 
 Exchange names, slots and residual keys: ``hvd_qsgd.state`` (``ExchangeNames``); a known
 parameter's gradient travels as ``hvd_qsgd.<k>.p.<name>``, any other tensor as
@@ -28,7 +29,6 @@ on the device (payloads handed to Horovod as CUDA tensors where Horovod was buil
 every step has a CUDA kernel; otherwise it goes through the host, and that is counted in
 ``stats["host_fallbacks"]`` and logged once per reason.
 """
-import logging
 from typing import Optional, Tuple
 
 import numpy as np
@@ -36,18 +36,17 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, protocol, threads
+from hvd_qsgd import backends, threads
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
+from hvd_qsgd.adapters.torch_places import TensorPlaces
 from hvd_qsgd.exchange.chains import Exchange
-from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node
 from hvd_qsgd.exchange.runner import ExchangeRunner
-from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
+from hvd_qsgd.horovod_caller import horovod_caller
 from hvd_qsgd.policy import FixedBits
-from hvd_qsgd.settings import Settings, next_creation_index, set_ranks as process_set_ranks
+from hvd_qsgd.settings import Settings, next_creation_index
 
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-log = logging.getLogger("hvd_qsgd")
 
 
 class TorchCompressor(Compressor):
@@ -60,14 +59,10 @@ class TorchCompressor(Compressor):
         self.settings = settings = Settings.given("hvd_qsgd.torch.QSGD", settings, args, kwargs)
         self.policy = policy if policy is not None else FixedBits(settings)
         self._creation_index = next_creation_index() if creation_index is None else creation_index
-        self._given_process_set = process_set   # None: Horovod's call says (hvd_qsgd.horovod_caller)
         self.runner = ExchangeRunner(HorovodTorchCollectives(), self._creation_index, settings, self.policy,
                                      owner=repr(self))
         self._learning_rate = None   # residual key -> learning rate now, or None
-        self._params = None
-        self._grad_names = {}
-        self._positional_residuals = False  # a checkpoint's residuals keyed by position (load_state_dict)
-        self._per_node = None   # Horovod's ranks per node (hvd_qsgd.exchange.hierarchical), once known
+        self._places = TensorPlaces(process_set)   # where each tensor's exchanges go
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -82,10 +77,7 @@ class TorchCompressor(Compressor):
 
     def bind(self, named_parameters):
         """Match payloads by parameter name (the pairs given to Horovod's optimizer)."""
-        params = named_parameter_list(named_parameters, "hvd_qsgd.torch.QSGD.bind", empty_ok=True)
-        with self._lock:
-            self._params = params
-            self._grad_names = {}
+        self._places.bind(named_parameter_list(named_parameters, "hvd_qsgd.torch.QSGD.bind", empty_ok=True))
         return self
 
     @property
@@ -93,16 +85,7 @@ class TorchCompressor(Compressor):
         """(key, bits) of every exchange, with DQSGD's policy (``hvd_qsgd.policy.ScheduledBits``)."""
         return self.policy.bits_history
 
-    def _param_name(self, tensor):
-        """The name of the parameter whose .grad is ``tensor``, or None."""
-        if self._params is None:
-            return None
-        hit = self._grad_names.get(id(tensor))
-        if hit is not None and hit[1].grad is tensor:
-            return hit[0]
-        self._grad_names = {id(p.grad): (n, p) for n, p in self._params if p.grad is not None}
-        hit = self._grad_names.get(id(tensor))
-        return hit[0] if hit is not None and hit[1].grad is tensor else None
+    _params = property(lambda self: self._places.params)
 
     # -- Compressor interface -----------------------------------------------------------------
 
@@ -130,35 +113,13 @@ class TorchCompressor(Compressor):
 
     def _open(self, tensor, numel, device):
         """The exchange of ``tensor`` (of ``numel`` elements on ``device``): its process set and name
-        (Horovod's call, or the compressor's; a disagreement is this exchange's fault, raised on every
-        rank through the control vector)."""
-        caller, world = horovod_caller(), hvd.size()
-        ps, disagreement = exchange_process_set(caller, self._given_process_set, hvd.global_process_set, world)
-        with self._lock:
-            param = self._param_name(tensor)
-        fault = None if disagreement is None else protocol.MismatchError(disagreement)
-        if caller.name is not None:
-            if param is not None and param != caller.name:
-                fault = fault or protocol.MismatchError(
-                    f"the compressor's named_parameters call this gradient {param!r}, Horovod's "
-                    f"optimizer {caller.name!r}: give both the same names, or none to the compressor (it "
-                    "takes the optimizer's)")
-            param = caller.name
-            if self._positional_residuals:
-                self._positional_residuals = False
-                log.warning("hvd_qsgd: the checkpoint loaded keys its error-feedback residuals by position (a "
-                            "compressor that numbered the optimizer's gradients); gradients from Horovod's "
-                            "optimizer are matched by its parameter names now, so their residuals start from zero")
-        per_node = self._per_node
-        if per_node is None:
-            try:
-                per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
-            except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
-                per_node, fault = 0, fault or e
+        from Horovod's call and the compressor's (``hvd_qsgd.adapters.torch_places``)."""
+        caller, world, rank = horovod_caller(ours=2), hvd.size(), hvd.rank()   # (this one and ``compress``)
         shape, dtype = tensor.shape, tensor.dtype
-        ex = self.runner.open(param, numel, SOURCE_DTYPES[dtype], shape, device.type, ps, process_set_ranks(ps, world),
-                              hvd.rank(), world, ranks_per_node=per_node)
-        ex.origin, ex.fault = (shape, dtype, device), fault or ex.fault
+        place = self._places.of(tensor, shape, dtype, device, caller, world, rank)
+        ex = self.runner.open(place.param, numel, SOURCE_DTYPES[dtype], shape, device.type, place.ps, place.set_ranks,
+                              rank, world, ranks_per_node=place.per_node, place=place)
+        ex.origin, ex.fault = (shape, dtype, device), place.fault or ex.fault
         # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
         # a decompress (no collective started here moves the handle numbers of unnamed ones)
         ex.defer = caller.name is not None
@@ -179,9 +140,15 @@ class TorchCompressor(Compressor):
     def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange]) -> torch.Tensor:
         if ex is None:
             return tensor
-        out = self.runner.finish(ex, tensor.detach().cpu().numpy())
+        reduced = tensor.numpy() if tensor.is_cpu and not tensor.requires_grad else tensor.detach().cpu().numpy()
+        out = self.runner.finish(ex, reduced)
         shape, dtype, device = ex.origin
-        out = torch.from_numpy(out.reshape(shape)) if isinstance(out, np.ndarray) else out.view(shape)
+        if isinstance(out, np.ndarray):  # the host's float32 result
+            out = torch.from_numpy(out.reshape(shape))
+            if dtype is torch.float32 and device.type == "cpu":
+                return out
+        else:
+            out = out.view(shape)
         if out.dtype != dtype or out.device != device:
             out = out.to(device=device, dtype=dtype)
         return out
@@ -240,10 +207,11 @@ class TorchCompressor(Compressor):
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
-            self._positional_residuals = any(isinstance(k, int) for k in r.residuals)
+            positional = any(isinstance(k, int) for k in r.residuals)
             r.rates = {k: float(v) for k, v in state.get("residual_lr", {}).items()}
             r.server = {k: np.array(torch.as_tensor(v).float().cpu().numpy(), dtype=np.float32)
                         for k, v in state.get("server_residuals", {}).items()}
+        self._places.positional(positional)
         self.runner.stats.load(state.get("stats", {}))
         self.policy.load_state_dict(state)
 
@@ -259,9 +227,7 @@ class TorchCompressor(Compressor):
         they would route the next gradients of those parameters to numbered exchanges and shift the
         residual positions. The exchange counters (``exchange_counters``) are kept."""
         self.runner.reset(residuals)
-        with self._lock:
-            self._grad_names = {}
-            self._per_node = None
+        self._places.reset()
 
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the

@@ -73,24 +73,26 @@ class FusionBuffers:
         """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)
         in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
         key = ex.group_key or group_of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
-        bucket, cap = ex.settings.bucket_size, ex.settings.fusion_elements()
+        s, numel = ex.settings, ex.expect.numel
+        bucket, cap = s.bucket_size, s.fusion_elements()
         with self._lock:
-            buf = self._open.get(key)
-            if buf is not None and _aligned(buf.expect.numel, bucket) + ex.expect.numel > cap:
-                del self._open[key]
-                self._close(run, buf)
-                buf = None
+            buf, offset = self._open.get(key), 0
+            if buf is not None:
+                offset = _aligned(buf.expect.numel, bucket)
+                if offset + numel > cap:
+                    del self._open[key]
+                    self._close(run, buf)
+                    buf, offset = None, 0
             if buf is None:
                 buf = self._open[key] = self._new(run, ex, key)
-            offset = _aligned(buf.expect.numel, bucket)
             buf.members.append(ex)
             buf.offsets.append(offset)
-            buf.expect.numel = offset + ex.expect.numel
+            buf.expect.numel = end = offset + numel
             ex.fused, ex.offset = buf, offset
             r = ex.route   # (its key: the buffer's slot and the offset too)
             ex.route = Route(r.exchange, r.seed_name, r.occurrence, _member_key(r.key, buf.route.slot, offset),
                              r.residual_key, r.param, r.slot)
-            if _aligned(buf.expect.numel, bucket) + ex.settings.min_numel > cap:  # full: no tensor fits any more
+            if _aligned(end, bucket) + s.min_numel > cap:  # full: no tensor fits any more
                 del self._open[key]
                 self._close(run, buf)
 

@@ -119,9 +119,8 @@ class AllgatherChain:
         out, lens = run.timed("decode_s", lambda: b.decode_gathered(gathered, n, ex.own_len, alpha, ex.expect,
                                                                      ex.where), gathered)
         remote = ex.remote_ranks()
-        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.own_len, tensors=1,
-                      bytes_received=b.length(gathered) - ex.own_len, cross_bytes_sent=ex.own_len * len(remote),
-                      cross_bytes_received=sum(lens[j] for j in remote))
+        run.stats.exchanged(ex.expect.numel, ex.own_len, b.length(gathered) - ex.own_len, ex.own_len * len(remote),
+                            sum(lens[j] for j in remote))
         return out
 
 
@@ -189,8 +188,7 @@ class ScatterAllgatherChain:
         out = run.timed("decode_s", lambda: b.decode_chunks(chunks, alpha, ex.expect.numel, ex.settings.bucket_size,
                                                             f"{ex.where}: reduced chunks", error=ex.reduce_error,
                                                             expect=ex.expect), gathered)
-        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
-                      cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
+        run.stats.exchanged(ex.expect.numel, ex.sent, ex.received, ex.cross_sent, ex.cross_received)
         return out
 
 

@@ -25,14 +25,17 @@ class Openings:
         self._kept = {}
 
     def of(self, run, route, where, settings, numel, dtype, shape, device_type, group, set_ranks, global_rank,
-           world, per_node):
+           world, per_node, place=None):
         """The opening of a tensor (``ExchangeRunner.open``'s arguments), made through ``run`` the first
         time and kept. Settings and group are known by their ids: the opening holds both in its fields,
         so each id stays theirs while it is kept (the bits policies hand out one settings object per
-        bit width)."""
-        shape = tuple(shape)
-        key = (id(settings), numel, dtype, shape, route.param, device_type, id(group), tuple(set_ranks),
-               global_rank, world, per_node)
+        bit width). ``place``: the caller's object for the other arguments (known by its identity,
+        and kept in the key), or None."""
+        if place is not None:
+            key = (id(settings), route.param, place)
+        else:
+            key = (id(settings), numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks),
+                   global_rank, world, per_node)
         opening = self._kept.get(key)
         if opening is not None:
             return opening

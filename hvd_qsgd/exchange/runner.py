@@ -67,7 +67,7 @@ from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps
 from hvd_qsgd.exchange.openings import Openings
 from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
-from hvd_qsgd.state import ExchangeNames, ResidualStore
+from hvd_qsgd.state import ExchangeNames, ResidualStore, named_where
 
 # verdicts kept at most before they are read (where a step's last decompress does not come)
 SETTLE_AT = 64
@@ -101,16 +101,19 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
     # -- compress -----------------------------------------------------------------------------
 
     def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
-             where=None, ranks_per_node=None):
+             where=None, ranks_per_node=None, place=None):
         """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
         "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
-        ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's."""
+        ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's.
+        ``place``: an object the caller keeps for this tensor while these arguments hold for it (its
+        opening is then found by it, ``hvd_qsgd.exchange.openings``)."""
         route = route or self.names.route(param)
         s = self.policy.settings_for(route.residual_key)
-        where = where or (f"hvd_qsgd: tensor {route.param!r}" if route.param is not None else
-                          f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
+        if where is None:
+            where = (named_where(route.param) if route.param is not None else
+                     f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
         opening = self.openings.of(self, route, where, s, numel, dtype, shape, device_type, group, set_ranks,
-                                   global_rank, world, ranks_per_node)
+                                   global_rank, world, ranks_per_node, place)
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
         return Exchange.of(opening.fields, route=route, where=where)
@@ -309,10 +312,11 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             raise e from ex.fault  # a numbered slot stays taken: its collectives may never complete
         finally:
             self.names.finish(ex.route)
+        waited = 0.0
         try:
             t0 = time.perf_counter()
             self.driver.finish(carrier)  # every rank started its stages (the control check passed)
-            self.stats.add(wait_s=time.perf_counter() - t0)
+            waited = time.perf_counter() - t0
             if isinstance(carrier.stage_error, self.collectives.interrupts):
                 # a collective failed or the hosts changed: the library's own error, unchanged, so that
                 # elastic training (hvd.elastic.run) resets and restores instead of stopping
@@ -326,21 +330,27 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
                         self._count_joined(ex)
                 else:
                     out = self._finish_joined(ex, alpha) if ex.stage == "joined" else ex.chain.finish(self, ex, alpha)
+        except BaseException:
+            self.stats.add(wait_s=waited)
+            raise
         finally:  # every rank waited for this exchange's collectives: its slot may be used again
             self.names.release_slot(ex.route.slot)
             if fused is not None:
                 group.member_done(ex)
-        return self._hand_over(ex, carrier, out)
+        return self._hand_over(ex, carrier, out, waited)
 
-    def _hand_over(self, ex, carrier, out):
-        """The exchange's result, counted, once the device's verdicts kept so far were read where
-        this is the step's last result (no exchange left between compress and decompress), or one the
-        bits policy reads, or too many wait."""
+    def _hand_over(self, ex, carrier, out, waited):
+        """The exchange's result, counted (``waited``: the seconds its decompress was blocked on its
+        collectives), once the device's verdicts kept so far were read where this is the step's last
+        result (no exchange left between compress and decompress), or one the bits policy reads, or
+        too many wait."""
         if carrier.stage != "joined":
-            self.stats.add(allreduce_bytes=cost_model.received_bytes("allreduce", len(ex.set_ranks),
-                                                                     4 * ex.expect.numel))
+            self.stats.add(wait_s=waited,
+                           allreduce_bytes=cost_model.fp32_allreduce_bytes(len(ex.set_ranks), ex.expect.numel))
             self._slowdown.observe(self.stats.as_dict, self.owner)
-        if not self.names.pending or self.policy.observes or len(self._verdicts) >= SETTLE_AT:
+        else:
+            self.stats.add(wait_s=waited)
+        if self._verdicts and (not self.names.pending or self.policy.observes or len(self._verdicts) >= SETTLE_AT):
             ex.backend.settle(self._verdicts)
         if self.policy.observes:
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))

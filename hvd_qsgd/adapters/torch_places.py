@@ -1,0 +1,127 @@
+"""Where a PyTorch gradient's exchanges go, learned once per tensor and kept (``TensorPlaces``).
+
+Every compress must know the exchange's process set, the parameter's name and Horovod's ranks per
+node. They come from Horovod's call (``hvd_qsgd.horovod_caller``), the names the compressor was
+given (``bind``) and the compressor's own ``process_set=``, and they are the same at every step for
+the same tensor: a ``Place`` is worked out the first time and found again by what it was worked out
+from (Horovod's name and process set for the gradient, the bound name, shape, dtype, device, world
+size and rank). A place whose process set or names disagree, or whose node layout cannot be read, is
+that exchange's fault (raised on every rank through the control vector) and is not kept, so each
+exchange of that tensor works it out again and raises it.
+"""
+import logging
+import threading
+
+import horovod.torch as hvd
+
+from hvd_qsgd import protocol
+from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node
+from hvd_qsgd.horovod_caller import exchange_process_set
+from hvd_qsgd.settings import set_ranks as process_set_ranks
+
+KEPT = 4096   # places kept at most (then the store starts again)
+log = logging.getLogger("hvd_qsgd")
+
+
+class Place:
+    """Where a tensor's exchanges go: process set and its global ranks, parameter name, Horovod's
+    ranks per node, or the fault that keeps it from being kept. Known by its identity (the runner's
+    ``hvd_qsgd.exchange.openings`` finds the tensor's opening by it)."""
+
+    __slots__ = ("ps", "set_ranks", "param", "per_node", "fault")
+
+    def __init__(self, ps, set_ranks, param, per_node, fault):
+        self.ps, self.set_ranks, self.param, self.per_node, self.fault = ps, set_ranks, param, per_node, fault
+
+
+class TensorPlaces:
+    """The places of one compressor's tensors, and what they are learned from besides Horovod's call:
+    the bound (name, parameter) pairs, the process set given, Horovod's ranks per node (read once,
+    again after ``reset``). Thread-safe."""
+
+    def __init__(self, given_process_set):
+        self._given = given_process_set   # None: Horovod's call says
+        self._lock = threading.Lock()
+        self.params = None            # the bound (name, parameter) pairs, or None
+        self._by_parameter = {}       # id(parameter) -> (name, parameter)
+        self._by_grad = {}            # id(parameter.grad) -> (name, parameter), as last seen
+        self._kept = {}
+        self._per_node = None
+        self._positional_residuals = False   # a checkpoint's residuals keyed by position (``positional``)
+
+    def bind(self, params):
+        """Match gradients to these (name, parameter) pairs."""
+        with self._lock:
+            self.params = params
+            self._by_parameter = {id(p): (n, p) for n, p in params}
+            self._by_grad, self._kept = {}, {}
+
+    def positional(self, flag):
+        """A checkpoint with residuals keyed by position was loaded (``flag``): the next exchange of a
+        gradient Horovod names says that its residual starts from zero."""
+        with self._lock:
+            self._positional_residuals, self._kept = flag, {}
+
+    def reset(self):
+        """Forget what was learned (an elastic reset: ranks and nodes may have changed)."""
+        with self._lock:
+            self._by_grad, self._kept, self._per_node = {}, {}, None
+
+    def of(self, tensor, shape, dtype, device, caller, world, rank):
+        """The place of ``tensor``'s exchange (its shape, dtype and device as read), called by Horovod as
+        ``caller`` says."""
+        named = None
+        if self.params is not None:
+            with self._lock:
+                named = self.bound_name(tensor, caller.parameter)
+        key = (caller.name, id(caller.process_set), named, shape, dtype, device, world, rank)
+        place = self._kept.get(key)
+        if place is None:
+            place = self._work_out(caller, named, world)
+            if place.fault is None:  # (kept with its process set, so that its id stays its own)
+                with self._lock:
+                    if len(self._kept) >= KEPT:
+                        self._kept = {}
+                    self._kept[key] = place
+        return place
+
+    def bound_name(self, tensor, parameter=None):
+        """The name ``bind`` gave the parameter whose .grad is ``tensor`` (``parameter``, where Horovod's
+        call says which), or None. Call with the lock held."""
+        if self.params is None:
+            return None
+        if parameter is not None:
+            hit = self._by_parameter.get(id(parameter))
+            return hit[0] if hit is not None and hit[1] is parameter else None
+        hit = self._by_grad.get(id(tensor))
+        if hit is not None and hit[1].grad is tensor:
+            return hit[0]
+        self._by_grad = {id(p.grad): (n, p) for n, p in self.params if p.grad is not None}
+        hit = self._by_grad.get(id(tensor))
+        return hit[0] if hit is not None and hit[1].grad is tensor else None
+
+    def _work_out(self, caller, named, world):
+        """A tensor's place, from Horovod's call, the bound name (``named``) and the compressor's
+        process set: a disagreement is the exchange's fault."""
+        ps, disagreement = exchange_process_set(caller, self._given, hvd.global_process_set, world)
+        fault = None if disagreement is None else protocol.MismatchError(disagreement)
+        param = named
+        if caller.name is not None:
+            if named is not None and named != caller.name:
+                fault = fault or protocol.MismatchError(
+                    f"the compressor's named_parameters call this gradient {named!r}, Horovod's "
+                    f"optimizer {caller.name!r}: give both the same names, or none to the compressor (it "
+                    "takes the optimizer's)")
+            param = caller.name
+            if self._positional_residuals:
+                self._positional_residuals = False
+                log.warning("hvd_qsgd: the checkpoint loaded keys its error-feedback residuals by position (a "
+                            "compressor that numbered the optimizer's gradients); gradients from Horovod's "
+                            "optimizer are matched by its parameter names now, so their residuals start from zero")
+        per_node = self._per_node
+        if per_node is None:
+            try:
+                per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
+            except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
+                per_node, fault = 0, fault or e
+        return Place(ps, process_set_ranks(ps, world), param, per_node, fault)
