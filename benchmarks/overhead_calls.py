@@ -85,17 +85,20 @@ class Timed:
         self.opcodes = None   # [compress, decompress]: the Python instructions counted (``counting``)
 
     def compress(self, tensor):
-        if self.opcodes is not None:
-            return self._counted(0, self.inner.compress, tensor)
+        if self.opcodes is not None:   # (here, not in a helper: the frames between Horovod's and the
+            sys.settrace(self._counter(0))   # compressor's are passed over only if named compress)
+            try:
+                return self.inner.compress(tensor)
+            finally:
+                sys.settrace(None)
         t0 = self.clock()
         out = self.inner.compress(tensor)
         self.spent[0] += self.clock() - t0
         return out
 
-    def _counted(self, which, call, *args):
-        """call(*args), every Python instruction it runs in this thread counted in ``opcodes[which]``
-        (``sys.settrace``'s opcode events: a measure of the Python path that does not move with the
-        machine's load, as time does)."""
+    def _counter(self, which):
+        """A trace function (``sys.settrace``) counting every Python instruction run in ``opcodes[which]``:
+        a measure of the Python path that does not move with the machine's load, as time does."""
         counts = self.opcodes
 
         def trace(frame, event, arg):
@@ -103,15 +106,15 @@ class Timed:
             if event == "opcode":
                 counts[which] += 1
             return trace
-        sys.settrace(trace)
-        try:
-            return call(*args)
-        finally:
-            sys.settrace(None)
+        return trace
 
     def decompress(self, tensor, ctx):
         if self.opcodes is not None:
-            return self._counted(1, self.inner.decompress, tensor, ctx)
+            sys.settrace(self._counter(1))
+            try:
+                return self.inner.decompress(tensor, ctx)
+            finally:
+                sys.settrace(None)
         t0 = self.clock()
         out = self.inner.decompress(tensor, ctx)
         self.spent[2 if self.first else 1] += self.clock() - t0

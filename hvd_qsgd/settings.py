@@ -9,6 +9,7 @@ The reduction defaults to "auto": per tensor, the faster of allgather and scatte
 ``hvd_qsgd.cost_model`` (allgather on 2 ranks and for small tensors, scatter_allgather for large
 tensors from 3 ranks on, whose bytes per rank stay flat as ranks are added).
 """
+import collections
 import functools
 import inspect
 import itertools
@@ -266,34 +267,48 @@ class Stats:
         self._lock = threading.Lock()
         self._values = dict.fromkeys(self.FIELDS, 0)
         self._values.update(dict.fromkeys(self.TIME_FIELDS, 0.0))
+        # the counts added since the last read, one record a call, folded into _values when read (or
+        # when FOLD_AT have gathered): appending costs a call a few instructions, and is atomic
+        self._added = collections.deque()
+
+    FOLD_AT = 4096
 
     def add(self, **counts: float) -> None:
-        values = self._values
-        with self._lock:
-            for k, v in counts.items():
-                values[k] += v
+        self._added.append(counts)
+        if len(self._added) > self.FOLD_AT:
+            self._fold()
 
     def exchanged(self, elements: int, sent: int, received: int, cross_sent: int = 0, cross_received: int = 0,
                   allreduce_bytes: int = 0) -> None:
         """One compressed exchange's counts (``add`` of each, in one call: one is made per tensor)."""
-        values = self._values
+        self._added.append((elements, sent, received, cross_sent, cross_received, allreduce_bytes))
+        if len(self._added) > self.FOLD_AT:
+            self._fold()
+
+    def _fold(self) -> None:
+        """Add the records gathered into the counters (a record added meanwhile waits for the next)."""
+        values, added = self._values, self._added
         with self._lock:
-            values["elements"] += elements
-            values["bytes_sent"] += sent
-            values["tensors"] += 1
-            values["bytes_received"] += received
-            values["cross_bytes_sent"] += cross_sent
-            values["cross_bytes_received"] += cross_received
-            values["allreduce_bytes"] += allreduce_bytes
+            while added:
+                record = added.popleft()
+                if type(record) is tuple:
+                    for k, v in zip(_EXCHANGED, record):
+                        values[k] += v
+                    values["tensors"] += 1
+                else:
+                    for k, v in record.items():
+                        values[k] += v
 
     def as_dict(self) -> Dict[str, float]:
         """The counters (counts as int, times as float), and ``ratio``."""
+        self._fold()
         with self._lock:
             d = {k: _STAT_KINDS[k](v) for k, v in self._values.items()}
         d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
         return d
 
     def load(self, values: Dict[str, Any]) -> None:
+        self._fold()
         with self._lock:
             for k in self.FIELDS:
                 self._values[k] = int(values.get(k, 0))
@@ -313,3 +328,5 @@ class Stats:
 
 # each statistic as ``Stats.as_dict`` gives it: counts as int, times as float
 _STAT_KINDS = {**dict.fromkeys(Stats.FIELDS, int), **dict.fromkeys(Stats.TIME_FIELDS, float)}
+# the fields of a record of ``Stats.exchanged``, in order (and one more tensor)
+_EXCHANGED = ("elements", "bytes_sent", "bytes_received", "cross_bytes_sent", "cross_bytes_received", "allreduce_bytes")
