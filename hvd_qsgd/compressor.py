@@ -108,6 +108,7 @@ class QSGD:
         self._process_set = process_set
         self._creation_index = next_creation_index()
         self._adapters: Dict[str, Any] = {}
+        self._by_type: Dict[type, Any] = {}   # each tensor type's adapter, once asked
         self._lock = threading.Lock()
         self._learning_rate = None
         self._calls = 0
@@ -157,14 +158,20 @@ class QSGD:
                 self._adapters[framework] = adapter
             return adapter
 
+    def _adapter_of(self, tensor: Any) -> Any:
+        adapter = self._by_type.get(type(tensor))
+        if adapter is None:
+            adapter = self._by_type[type(tensor)] = self._adapter(_framework(tensor))
+        return adapter
+
     def compress(self, tensor: Any) -> Tuple[Any, Any]:
         self._calls += 1
-        return self._adapter(_framework(tensor)).compress(tensor)
+        return self._adapter_of(tensor).compress(tensor)
 
     def decompress(self, tensor: Any, ctx: Any) -> Any:
         if ctx is None:
             return tensor
-        return self._adapter(_framework(tensor)).decompress(tensor, ctx)
+        return self._adapter_of(tensor).decompress(tensor, ctx)
 
     def bind(self, named_parameters: Iterable[Tuple[str, Any]]) -> "QSGD":
         """Match payloads by these parameter names (see ``named_parameters``); returns self."""

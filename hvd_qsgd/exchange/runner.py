@@ -219,14 +219,15 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
 
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
-        key = (ex.world, ex.global_rank, ex.set_rank, len(ex.set_ranks), ex.settings, ex.tag_reduction(), ex.route.key,
-               ex.fault is not None)
+        base = ex.control_base or (ex.world, ex.global_rank, ex.set_rank, len(ex.set_ranks), ex.settings,
+                                   ex.tag_reduction())   # (its opening's: the same fields)
+        key = (base, ex.route.key, ex.fault is not None)
         vector = self._controls.get(key)
         if vector is None:  # (made once per tensor and outcome: Horovod reduces a copy in place)
             if len(self._controls) > 4096:
                 self._controls.clear()
-            tags = protocol.exchange_tags(key[3], self.creation_index, ex.settings.tag(key[5]), key[6])
-            vector = self._controls[key] = protocol.control_vector(*key[:3], tags, failed=key[7])
+            tags = protocol.exchange_tags(base[3], self.creation_index, base[4].tag(base[5]), key[1])
+            vector = self._controls[key] = protocol.control_vector(*base[:3], tags, failed=key[2])
         return vector.copy()
 
     # -- stages (hvd_qsgd.driver) -------------------------------------------------------------
