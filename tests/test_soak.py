@@ -26,8 +26,9 @@ Rules:
   numbered exchanges used to be named ``hvd_qsgd.<k>.s<seq>``, a new name per exchange forever
   (3,000 new names in 1,000 steps of each unnamed phase); they now reuse slot names.
 * Adapter state: after every step no exchange is pending, in flight, holding a numbered slot or
-  waiting for its second phase; the per-name dicts (``names.occurrences``, ``residuals``,
-  ``_grad_names``) keep the size they had after the warm-up; every named exchange's occurrence count
+  waiting for its second phase; the per-name dicts (``names.occurrences``, ``residuals``, the
+  places' ``_by_grad`` and ``_kept``, ``hvd_qsgd.adapters.torch_places``) keep the size they had after
+  the warm-up; every named exchange's occurrence count
   equals the steps taken; ``names.seq`` grows by exactly the numbered exchanges a step (it counts them
   forever: one integer, used only for the payload seeds); no exchange context (``_Exchange``) is
   alive after the last step.
@@ -188,7 +189,7 @@ def torch_violations(r):
         for k in ("in_flight", "numbered", "scattering", "pending"):
             if r["state_max"][k] != 0:
                 v.append(f"after a step {k} was up to {r['state_max'][k]}")
-        for k in ("occurrences", "residuals", "grad_names"):
+        for k in ("occurrences", "residuals", "grad_names", "places"):
             if not r["state_min"][k] == r["state_max"][k] == r["state_before"][k]:
                 v.append(f"{k} had {r['state_before'][k]} entries after the warm-up, between "
                          f"{r['state_min'][k]} and {r['state_max'][k]} later")

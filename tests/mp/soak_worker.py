@@ -96,12 +96,13 @@ class _NeverFreed(set):
         pass
 
 
-STATE = ("occurrences", "residuals", "grad_names", "in_flight", "numbered", "scattering", "pending", "seq")
+STATE = ("occurrences", "residuals", "grad_names", "places", "in_flight", "numbered", "scattering", "pending",
+         "seq")
 
 
 def adapter_state(a):
-    return (len(a.names.occurrences), len(a.residuals), len(a._grad_names), len(a.names.in_flight),
-            len(a.names.slots), len(a.driver), a.names.pending, a.names.seq)
+    return (len(a.names.occurrences), len(a.residuals), len(a._places._by_grad), len(a._places._kept),
+            len(a.names.in_flight), len(a.names.slots), len(a.driver), a.names.pending, a.names.seq)
 
 
 def live_exchanges():
