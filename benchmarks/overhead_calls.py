@@ -11,11 +11,13 @@ the step's collectives and, with fusion buffers, encodes and decodes the buffer)
 time per gradient; then, over 3 more steps, the Python instructions (``sys.settrace``'s opcode
 events) a gradient's compress and decompress run, the step's first decompress spread over its
 gradients: a count that does not move with the machine's load, as the times here do by 10-30%,
-to compare two trees' Python paths with (the C calls they make are not in it). Each tree in ``--trees`` runs in its own process, alternating, ``--repeats`` times.
+to compare two trees' Python paths with (the C calls they make are not in it). Each tree in
+``--trees`` runs in its own process, alternating, ``--repeats`` times.
 With ``--device cuda`` the parameters are CUDA tensors: a call's time is then the host's (the kernels
 run on the device's stream; a decode waits for the device where it reads the payloads' headers and
 its verdict), and a block of steps is timed until the device is done.
 """
+import contextlib
 import json
 import os
 import statistics
@@ -82,23 +84,22 @@ class Timed:
 
     def __init__(self, inner, clock):
         self.inner, self.clock, self.spent, self.first = inner, clock, [0.0, 0.0, 0.0], True
-        self.opcodes = None   # [compress, decompress]: the Python instructions counted (``counting``)
+        self.opcodes = None   # [compress, decompress]: the Python instructions counted (``_counting``)
 
     def compress(self, tensor):
-        if self.opcodes is not None:   # (here, not in a helper: the frames between Horovod's and the
-            sys.settrace(self._counter(0))   # compressor's are passed over only if named compress)
-            try:
+        if self.opcodes is not None:   # (a block, not a helper's call: the frames between Horovod's and
+            with self._counting(0):    # the compressor's are passed over only if named compress)
                 return self.inner.compress(tensor)
-            finally:
-                sys.settrace(None)
         t0 = self.clock()
         out = self.inner.compress(tensor)
         self.spent[0] += self.clock() - t0
         return out
 
-    def _counter(self, which):
-        """A trace function (``sys.settrace``) counting every Python instruction run in ``opcodes[which]``:
-        a measure of the Python path that does not move with the machine's load, as time does."""
+    @contextlib.contextmanager
+    def _counting(self, which):
+        """Every Python instruction this thread runs inside the block counted in ``opcodes[which]``
+        (``sys.settrace``): a measure of the Python path that does not move with the machine's load, as
+        time does."""
         counts = self.opcodes
 
         def trace(frame, event, arg):
@@ -106,15 +107,16 @@ class Timed:
             if event == "opcode":
                 counts[which] += 1
             return trace
-        return trace
+        sys.settrace(trace)
+        try:
+            yield
+        finally:
+            sys.settrace(None)
 
     def decompress(self, tensor, ctx):
         if self.opcodes is not None:
-            sys.settrace(self._counter(1))
-            try:
+            with self._counting(1):
                 return self.inner.decompress(tensor, ctx)
-            finally:
-                sys.settrace(None)
         t0 = self.clock()
         out = self.inner.decompress(tensor, ctx)
         self.spent[2 if self.first else 1] += self.clock() - t0

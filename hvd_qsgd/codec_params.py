@@ -113,12 +113,10 @@ def config_template(bits, bucket_size, norm, coding, checksum, encoder) -> "_nat
 
 
 @functools.lru_cache(maxsize=4096)   # (a tensor's exchanges expect the same header step after step)
-@functools.lru_cache(maxsize=4096)
 def expected_header(bits, bucket_size, norm, coding, numel, dtype, fingerprint) -> "_native.CHeader":
     """The header fields every payload of a tensor has, which the kernels compare with each payload's
     own (``codec.decode_gathered`` on the host; the CUDA decodes on the device); with the fixed coding
-    its length too (0 with the Elias coding, whose length depends on the data). Read-only: shared (made
-    once per tensor: one is asked for at every decode)."""
+    its length too (0 with the Elias coding, whose length depends on the data). Read-only: shared."""
     code = CODINGS[coding]
     return _native.CHeader(bits=bits, bucket_size=bucket_size, norm=NORMS[norm], coding=code, numel=numel,
                            dtype=DTYPES[dtype], fingerprint=fingerprint,

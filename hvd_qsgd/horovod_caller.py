@@ -91,9 +91,7 @@ def horovod_caller(ours: int = 0) -> Caller:
     except ValueError:   # (no frame above ours: not called from Python)
         return NOT_LEARNED
     while frame is not None:
-        kind = kinds.get(frame.f_code)
-        if kind is None:
-            kind = _kind(frame)
+        kind = kinds.get(frame.f_code) or _kind(frame)   # (every kind is truthy)
         if kind is not PASSED_OVER:
             break
         frame = frame.f_back

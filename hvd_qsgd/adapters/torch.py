@@ -85,8 +85,6 @@ class TorchCompressor(Compressor):
         """(key, bits) of every exchange, with DQSGD's policy (``hvd_qsgd.policy.ScheduledBits``)."""
         return self.policy.bits_history
 
-    _params = property(lambda self: self._places.params)
-
     # -- Compressor interface -----------------------------------------------------------------
 
     def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Optional[Exchange]]:
@@ -160,7 +158,7 @@ class TorchCompressor(Compressor):
         if optimizer is None or callable(optimizer) and not hasattr(optimizer, "param_groups"):
             source = optimizer
         elif hasattr(optimizer, "param_groups"):
-            source = group_learning_rate(optimizer, lambda: self._params)
+            source = group_learning_rate(optimizer, lambda: self._places.params)
         else:
             raise TypeError(f"follow_learning_rate: expected a torch.optim.Optimizer or a function of the "
                             f"residual key, got {type(optimizer).__name__}")

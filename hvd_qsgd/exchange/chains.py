@@ -52,6 +52,11 @@ class Exchange:
         """The set ranks on other nodes than this rank's."""
         return [j for j in range(len(self.set_ranks)) if self.remote(j)]
 
+    def control_fields(self):
+        """What its control vector is made of besides the route and the outcome (``ExchangeRunner.control``;
+        an opening keeps them as ``control_base``)."""
+        return self.world, self.global_rank, self.set_rank, len(self.set_ranks), self.settings, self.tag_reduction()
+
     def tag_reduction(self):
         """The reduction as the settings tag names it: with its ranks per node where it has a layout,
         so that ranks that disagree on the layout fail the check."""

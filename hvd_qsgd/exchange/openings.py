@@ -47,8 +47,7 @@ class Openings:
             ex.group_key = group_of(ex)  # (the buffers it may share)
         else:
             fallback = run.resolve(ex, count=False)
-        # what its control vector is made of besides the route and the outcome (``ExchangeRunner.control``)
-        ex.control_base = (world, global_rank, ex.set_rank, len(set_ranks), settings, ex.tag_reduction())
+        ex.control_base = ex.control_fields()
         opening = SimpleNamespace(fields={k: v for k, v in ex.__dict__.items() if k not in UNIQUE},
                                   fallback=fallback)
         if ex.fault is None:

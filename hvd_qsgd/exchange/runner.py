@@ -219,8 +219,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
 
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
-        base = ex.control_base or (ex.world, ex.global_rank, ex.set_rank, len(ex.set_ranks), ex.settings,
-                                   ex.tag_reduction())   # (its opening's: the same fields)
+        base = ex.control_base or ex.control_fields()   # (its opening's, where it has one)
         key = (base, ex.route.key, ex.fault is not None)
         vector = self._controls.get(key)
         if vector is None:  # (made once per tensor and outcome: Horovod reduces a copy in place)
