@@ -8,12 +8,16 @@ where they are (``hvd_qsgd.exchange.buffers``).
 a member's end padded with zeros in the kernel's scratch), without the copy into one array.
 """
 import ctypes
+import operator
 from typing import NamedTuple, Sequence
 
 import numpy as np
 
 from hvd_qsgd import _native, codec
 
+_NDARRAY, _FLOAT32, _ONE = {np.ndarray}, {np.dtype(np.float32)}, {1}
+_DTYPE, _NDIM, _SIZE = operator.attrgetter("dtype"), operator.attrgetter("ndim"), operator.attrgetter("size")
+_CONTIGUOUS = operator.attrgetter("flags.c_contiguous")
 BUCKET_MAX = 1 << 16   # the largest bucket the kernel pads (kernels/qsgd_cpu.cc: kSegmentBucketMax)
 
 
@@ -38,9 +42,11 @@ def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor", o
     parts = members.parts
     if members.numel != numel:
         raise ValueError(f"{name}: encode was prepared for {numel} elements, got {members.numel}")
-    if not all(type(p) is np.ndarray and p.dtype == np.float32 and p.flags.c_contiguous and p.ndim == 1 for p in parts):
+    # (each test over every part in one call: a buffer has many)
+    if parts and not (set(map(type, parts)) == _NDARRAY and set(map(_DTYPE, parts)) == _FLOAT32
+                      and set(map(_NDIM, parts)) == _ONE and all(map(_CONTIGUOUS, parts))):
         raise ValueError(f"{name}: a segmented encode reads contiguous 1-D float32 arrays")
     k = len(parts)
-    source = ((ctypes.c_void_p * k)(*[_native.address(p) for p in parts]), (ctypes.c_uint64 * k)(*members.offsets),
-              (ctypes.c_uint64 * k)(*[p.size for p in parts]), k, numel)
+    source = ((ctypes.c_void_p * k)(*map(_native.address, parts)), (ctypes.c_uint64 * k)(*members.offsets),
+              (ctypes.c_uint64 * k)(*map(_SIZE, parts)), k, numel)
     return codec._encode_into(source, codec.seeded(template, seed), cap, out, name, "qsgd_encode_segments_cpu")

@@ -53,6 +53,8 @@ def _module(frame) -> str:
 # what a frame is to the walk, by its code object (a function's code runs in its module's globals):
 # PASSED_OVER, OTHER, or for Horovod's frames the name ``Caller.where`` gives them
 PASSED_OVER, OTHER = object(), object()
+# the frame of Horovod's PyTorch optimizer that compresses a gradient (``p``, named by ``self``)
+OPTIMIZER_HOOK = "horovod.torch.optimizer._allreduce_grad_async"
 _KINDS: dict = {}
 KINDS_KEPT = 4096
 # process-set types by type (``_is_process_set``'s duck test, once per type)
@@ -95,6 +97,16 @@ def horovod_caller(ours: int = 0) -> Caller:
         if kind is not PASSED_OVER:
             break
         frame = frame.f_back
+    if kind == OPTIMIZER_HOOK:   # (the usual caller, read directly: what the walk below reads there)
+        local = frame.f_locals
+        owner = local.get("self")
+        if owner is not None and "p" in local and "process_set" not in local:
+            process_set, names = getattr(owner, "process_set", None), getattr(owner, "_parameter_names", None)
+            if _is_process_set(process_set) and isinstance(names, dict):
+                parameter = local["p"]
+                name = names.get(parameter)
+                if name is not None:
+                    return Caller(process_set, name, kind, parameter)
     process_set, name, where, parameter = None, None, "", None
     for _ in range(DEPTH):
         if frame is None or kind is OTHER or kind is PASSED_OVER:

@@ -92,3 +92,19 @@ def test_a_users_function_between_stops_the_walk(modules):
         assert horovod._allreduce_grad_async(_Optimizer(parameter), parameter, helper) is hc.NOT_LEARNED
         assert ours.compress(object()) is hc.NOT_LEARNED   # (called by the user directly)
     assert horovod._allreduce_grad_async(_Optimizer(parameter), parameter, ours.direct).name == "fc.weight"
+
+
+def test_the_optimizers_frame_read_directly_agrees_with_the_walk(modules):
+    """The optimizer's frame is read directly where it names the parameter and holds a process set
+    (``OPTIMIZER_HOOK``); where it does not, the walk reads it as any Horovod frame, each time."""
+    horovod, ours = modules
+    parameter, stranger = object(), object()
+    opt = _Optimizer(parameter)
+    for _ in range(2):
+        unnamed = horovod._allreduce_grad_async(opt, stranger, ours.compress)   # (not in _parameter_names)
+        assert (unnamed.process_set, unnamed.name, unnamed.parameter) == (opt.process_set, None, None)
+        assert unnamed.where == hc.OPTIMIZER_HOOK
+        no_set = _Optimizer(parameter)
+        no_set.process_set = None   # (an optimizer without one: the name is still learned)
+        caller = horovod._allreduce_grad_async(no_set, parameter, ours.compress)
+        assert (caller.process_set, caller.name, caller.parameter) == (None, "fc.weight", parameter)

@@ -41,6 +41,7 @@ Counted in ``stats`` by member: elements without the padding, one tensor per mem
 """
 import collections
 import functools
+import operator
 import threading
 
 from hvd_qsgd import codec, codec_segments, protocol
@@ -72,19 +73,18 @@ class FusionBuffers:
     def add(self, run, ex):
         """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)
         in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
-        key = ex.group_key or group_of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
-        s, numel = ex.settings, ex.expect.numel
-        bucket, cap = s.bucket_size, s.fusion_elements()
+        group = ex.group_key or BufferGroup.of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
+        numel, bucket, cap = ex.expect.numel, group.bucket, group.cap
         with self._lock:
-            buf, offset = self._open.get(key), 0
-            if buf is not None:
-                offset = _aligned(buf.expect.numel, bucket)
-                if offset + numel > cap:
-                    del self._open[key]
-                    self._close(run, buf)
-                    buf, offset = None, 0
+            buf = self._open.get(group)
             if buf is None:
-                buf = self._open[key] = self._new(run, ex, key)
+                buf, offset = self._new(run, ex, group), 0
+            else:
+                offset = -(-buf.expect.numel // bucket) * bucket
+                if offset + numel > cap:
+                    del self._open[group]
+                    self._close(run, buf)
+                    buf, offset = self._new(run, ex, group), 0
             buf.members.append(ex)
             buf.offsets.append(offset)
             buf.expect.numel = end = offset + numel
@@ -92,11 +92,12 @@ class FusionBuffers:
             r = ex.route   # (its key: the buffer's slot and the offset too)
             ex.route = Route(r.exchange, r.seed_name, r.occurrence, _member_key(r.key, buf.route.slot, offset),
                              r.residual_key, r.param, r.slot)
-            if _aligned(end, bucket) + s.min_numel > cap:  # full: no tensor fits any more
-                del self._open[key]
+            if -(-end // bucket) * bucket > group.room:  # full: no compressed tensor fits any more
+                del self._open[group]
                 self._close(run, buf)
 
     def _new(self, run, first, key):
+        """A new open buffer of group ``key``, whose first member is ``first``."""
         slot = self._names.take_slot()
         name = self._names.name(f"b{slot}")
         occurrence = self._occurrences[name]
@@ -106,6 +107,7 @@ class FusionBuffers:
                                 first.set_ranks, first.global_rank, first.world, first.per_node)
         buf.members, buf.offsets, buf.lock, buf.group_key = [], [], threading.Lock(), key
         buf.origin = first.origin   # (where an empty payload goes: overlap, a rank that cannot encode it)
+        self._open[key] = buf
         return buf
 
     def close(self, run, ex, direct=None):
@@ -126,11 +128,11 @@ class FusionBuffers:
         buf.pending = len(members)
         buf.where = f"{buf.where} of {len(members)} tensors ({_labels(members)})"
         buf.expect.numel = numel = offsets[-1] + members[-1].expect.numel
-        buf.expect.fingerprint = codec.tensor_fingerprint(
-            "|".join(f"{m.expect.fingerprint}@{o}" for m, o in zip(members, offsets)), (numel,), buf.expect.dtype)
+        buf.expect.fingerprint = _layout_fingerprint(tuple(map(_FINGERPRINT, members)), tuple(offsets), numel,
+                                                     buf.expect.dtype)
         run.resolve(buf)
         self.recent.append((buf.route.exchange, buf.route.occurrence,
-                            [(m.route.seed_name, o, m.expect.numel) for m, o in zip(members, offsets)]))
+                            list(zip(map(_SEED_NAME, members), offsets, map(_NUMEL, members)))))
         try:
             if buf.fault is not None:
                 raise buf.fault
@@ -147,10 +149,13 @@ class FusionBuffers:
         if (buf.reduction not in ("allgather", "scatter_allgather") or buf.settings.error_feedback
                 or not buf.backend.encodes_members(buf.settings)):
             return None
-        placed = [(m.source, o) for m, o in zip(buf.members, buf.offsets) if m.source is not None]
+        parts, offsets = list(map(_SOURCE, buf.members)), buf.offsets
+        if _NONE in set(map(type, parts)):   # (members that could not be encoded: zeros)
+            offsets = [o for p, o in zip(parts, offsets) if p is not None]
+            parts = [p for p in parts if p is not None]
         for m in buf.members:   # (the encode reads them before the buffer's first collective starts)
             m.source = None
-        return codec_segments.Members([p for p, _ in placed], [o for _, o in placed], numel)
+        return codec_segments.Members(parts, offsets, numel)
 
     def _stage(self, buf, numel):
         """The members back to back at their offsets in the group's staging array, zeros between."""
@@ -243,9 +248,28 @@ class FusionBuffers:
             self._open = {}
 
 
-def group_of(ex):
-    """The buffers a tensor may share: those of its process set, backend, settings and dtype."""
-    return (id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype)
+class BufferGroup:
+    """The buffers a tensor may share: those of its process set, backend, settings and dtype (``key``),
+    with what placing a member reads: the bucket size, the elements a buffer holds (``cap``) and the
+    most a buffer may hold and still take a compressed tensor (``room``). Equal by key; hashed once."""
+
+    __slots__ = ("key", "bucket", "cap", "room", "_hash")
+
+    def __init__(self, key, settings):
+        self.key, self._hash = key, hash(key)
+        self.bucket, self.cap = settings.bucket_size, settings.fusion_elements()
+        self.room = self.cap - settings.min_numel
+
+    @classmethod
+    def of(cls, ex):
+        return cls((id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype),
+                   ex.settings)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return type(other) is BufferGroup and other.key == self.key
 
 
 @functools.lru_cache(maxsize=65536)
@@ -255,11 +279,19 @@ def _member_key(key, slot, offset):
     return protocol.small_hash(f"{key}|{slot}|{offset}", protocol.TAG_RANGE ** 2)
 
 
-def _aligned(numel, bucket):
-    return -(-numel // bucket) * bucket
+_FINGERPRINT, _SEED_NAME = operator.attrgetter("expect.fingerprint"), operator.attrgetter("route.seed_name")
+_NUMEL, _SOURCE = operator.attrgetter("expect.numel"), operator.attrgetter("source")
+_NONE = type(None)
+
+
+@functools.lru_cache(maxsize=256)
+def _layout_fingerprint(fingerprints, offsets, numel, dtype):
+    """A buffer's fingerprint: its members' at their offsets (a step's buffers have the layouts of the
+    step before: worked out once each)."""
+    return codec.tensor_fingerprint("|".join(f"{f}@{o}" for f, o in zip(fingerprints, offsets)), (numel,), dtype)
 
 
 def _labels(members, shown=4):
-    names = [m.route.seed_name.rsplit(".", 1)[-1] for m in members]
-    return ", ".join(names[:shown]) + (f" and {len(names) - shown} more" if len(names) > shown else "")
+    names = [m.route.seed_name.rsplit(".", 1)[-1] for m in members[:shown]]
+    return ", ".join(names) + (f" and {len(members) - shown} more" if len(members) > shown else "")
 

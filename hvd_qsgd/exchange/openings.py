@@ -12,7 +12,7 @@ each exchange of that tensor is opened anew and raises it, on every rank.
 from types import SimpleNamespace
 
 from hvd_qsgd import codec
-from hvd_qsgd.exchange.buffers import FusionBuffers, group_of
+from hvd_qsgd.exchange.buffers import BufferGroup, FusionBuffers
 
 KEPT = 4096   # openings kept at most (then the store starts again: DQSGD's settings vary by step)
 UNIQUE = ("route", "where")   # the fields that are each exchange's own
@@ -44,7 +44,7 @@ class Openings:
         fallback = None
         if FusionBuffers.takes(ex):
             ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)
-            ex.group_key = group_of(ex)  # (the buffers it may share)
+            ex.group_key = BufferGroup.of(ex)  # (the buffers it may share)
         else:
             fallback = run.resolve(ex, count=False)
         ex.control_base = ex.control_fields()
