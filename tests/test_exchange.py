@@ -263,3 +263,28 @@ def test_each_exchange_of_a_tensor_starts_from_its_opening_and_owns_its_fields()
     cuda = [runner.open("c", 5000, "float32", (5000,), "cuda", None, [0, 1], 0, 2) for _ in range(3)]
     if all(ex.backend.name == "cpu" for ex in cuda):  # no CUDA backend here: each exchange a counted fallback
         assert runner.stats.as_dict()["host_fallbacks"] == 3
+
+
+def test_tensors_of_one_group_share_its_open_buffer_whichever_group_object_they_hold():
+    """A fusion buffer's group is one object per key (``BufferGroup.of``), equal by key to one made
+    after the kept groups were dropped: tensors of the same set, settings and dtype fill one buffer,
+    each at the next multiple of the bucket size, and the buffer closes once no compressed tensor
+    fits (its room: capacity less ``min_numel``)."""
+    from hvd_qsgd.exchange import buffers
+    s = Settings.make(bits=4, bucket_size=512, min_numel=1000, fusion_mb=0.02)   # 5,242 elements a buffer
+    group = ThreadGroup(1)
+    group.local.rank = 0
+    runner = ExchangeRunner(group, 0, s, FixedBits(s), owner="test")
+    opened = [runner.open(f"w{i}", 1500, "float32", (1500,), "cpu", None, [0], 0, 1) for i in range(3)]
+    first = opened[0].group_key
+    assert opened[1].group_key is first and (first.bucket, first.cap, first.room) == (512, 5242, 4242)
+    buffers._GROUPS.clear()   # (an equal group made after: the same buffers)
+    opened.append(runner.open("w3", 600, "float32", (600,), "cpu", None, [0], 0, 1))   # (it would fit the third's)
+    assert opened[3].group_key is not first and opened[3].group_key == first and hash(opened[3].group_key) == hash(first)
+    for i, ex in enumerate(opened):
+        runner.encode(ex, np.full(ex.expect.numel, float(i), dtype=np.float32))
+        runner.start(ex)
+    assert [ex.offset for ex in opened] == [0, 1536, 3072, 0]   # (the third left no room: a new buffer)
+    assert opened[0].fused is opened[2].fused is not opened[3].fused
+    assert [(name, [o for _, o, _ in members]) for name, _, members in runner.buffers.recent] == \
+        [(opened[0].fused.route.exchange, [0, 1536, 3072])]

@@ -48,6 +48,7 @@ from hvd_qsgd import codec, codec_segments, protocol
 from hvd_qsgd.state import Route
 
 RECENT = 16   # closed buffers whose layout ``recent`` keeps
+KEPT_GROUPS = 4096   # groups ``BufferGroup.of`` keeps at most (then it starts again)
 
 
 class FusionBuffers:
@@ -90,8 +91,8 @@ class FusionBuffers:
             buf.expect.numel = end = offset + numel
             ex.fused, ex.offset = buf, offset
             r = ex.route   # (its key: the buffer's slot and the offset too)
-            ex.route = Route(r.exchange, r.seed_name, r.occurrence, _member_key(r.key, buf.route.slot, offset),
-                             r.residual_key, r.param, r.slot)
+            ex.route = _tuple_new(Route, (r.exchange, r.seed_name, r.occurrence,
+                                          _member_key(r.key, buf.route.slot, offset), r.residual_key, r.param, r.slot))
             if -(-end // bucket) * bucket > group.room:  # full: no compressed tensor fits any more
                 del self._open[group]
                 self._close(run, buf)
@@ -262,14 +263,24 @@ class BufferGroup:
 
     @classmethod
     def of(cls, ex):
-        return cls((id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype),
-                   ex.settings)
+        """Exchange ``ex``'s group: one object per key while ``_GROUPS`` keeps it (so that a dictionary
+        finds it by identity; an equal one made after is found by its key)."""
+        key = (id(ex.group), tuple(ex.set_ranks), ex.backend.name, ex.device_type, ex.settings, ex.expect.dtype)
+        group = _GROUPS.get(key)
+        if group is None:
+            if len(_GROUPS) >= KEPT_GROUPS:
+                _GROUPS.clear()
+            group = _GROUPS[key] = cls(key, ex.settings)
+        return group
 
     def __hash__(self):
         return self._hash
 
     def __eq__(self, other):
         return type(other) is BufferGroup and other.key == self.key
+
+
+_GROUPS = {}
 
 
 @functools.lru_cache(maxsize=65536)
@@ -282,6 +293,7 @@ def _member_key(key, slot, offset):
 _FINGERPRINT, _SEED_NAME = operator.attrgetter("expect.fingerprint"), operator.attrgetter("route.seed_name")
 _NUMEL, _SOURCE = operator.attrgetter("expect.numel"), operator.attrgetter("source")
 _NONE = type(None)
+_tuple_new = tuple.__new__   # (a Route of its fields in order, without its generated __new__)
 
 
 @functools.lru_cache(maxsize=256)
