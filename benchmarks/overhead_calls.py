@@ -11,7 +11,9 @@ the step's collectives and, with fusion buffers, encodes and decodes the buffer)
 time per gradient; then, over 3 more steps, the Python instructions (``sys.settrace``'s opcode
 events) a gradient's compress and decompress run, the step's first decompress spread over its
 gradients: a count that does not move with the machine's load, as the times here do by 10-30%,
-to compare two trees' Python paths with (the C calls they make are not in it). Each tree in
+to compare two trees' Python paths with (the C calls they make are not in it). Beside the medians, the
+fastest block's compress and decompress (over every run of the tree): the least disturbed by other
+load, as ``timeit`` reports its best. Each tree in
 ``--trees`` runs in its own process, alternating, ``--repeats`` times.
 With ``--device cuda`` the parameters are CUDA tensors: a call's time is then the host's (the kernels
 run on the device's stream; a decode waits for the device where it reads the payloads' headers and
@@ -70,7 +72,8 @@ def worker(args):
             for _ in range(OPCODE_STEPS):
                 step()
             done()
-            results[f"{mode}/{k}"] = [statistics.median(col) for col in zip(*rows)] + [
+            cols = list(zip(*rows))
+            results[f"{mode}/{k}"] = [statistics.median(col) for col in cols] + [min(cols[0]), min(cols[1])] + [
                 n / OPCODE_STEPS / k for n in timed.opcodes]
             timed.opcodes = None
     print(json.dumps(results))
@@ -136,15 +139,17 @@ def run(args, trees, ks, modes):
     print(f"{info['cpu']}, {info['usable_cores']} usable cores, load {info['load_avg_1min']:.1f}; one process "
           f"(Horovod of one rank), gradients of {args.numel} elements on the {args.device.upper()}; us a call (first decompress: ms), median "
           f"over blocks of {BLOCK} steps, median of {args.repeats} runs per tree, in ABBA order")
-    print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient | Python "
-          "instructions a gradient: compress / decompress |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| tree | K | mode | compress | decompress | first decompress (ms) | step a gradient | fastest block: "
+          "compress / decompress | Python instructions a gradient: compress / decompress |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for k in ks:
         for mode in modes:
             for tree in trees:
                 name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
-                comp, dec, first, step, ops_c, ops_d = (statistics.median(col)
-                                                        for col in zip(*table[(tree, f"{mode}/{k}")]))
+                cols = list(zip(*table[(tree, f"{mode}/{k}")]))
+                comp, dec, first, step = (statistics.median(col) for col in cols[:4])
+                fast_c, fast_d = min(cols[4]), min(cols[5])   # (the block least disturbed by the machine's load)
+                ops_c, ops_d = (statistics.median(col) for col in cols[6:])
                 print(f"| {name} | {k} | {mode} | {1e6 * comp:.0f} | {1e6 * dec:.0f} | {1e3 * first:.2f} | "
-                      f"{1e6 * step:.0f} | {ops_c:.0f} / {ops_d:.0f} |")
+                      f"{1e6 * step:.0f} | {1e6 * fast_c:.1f} / {1e6 * fast_d:.1f} | {ops_c:.0f} / {ops_d:.0f} |")
     return 0

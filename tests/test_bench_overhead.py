@@ -35,8 +35,8 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
     returncode, stdout = run_bounded(cmd, 240)
     assert returncode == 0, stdout[-5000:]
     assert "one process (Horovod of one rank)" in stdout, stdout[-3000:]
-    rows = dict(re.findall(r"^\| \. \| 3 \| (\S+) \| ([\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d]+ / [\d]+) \|$",
-                           stdout, re.M))
+    rows = dict(re.findall(r"^\| \. \| 3 \| (\S+) \| ([\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ / [\d.]+ \| "
+                           r"[\d]+ / [\d]+) \|$", stdout, re.M))
     assert set(rows) == {"none", "qsgd4-buffered", "floor-buffered"}, stdout[-3000:]
     none, buffered, floor = ([float(v) for v in re.split(r" \| | / ", rows[m])]
                              for m in ("none", "qsgd4-buffered", "floor-buffered"))
@@ -44,7 +44,9 @@ def test_calls_mode_times_compress_and_decompress_in_one_process():
     assert floor[2] > 0 and floor[3] > 0, stdout[-3000:]   # (its buffer's exchange: in the first decompress)
     # the Python instructions a gradient runs: Horovod's none returns its tensor (a few), the floor keeps
     # a view, the compressor names, checks and places it
-    assert buffered[4] > floor[4] > none[4] > 0 and buffered[5] > floor[5] > 0, stdout[-3000:]
+    assert buffered[6] > floor[6] > none[6] > 0 and buffered[7] > floor[7] > 0, stdout[-3000:]
+    # the fastest block of a call is at most its median (printed to the microsecond: within half of one)
+    assert all(0 < row[4] <= row[0] + 0.55 and row[5] <= row[1] + 0.55 for row in (buffered, floor)), stdout[-3000:]
 
 
 FLOOR_CHECK = """

@@ -50,7 +50,11 @@ class Exchange:
 
     def remote_ranks(self):
         """The set ranks on other nodes than this rank's."""
-        return [j for j in range(len(self.set_ranks)) if self.remote(j)]
+        nodes = self.nodes
+        if nodes is None:
+            return []
+        mine = nodes[self.set_rank]
+        return [j for j, node in enumerate(nodes) if node != mine]
 
     def control_fields(self):
         """What its control vector is made of besides the route and the outcome (``ExchangeRunner.control``;
