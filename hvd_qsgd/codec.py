@@ -223,7 +223,7 @@ def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tens
 def seeded(template: "_native.Config", seed: int) -> "_native.Config":
     """A copy of a prepared (checked) encoder configuration with ``seed``."""
     cfg = _native.Config.from_buffer_copy(template)
-    cfg.seed = seed if type(seed) is int and 0 <= seed <= MAX_SEED else _check_u64("seed", seed)   # (the adapters')
+    cfg.seed = _check_u64("seed", seed)
     return cfg
 
 

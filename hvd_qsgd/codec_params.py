@@ -49,6 +49,8 @@ def _check_bucket(bucket_size):
 
 
 def _check_u64(name, v):
+    if type(v) is int and 0 <= v <= MAX_SEED:   # (what every caller passes: as it is)
+        return v
     if not is_integer(v) or not 0 <= v <= MAX_SEED:
         raise ValueError(f"{name} must be an integer in 0..2**64-1, got {v!r}")
     return int(v)

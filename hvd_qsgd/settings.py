@@ -278,10 +278,9 @@ class Stats:
         if len(self._added) > self.FOLD_AT:
             self._fold()
 
-    def exchanged(self, elements: int, sent: int, received: int, cross_sent: int = 0, cross_received: int = 0,
-                  allreduce_bytes: int = 0) -> None:
+    def exchanged(self, elements: int, sent: int, received: int, cross_sent: int = 0, cross_received: int = 0) -> None:
         """One compressed exchange's counts (``add`` of each, in one call: one is made per tensor)."""
-        self._added.append((elements, sent, received, cross_sent, cross_received, allreduce_bytes))
+        self._added.append((elements, sent, received, cross_sent, cross_received))
         if len(self._added) > self.FOLD_AT:
             self._fold()
 
@@ -329,4 +328,4 @@ class Stats:
 # each statistic as ``Stats.as_dict`` gives it: counts as int, times as float
 _STAT_KINDS = {**dict.fromkeys(Stats.FIELDS, int), **dict.fromkeys(Stats.TIME_FIELDS, float)}
 # the fields of a record of ``Stats.exchanged``, in order (and one more tensor)
-_EXCHANGED = ("elements", "bytes_sent", "bytes_received", "cross_bytes_sent", "cross_bytes_received", "allreduce_bytes")
+_EXCHANGED = ("elements", "bytes_sent", "bytes_received", "cross_bytes_sent", "cross_bytes_received")

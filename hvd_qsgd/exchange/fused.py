@@ -167,11 +167,9 @@ class FusedAllgatherChain:
             protocol.check_gathered(headers := b.read_headers(payloads, where), member.expect, where)
         out = b.decode_sum(payloads, alpha, where, headers)
         remote = ex.remote_ranks()
-        run.stats.add(elements=member.expect.numel, bytes_sent=member.own_len, tensors=1,
-                      decode_s=time.perf_counter() - t0,
-                      bytes_received=sum(len(p) for p in payloads) - member.own_len,
-                      cross_bytes_sent=member.own_len * len(remote),
-                      cross_bytes_received=sum(len(payloads[j]) for j in remote))
+        run.stats.add(decode_s=time.perf_counter() - t0)
+        run.stats.exchanged(member.expect.numel, member.own_len, sum(len(p) for p in payloads) - member.own_len,
+                            member.own_len * len(remote), sum(len(payloads[j]) for j in remote))
         return out
 
     @staticmethod

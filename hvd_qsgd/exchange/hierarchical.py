@@ -290,6 +290,5 @@ class HierarchicalChain:
             return f"{ex.where}: {who} sent no reduced shard: they could not reduce it (see the error on those ranks)"
         out = b.checked_sizes(out, got, [e - s for s, e in _shard_ranges(ex)], no_shard, ex.reduce_error)
         ex.received += 4 * (sum(got) - got[local])
-        run.stats.add(elements=ex.expect.numel, bytes_sent=ex.sent, tensors=1, bytes_received=ex.received,
-                      cross_bytes_sent=ex.cross_sent, cross_bytes_received=ex.cross_received)
+        run.stats.exchanged(ex.expect.numel, ex.sent, ex.received, ex.cross_sent, ex.cross_received)
         return b.scaled(out, alpha)

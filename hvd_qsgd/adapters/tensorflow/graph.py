@@ -260,7 +260,7 @@ class GraphRun:
         kept = {k: v for k, v in amounts.items() if k in Stats.GRAPH_FIELDS}
         self._local.deps.extend(self.owner._count(**kept))
 
-    def exchanged(self, elements, sent, received, cross_sent=0, cross_received=0, allreduce_bytes=0):
+    def exchanged(self, elements, sent, received, cross_sent=0, cross_received=0):
         """One exchange's counts (``Stats.exchanged``), those TensorFlow keeps."""
         self.add(elements=elements, bytes_sent=sent, tensors=1, bytes_received=received)
 
