@@ -13,6 +13,8 @@ import sys
 SUBCOMMANDS = {
     "kernels": ("benchmarks.kernels",
                 "codec encode/decode throughput vs memcpy and NumPy / PyTorch baselines"),
+    "error-feedback": ("benchmarks.error_feedback",
+                       "the CPU's error-feedback encode: the steps composed against the fused kernel"),
     "reduction": ("benchmarks.reduction",
                   "bytes per rank of QSGD's allgather and scatter_allgather reductions as n grows"),
     "torch": ("benchmarks.torch",

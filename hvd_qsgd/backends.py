@@ -51,13 +51,10 @@ class CpuBackend(HostCountedBackend):
         where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
         if type(x32) is codec_segments.Members:   # a fusion buffer's members, no residual (``encodes_members``)
             return codec_segments.encode(self._prepared(settings, fingerprint, source_dtype, x32.numel), x32, seed, where)
-        v = x32 if residual is None else x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
-        q = codec.encode_prepared(self._prepared(settings, fingerprint, source_dtype, v.size), v, seed, where)
+        prepared = self._prepared(settings, fingerprint, source_dtype, x32.size)
         if residual is None:
-            return q
-        codec.decode_sum([q], -1.0, out=v, accumulate=True, where=where)   # v - decode(q), in place (v is its own)
-        error_feedback.keep_where_finite(residual, v, residual_valid)
-        return q
+            return codec.encode_prepared(prepared, x32, seed, where)
+        return error_feedback.encode(prepared, x32, seed, residual, residual_valid, where)
 
     encodes_members = staticmethod(codec_segments.takes)
     _kept = {}   # codec.prepare's of each tensor: (its settings, what was prepared), by their ids and size

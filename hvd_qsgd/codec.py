@@ -179,15 +179,17 @@ def encode(x: Any, bits: int = 4, bucket_size: int = 512, norm: str = "max", see
     return _encode_into((_native.address(flat), flat.size), cfg, cap, out, name)
 
 
-def _encode_into(source, cfg, cap, out, name, kernel="qsgd_encode_cpu"):
+def _encode_into(source, cfg, cap, out, name, kernel="qsgd_encode_cpu", after_cfg=()):
     """The kernel's encode of ``source`` (its arguments before the config: a contiguous float32
-    array's address and size) with the checked ``cfg`` into ``out`` (a view of its first bytes is
-    returned), or into a new array of the bound ``cap``."""
+    array's address and size; ``after_cfg``: those between the config and the output) with the
+    checked ``cfg`` into ``out`` (a view of its first bytes is returned), or into a new array of the
+    bound ``cap``."""
     given = out is not None
     out = out if given else np.empty(cap, dtype=np.uint8)
     cap = out.size
     out_len = ctypes.c_uint64(0)
-    st = getattr(_native.load(), kernel)(*source, ctypes.byref(cfg), _native.address(out), cap, ctypes.byref(out_len))
+    st = getattr(_native.load(), kernel)(*source, ctypes.byref(cfg), *after_cfg, _native.address(out), cap,
+                                         ctypes.byref(out_len))
     if st != _native.OK:
         raise EncodeError(f"{name}: encode failed: {_native.status_string(st)}", st)
     if given:

@@ -36,6 +36,10 @@ from typing import Any
 
 import numpy as np
 
+from hvd_qsgd import _native, codec
+
+_FLOAT32 = np.dtype(np.float32)
+
 
 def usable_rate(lr: Any) -> bool:
     """Whether ``lr`` can rescale a residual (a finite positive number)."""
@@ -61,3 +65,28 @@ def keep_where_finite(residual: np.ndarray, d: np.ndarray, valid: bool = True) -
     if not valid:
         residual.fill(0)
     np.copyto(residual, d, where=np.isfinite(d))
+
+
+def encode(prepared: tuple, x: np.ndarray, seed: int, residual: np.ndarray, valid: bool = True,
+           name: str = "tensor") -> np.ndarray:
+    """The worker's step on the CPU in one native call (kernel ``qsgd_encode_ef_cpu``): the payload
+    ``codec.encode_prepared(prepared, v, seed)`` of v = x + residual (x alone when the residual is
+    not ``valid``), and ``residual`` (float32, x's size) = v - decode(payload) where that is finite,
+    in place (elsewhere it keeps its value; 0 when it was not valid). The same payload and residual
+    bits as those steps composed (``keep_where_finite``), without staging v: the fixed coding's
+    encode does them per chunk, in cache."""
+    template, numel, cap = prepared
+    if not (type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous):
+        x = codec._as_float32(x, name)[0]
+    if x.size != numel:
+        raise ValueError(f"{name}: encode was prepared for {numel} elements, got {x.size}")
+    if not (type(residual) is np.ndarray and residual.dtype is _FLOAT32 and residual.flags.c_contiguous
+            and residual.flags.writeable and residual.size == numel):
+        raise ValueError(f"{name}: the error-feedback residual must be a writeable contiguous float32 array of "
+                         f"{numel} elements, got {getattr(residual, 'dtype', type(residual).__name__)} "
+                         f"{getattr(residual, 'shape', '')}")
+    if numel and np.may_share_memory(x, residual):
+        raise ValueError(f"{name}: the error-feedback residual shares memory with the tensor it is added to")
+    return codec._encode_into((_native.address(x), numel), codec.seeded(template, seed), cap, None, name,
+                              "qsgd_encode_ef_cpu", (_native.address(residual), 1 if valid else 0))
+

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 11
+#define QSGD_ABI_VERSION 12
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -120,6 +120,15 @@ uint64_t qsgd_checksum_cpu(const uint8_t* payload, uint64_t len);
 /* Encode x[0:numel) into out[0:cap). *out_len receives the payload length. */
 int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                         uint64_t cap, uint64_t* out_len);
+/* qsgd_encode_cpu with error feedback, in one call (the CPU counterpart of qsgd_encode_ex_cuda's):
+ *   v = x + residual (fp32; when residual_valid is 0 the residual is not read: v = x, residual 0),
+ *   q = encode(v) into out,  residual[i] = v[i] - decode(q)[i]  where that is finite, else
+ *   residual[i] keeps its value (0 when residual_valid is 0),
+ * decode(q) being qsgd_decode_sum_cpu's 1 * (0 + value): the same payload and residual bits as those
+ * steps composed (the fixed coding fuses them per chunk, in cache). residual is float32[numel],
+ * apart from x and out; it is written only on success. */
+int32_t qsgd_encode_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, float* residual,
+                           int32_t residual_valid, uint8_t* out, uint64_t cap, uint64_t* out_len);
 /* Encode, with the fixed coding, the tensor of numel elements whose elements offsets[i] ..
  * offsets[i] + counts[i] - 1 are srcs[i][0 .. counts[i] - 1] and all others 0 (the segments sorted
  * by offset and apart): the same bytes as qsgd_encode_cpu of that tensor, without assembling it

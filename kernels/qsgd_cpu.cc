@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 
 #include "qsgd.h"
 #include "qsgd_cpu_internal.h"
@@ -356,6 +357,45 @@ static const float* segment_span(const Segments& g, int32_t* s, uint64_t lo, uin
   return padded;
 }
 
+/* Buckets per parallel chunk of the fixed coding's encode: chunks of whole buckets starting at
+ * multiples of 8 elements, about kChunkElems elements */
+static uint64_t encode_chunk_buckets(uint64_t B) {
+  uint64_t g = 1; /* g = 8 / gcd(B, 8): the fewest buckets spanning a multiple of 8 elements */
+  while ((g * B) % 8) g *= 2;
+  const uint64_t chunk_buckets = std::max<uint64_t>(1, kChunkElems / B);
+  return (chunk_buckets + g - 1) / g * g;
+}
+
+/* The error feedback of an encode (qsgd_encode_ef_cpu): the residual added to x (when valid) and
+ * replaced by v - decode(q) where that is finite. */
+struct Feedback {
+  float* residual;
+  bool valid;
+};
+/* The most elements a fused error-feedback encode stages per chunk (a chunk is at least one bucket,
+ * up to 8 of an odd size; longer chunks take the composed path, qsgd_encode_ef_cpu) */
+static const uint64_t kFeedbackChunkMax = 1 << 20;
+
+/* v[0:n) = x + residual (x alone when the residual is not valid), in fp32 */
+static void feedback_add(const float* x, const Feedback& fb, uint64_t n, float* v) {
+  if (!fb.valid) {
+    memcpy(v, x, sizeof(float) * n);
+    return;
+  }
+  const float* r = fb.residual;
+  for (uint64_t i = 0; i < n; ++i) v[i] = x[i] + r[i];
+}
+
+/* residual[0:n) = d where d is finite; elsewhere it keeps its value (0 when it was not valid) */
+static void feedback_keep(const Feedback& fb, const float* d, uint64_t n) {
+  float* r = fb.residual;
+  if (fb.valid) {
+    for (uint64_t i = 0; i < n; ++i) r[i] = std::isfinite(d[i]) ? d[i] : r[i];
+  } else {
+    for (uint64_t i = 0; i < n; ++i) r[i] = std::isfinite(d[i]) ? d[i] : 0.0f;
+  }
+}
+
 /* ---- encode (fixed) ------------------------------------------------------------------------
  * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
  * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
@@ -364,7 +404,8 @@ static const float* segment_span(const Segments& g, int32_t* s, uint64_t lo, uin
  * the payload words wholly inside its packed bytes while they are in cache; the header, the
  * scales and the words straddling two chunks are added at the end. */
 static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
-                            uint64_t cap, uint64_t* out_len, const Segments* segs = nullptr) {
+                            uint64_t cap, uint64_t* out_len, const Segments* segs = nullptr,
+                            const Feedback* fb = nullptr) {
   const uint64_t need = qsgd_fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (out_len) *out_len = need;
   if (cap < need) return QSGD_E_CAPACITY;
@@ -381,11 +422,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   /* buckets of whole groups of 8 codes: each bucket's packed bytes are its own */
   const bool packed = K.quantize_packed && encoder == 2 && bits >= 2 && cfg->norm != QSGD_NORM_SIGN &&
                       cfg->bucket_size % 8 == 0;
-  /* chunks of whole buckets starting at multiples of 8 elements */
-  uint64_t g = 1; /* g = 8 / gcd(B, 8): the fewest buckets spanning a multiple of 8 elements */
-  while ((g * B) % 8) g *= 2;
-  uint64_t chunk_buckets = std::max<uint64_t>(1, kChunkElems / B);
-  chunk_buckets = (chunk_buckets + g - 1) / g * g;
+  const uint64_t chunk_buckets = encode_chunk_buckets(B);
   const uint64_t nchunks = (nb + chunk_buckets - 1) / chunk_buckets;
   /* per chunk: the checksum terms of its whole words, and the word range they cover */
   uint64_t* sums = nullptr;
@@ -394,22 +431,29 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
     if (!sums) return QSGD_E_NOMEM;
   }
   const int nt = threads_for(numel);
-  /* per thread: the staged codes, then (segments) one bucket padded with zeros */
-  const size_t scratch_bytes = kStage + (segs ? sizeof(float) * B : 0);
+  /* per thread: the staged codes, then (segments) one bucket padded with zeros, or (feedback) the
+   * chunk's v and a decode accumulator of kStage values */
+  const uint64_t chunk_elems = chunk_buckets * B;
+  const size_t scratch_bytes =
+      kStage + (segs ? sizeof(float) * B : 0) + (fb ? sizeof(float) * (chunk_elems + kStage) : 0);
   const int32_t status = parallel_for_with_scratch(nt, nchunks, scratch_bytes, [&](uint64_t c, void* scratch) {
     uint8_t* stage = (uint8_t*)scratch;
     const uint64_t b0 = c * chunk_buckets, b1 = std::min(nb, b0 + chunk_buckets);
     uint64_t pos = b0 * B, staged = 0;
     int32_t seg = 0;
+    /* feedback: v of elements [e0, e1), encoded from here, then v - decode(q) */
+    const uint64_t e0 = b0 * B, e1 = std::min(numel, b1 * B);
+    float* v = fb ? (float*)(stage + kStage) : nullptr;
+    if (fb) feedback_add(x + e0, Feedback{fb->residual + e0, fb->valid}, e1 - e0, v);
     for (uint64_t b = b0; b < b1; ++b) {
       const uint64_t lo = b * B, hi = std::min(numel, lo + B);
       /* x a bucket and kPrefetch elements ahead on its way from memory while this bucket is worked
        * on (measured: encode ~8% faster; long buckets are left to the hardware prefetcher); the
        * one-pass quantize_packed prefetches from its own loop instead */
-      if (B <= kStage && !packed && !segs)
+      if (B <= kStage && !packed && !segs && !fb)
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
       /* xb[k]: element lo + k */
-      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + kStage)) : x + lo;
+      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + kStage)) : fb ? v + (lo - e0) : x + lo;
       const float scale = K.bucket_scale(xb, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
       if (packed) { /* quantized and packed in one pass (encoder 2; the avx2 and avx512 variants) */
@@ -432,6 +476,15 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       }
     }
     if (staged) K.pack(bits, stage, staged, data + pos / 8 * bits);
+    if (fb) { /* v = v + (-1) * decode(q), as qsgd_decode_sum_cpu's accumulate gives it (the stage
+               * holds the codes of each step: its own are packed), then kept where finite */
+      float* acc = v + chunk_elems;
+      const uint8_t* data_end = data + qsgd_packed_bytes(numel, bits);
+      for (uint64_t lo = e0; lo < e1; lo += kStage)
+        K.decode_step(bits, data, data_end, scales, B, lo, std::min(kStage, e1 - lo), stage, acc, 1, FIN_ACCUMULATE,
+                      v + (lo - e0), -1.0f);
+      feedback_keep(Feedback{fb->residual + e0, fb->valid}, v, e1 - e0);
+    }
     if (sums) {
       /* this chunk's packed bytes [d0, d1) of the payload; the words wholly inside them */
       const uint64_t d0 = data_off + b0 * B / 8 * bits;
@@ -473,6 +526,36 @@ extern "C" int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_co
   if (!out || numel > (1ull << 56)) return QSGD_E_ARG;
   if (cfg->coding == QSGD_CODING_ELIAS) return elias_encode(x, numel, cfg, out, cap, out_len);
   return encode_fixed(x, numel, cfg, out, cap, out_len);
+}
+
+/* qsgd_encode_ef_cpu where a chunk would stage too much (long buckets) or the coding is Elias: the
+ * same steps on the whole tensor, composed from the codec's calls */
+static int32_t encode_ef_composed(const float* x, uint64_t numel, const qsgd_config* cfg, const Feedback& fb,
+                                  uint8_t* out, uint64_t cap, uint64_t* out_len) {
+  float* v = (float*)malloc(sizeof(float) * (numel ? numel : 1));
+  if (!v) return QSGD_E_NOMEM;
+  IeeeFpScope fp;
+  feedback_add(x, fb, numel, v);
+  int32_t st = qsgd_encode_cpu(v, numel, cfg, out, cap, out_len);
+  if (st == QSGD_OK) {
+    const uint8_t* q = out;
+    const uint64_t qlen = *out_len;
+    st = qsgd_decode_sum_cpu(&q, &qlen, 1, -1.0f, v, numel, 1);
+  }
+  if (st == QSGD_OK) feedback_keep(fb, v, numel);
+  free(v);
+  return st;
+}
+
+extern "C" int32_t qsgd_encode_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, float* residual,
+                                      int32_t residual_valid, uint8_t* out, uint64_t cap, uint64_t* out_len) {
+  const int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  if (!out || !out_len || numel > (1ull << 56) || (numel && (!x || !residual))) return QSGD_E_ARG;
+  const Feedback fb{residual, residual_valid != 0};
+  if (cfg->coding == QSGD_CODING_ELIAS || encode_chunk_buckets(cfg->bucket_size) * cfg->bucket_size > kFeedbackChunkMax)
+    return encode_ef_composed(x, numel, cfg, fb, out, cap, out_len);
+  return encode_fixed(x, numel, cfg, out, cap, out_len, nullptr, &fb);
 }
 
 /* ---- validation ---------------------------------------------------------------------------- */

@@ -61,9 +61,14 @@ int32_t parallel_for_with_scratch(int nt, uint64_t n, size_t scratch_bytes, F&& 
 #pragma omp atomic write
       status = QSGD_E_NOMEM;
     }
+#pragma omp barrier
+    /* every thread's buffer, or no thread runs fn (a failed call writes nothing) */
+    int32_t ok;
+#pragma omp atomic read
+    ok = status;
 #pragma omp for schedule(static)
     for (uint64_t u = 0; u < n; ++u)
-      if (scratch) fn(u, scratch);
+      if (ok == QSGD_OK) fn(u, scratch);
     free(scratch);
   }
   return status;

@@ -36,6 +36,22 @@ def test_kernel_benchmark_writes_every_measurement(tmp_path):
         assert abs(r["encode_of_floor"] - r["encode_bytes"] / bandwidth / r["qsgd_encode_s"]) < 1e-9
 
 
+def test_error_feedback_benchmark_checks_then_times_every_variant(tmp_path):
+    """``benchmarks error-feedback``: the composed and fused steps, checked equal, then timed side by
+    side for every variant this CPU runs, the CPU named."""
+    out = tmp_path / "ef.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "error-feedback", "--sizes", "1000,70000", "--bits",
+                           "2,8", "--repeats", "1", "--isa", "all", "--json", str(out)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "cpu: " in proc.stdout and "composed/fused" in proc.stdout
+    runnable = [name for name, runs in codec.cpu_isas().items() if runs]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["isa"], r["n"], r["bits"]) for r in rows) == sorted(
+        (isa, n, b) for isa in runnable for n in (1000, 70000) for b in (2, 8))
+    assert all(r["composed_us"] > 0 and r["fused_us"] > 0 and r["encode_us"] > 0 and r["composed_over_fused"] > 0
+               for r in rows)
+
 
 @pytest.mark.parametrize("argv,message", [
     (["--bits", "9"], "bits must be integers in 2..8"),
