@@ -203,6 +203,8 @@ def load():
         lib.qsgd_chunks_max_nbytes.argtypes = [_U64, _I32, ctypes.c_uint32, _I32, _I32]
         lib.qsgd_encode_chunks_cpu.restype = _I32
         lib.qsgd_encode_chunks_cpu.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _U64, _P]
+        lib.qsgd_encode_chunks_ef_cpu.restype = _I32
+        lib.qsgd_encode_chunks_ef_cpu.argtypes = [_P, _U64, ctypes.POINTER(Config), _I32, _P, _I32, _P, _U64, _P]
         lib.qsgd_reduce_chunk_cpu.restype = _I32
         lib.qsgd_reduce_chunk_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), _I32,
                                               ctypes.POINTER(Config), _I32, _P, _U64, _P, _U64,

@@ -160,15 +160,8 @@ class CpuBackend(HostCountedBackend):
                       residual_valid: bool = True) -> Tuple[np.ndarray, List[int]]:
         """The n chunk payloads of x32 (or a fusion buffer's members) back to back and their lengths; with
         ``residual`` error feedback as ``encode`` has it, the residual being v - decode of the n chunk payloads."""
-        if residual is None:
-            return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where=where)
-        v = x32 + residual if residual_valid else np.array(x32, dtype=np.float32)
-        buf, lens = reduction.encode_chunks(v, settings, step_seed, n, fingerprint, source_dtype, where=where)
-        own = reduction.decode_chunks(reduction.split_by(buf, lens), 1.0, v.size, settings.bucket_size, where=where)
-        with np.errstate(invalid="ignore", over="ignore"):
-            np.subtract(v, own, out=v)
-        error_feedback.keep_where_finite(residual, v, residual_valid)
-        return buf, lens
+        return reduction.encode_chunks(x32, settings, step_seed, n, fingerprint, source_dtype, where, residual,
+                                       residual_valid)
 
     def split_by(self, buffer, lens) -> List[np.ndarray]:
         return reduction.split_by(buffer, lens)

@@ -80,13 +80,18 @@ def encode(prepared: tuple, x: np.ndarray, seed: int, residual: np.ndarray, vali
         x = codec._as_float32(x, name)[0]
     if x.size != numel:
         raise ValueError(f"{name}: encode was prepared for {numel} elements, got {x.size}")
-    if not (type(residual) is np.ndarray and residual.dtype is _FLOAT32 and residual.flags.c_contiguous
-            and residual.flags.writeable and residual.size == numel):
-        raise ValueError(f"{name}: the error-feedback residual must be a writeable contiguous float32 array of "
-                         f"{numel} elements, got {getattr(residual, 'dtype', type(residual).__name__)} "
-                         f"{getattr(residual, 'shape', '')}")
-    if numel and np.may_share_memory(x, residual):
-        raise ValueError(f"{name}: the error-feedback residual shares memory with the tensor it is added to")
+    check_residual(residual, x, name)
     return codec._encode_into((_native.address(x), numel), codec.seeded(template, seed), cap, None, name,
                               "qsgd_encode_ef_cpu", (_native.address(residual), 1 if valid else 0))
 
+
+def check_residual(residual: Any, x: np.ndarray, name: str) -> None:
+    """ValueError naming ``name`` unless ``residual`` is what a native error-feedback encode of the
+    float32 array ``x`` updates: a writeable contiguous float32 array of x's size, apart from x."""
+    if not (type(residual) is np.ndarray and residual.dtype is _FLOAT32 and residual.flags.c_contiguous
+            and residual.flags.writeable and residual.size == x.size):
+        raise ValueError(f"{name}: the error-feedback residual must be a writeable contiguous float32 array of "
+                         f"{x.size} elements, got {getattr(residual, 'dtype', type(residual).__name__)} "
+                         f"{getattr(residual, 'shape', '')}")
+    if x.size and np.may_share_memory(x, residual):
+        raise ValueError(f"{name}: the error-feedback residual shares memory with the tensor it is added to")

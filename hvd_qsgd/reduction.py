@@ -33,7 +33,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from hvd_qsgd import _native, codec, codec_segments, protocol
+from hvd_qsgd import _native, codec, codec_segments, error_feedback, protocol
 from hvd_qsgd.errors import EncodeError, PayloadError
 
 
@@ -83,10 +83,14 @@ def _raise(st, where, payloads=()):
     codec.raise_status(st, where)
 
 
-def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="float32", where="encode_chunks"):
+def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="float32", where="encode_chunks",
+                  residual=None, residual_valid=True):
     """Phase 1 on one rank: the payloads of the n chunks of float32 ``x32`` back to back, and their
     lengths (the alltoall's splits). ``x32`` may also be a fusion buffer's ``codec_segments.Members``
-    (the fixed coding: ``codec_segments.takes``), encoded without assembling it: the same bytes."""
+    (the fixed coding: ``codec_segments.takes``), encoded without assembling it: the same bytes.
+    With ``residual`` (a writeable contiguous float32 array of x32's size) error feedback, as
+    ``error_feedback.encode`` does it for each chunk, in one native call
+    (``qsgd_encode_chunks_ef_cpu``)."""
     members = type(x32) is codec_segments.Members
     x = x32 if members else np.ascontiguousarray(x32, dtype=np.float32).reshape(-1)
     numel = x.numel if members else x.size
@@ -95,11 +99,19 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
     cap = lib.qsgd_chunks_max_nbytes(numel, cfg.bits, cfg.bucket_size, cfg.coding, int(n))
     out = np.empty(cap, dtype=np.uint8)
     if members:
+        if residual is not None:
+            raise ValueError(f"{where}: a fusion buffer's members are encoded without error feedback")
         lens = _encode_member_chunks(x, cfg, step_seed, n, out, where)
     else:
         lens = np.zeros(n, dtype=np.uint64)
-        st = lib.qsgd_encode_chunks_cpu(_native.address(x), x.size, ctypes.byref(cfg), int(n), _native.address(out),
-                                        cap, _native.address(lens))
+        if residual is not None:
+            error_feedback.check_residual(residual, x, where)
+            st = lib.qsgd_encode_chunks_ef_cpu(_native.address(x), x.size, ctypes.byref(cfg), int(n),
+                                               _native.address(residual), 1 if residual_valid else 0,
+                                               _native.address(out), cap, _native.address(lens))
+        else:
+            st = lib.qsgd_encode_chunks_cpu(_native.address(x), x.size, ctypes.byref(cfg), int(n),
+                                            _native.address(out), cap, _native.address(lens))
         if st != _native.OK:
             raise EncodeError(f"{where}: encode failed: {_native.status_string(st)}", st)
         lens = [int(v) for v in lens]

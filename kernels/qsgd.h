@@ -220,6 +220,12 @@ uint64_t qsgd_chunks_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_si
  * qsgd_chunk_seed(cfg->seed, j, 0); lens[j] receives its payload length. */
 int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
                                uint8_t* out, uint64_t cap, uint64_t* lens);
+/* qsgd_encode_chunks_cpu with error feedback: chunk j's payload and residual[chunk j] as
+ * qsgd_encode_ef_cpu gives them for that chunk of x and of residual (float32[numel]) with chunk j's
+ * seed. cap must hold qsgd_chunks_max_nbytes (QSGD_E_CAPACITY otherwise, nothing written); past
+ * that check a chunk fails only with QSGD_E_NOMEM, which leaves the chunks before it updated. */
+int32_t qsgd_encode_chunks_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n, float* residual,
+                                  int32_t residual_valid, uint8_t* out, uint64_t cap, uint64_t* lens);
 /* Reduce chunk j: sum the count payloads of chunk j (qsgd_decode_sum_cpu, alpha 1) into scratch
  * (scratch_n >= their numel floats) and re-encode the sum with cfg's settings and the seed
  * qsgd_chunk_seed(cfg->seed, j, 1) into out[0:cap); *out_len receives the payload length. */

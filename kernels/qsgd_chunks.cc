@@ -86,6 +86,28 @@ int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config
   return QSGD_OK;
 }
 
+int32_t qsgd_encode_chunks_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n, float* residual,
+                                  int32_t residual_valid, uint8_t* out, uint64_t cap, uint64_t* lens) {
+  if (!cfg || !out || !lens || n < 1 || (numel && (!x || !residual))) return QSGD_E_ARG;
+  int32_t st = qsgd_check_config(cfg);
+  if (st != QSGD_OK) return st;
+  // every chunk's room first: past this, a chunk's encode fails only for want of memory
+  if (cap < qsgd_chunks_max_nbytes(numel, cfg->bits, cfg->bucket_size, cfg->coding, n)) return QSGD_E_CAPACITY;
+  uint64_t off = 0, b, e;
+  for (int32_t j = 0; j < n; ++j) {
+    st = qsgd_chunk_range(numel, cfg->bucket_size, n, j, &b, &e);
+    if (st != QSGD_OK) return st;
+    qsgd_config c = *cfg;
+    c.seed = qsgd_chunk_seed(cfg->seed, j, 0);
+    uint64_t len = 0;
+    st = qsgd_encode_ef_cpu(x + b, e - b, &c, residual + b, residual_valid, out + off, cap - off, &len);
+    if (st != QSGD_OK) return st;
+    lens[j] = len;
+    off += len;
+  }
+  return QSGD_OK;
+}
+
 int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,
                               const qsgd_config* cfg, int32_t j, float* scratch, uint64_t scratch_n,
                               uint8_t* out, uint64_t cap, uint64_t* out_len) {

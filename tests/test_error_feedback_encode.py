@@ -6,12 +6,13 @@ The payload bytes and the residual's bits must be equal for every instruction-se
 runs, on one thread and on two (the fixed coding's chunks run in parallel from 65,536 elements), every
 bit width, norm, coding and encoder, buckets that are and are not multiples of 8, buckets too long
 for the fused chunk (the composed native path), and inputs whose buckets decode non-finite (NaN, Inf)
-or whose v overflows (x + e beyond float32).
+or whose v overflows (x + e beyond float32). And scatter_allgather's phase 1 with error feedback
+(``reduction.encode_chunks(..., residual)``, kernel ``qsgd_encode_chunks_ef_cpu``) against its steps.
 """
 import numpy as np
 import pytest
 
-from hvd_qsgd import _native, backends, codec, error_feedback
+from hvd_qsgd import _native, backends, codec, error_feedback, reduction
 from hvd_qsgd.settings import Settings
 
 # (elements, bucket): one element; buckets of 3 (chunks of 8 buckets' multiples), 8, 100, 512, 4072;
@@ -118,3 +119,29 @@ def test_the_cpu_backend_takes_the_fused_step():
                                      valid)
         np.testing.assert_array_equal(q, want)
         np.testing.assert_array_equal(e_backend.view(np.uint32), e_fused.view(np.uint32))
+
+
+@pytest.mark.parametrize("coding", ["fixed", "elias"])
+def test_the_chunk_payloads_with_error_feedback_equal_the_steps_composed(coding):
+    """scatter_allgather's phase 1 with error feedback (``reduction.encode_chunks(..., residual)``, one
+    native call) against v = x + e, the n chunk payloads of v, and e = v - their decode where finite."""
+    rng = np.random.default_rng(6)
+    for n_el, bucket, n in ((5003, 100, 3), (70001, 512, 4), (1000, 512, 4), (130000, 3, 2)):
+        x, e0 = inputs(n_el, rng)
+        for bits in (2, 4, 8) if coding == "elias" else (1, 3, 8):
+            s = Settings.make(bits=bits, bucket_size=bucket, coding=coding)
+            for valid in (True, False):
+                with np.errstate(over="ignore", invalid="ignore"):
+                    v = x + e0 if valid else x.copy()
+                    want_buf, want_lens = reduction.encode_chunks(v, s, 77, n, 5)
+                    own = reduction.decode_chunks(reduction.split_by(want_buf, want_lens), 1.0, n_el, bucket)
+                    want_e = e0.copy()
+                    error_feedback.keep_where_finite(want_e, v - own, valid)
+                e = e0.copy()
+                buf, lens = backends.CPU.encode_chunks(x, s, 77, n, 5, "float32", "g", residual=e, residual_valid=valid)
+                where = f"n={n_el}, bucket={bucket}, {n} chunks, bits={bits}, valid={valid}"
+                assert lens == want_lens, where
+                np.testing.assert_array_equal(buf, want_buf, err_msg=where)
+                np.testing.assert_array_equal(e.view(np.uint32), want_e.view(np.uint32), err_msg=where)
+    with pytest.raises(ValueError, match="g: the error-feedback residual must be"):
+        reduction.encode_chunks(x, s, 77, 2, 5, "float32", "g", np.zeros(3, np.float32))
