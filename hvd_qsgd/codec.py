@@ -211,15 +211,19 @@ def prepare(numel: int, bits: int = 4, bucket_size: int = 512, norm: str = "max"
 
 
 def encode_prepared(prepared: tuple, x: np.ndarray, seed: int, name: str = "tensor") -> np.ndarray:
-    """``encode`` of ``x`` (of the prepared size; a contiguous float32 array is read as it is) with
-    the prepared parameters (``prepare``) and ``seed``: the same bytes, without checking every
-    parameter again."""
-    template, numel, cap = prepared
+    """``encode`` of ``x`` (``prepared_input``) with the prepared parameters (``prepare``) and
+    ``seed``: the same bytes, without checking every parameter again."""
+    x = prepared_input(prepared, x, name)
+    return _encode_into((_native.address(x), x.size), seeded(prepared[0], seed), prepared[2], None, name)
+
+
+def prepared_input(prepared: tuple, x: Any, name: str = "tensor") -> np.ndarray:
+    """``x`` as the float32 array a prepared encode reads (itself where it is one), of the prepared size."""
     if not (type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous):
         x = _as_float32(x, name)[0]
-    if x.size != numel:
-        raise ValueError(f"{name}: encode_prepared was prepared for {numel} elements, got {x.size}")
-    return _encode_into((_native.address(x), x.size), seeded(template, seed), cap, None, name)
+    if x.size != prepared[1]:
+        raise ValueError(f"{name}: encode was prepared for {prepared[1]} elements, got {x.size}")
+    return x
 
 
 def seeded(template: "_native.Config", seed: int) -> "_native.Config":

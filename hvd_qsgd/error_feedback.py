@@ -77,10 +77,7 @@ def encode(prepared: tuple, x: np.ndarray, seed: int, residual: np.ndarray, vali
     bits as those steps composed (``keep_where_finite``), without staging v: the fixed coding's
     encode does them per chunk, in cache."""
     template, numel, cap = prepared
-    if not (type(x) is np.ndarray and x.dtype is _FLOAT32 and x.flags.c_contiguous):
-        x = codec._as_float32(x, name)[0]
-    if x.size != numel:
-        raise ValueError(f"{name}: encode was prepared for {numel} elements, got {x.size}")
+    x = codec.prepared_input(prepared, x, name)
     check_residual(residual, x, name)
     return codec._encode_into((_native.address(x), numel), codec.seeded(template, seed), cap, None, name,
                               "qsgd_encode_ef_cpu", (_native.address(residual), 1 if valid else 0))

@@ -1,12 +1,9 @@
 // The chunk steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm):
 // one implementation for the NumPy/PyTorch binding (ctypes) and the TensorFlow ops. Each step is a
 // composition of the codec's encode and decode_sum over bucket-aligned chunks.
-#include <cmath>
-#include <optional>
 #include <vector>
 
 #include "qsgd.h"
-#include "qsgd_cpu_internal.h"
 #include "qsgd_math.h"
 
 namespace {
@@ -24,25 +21,13 @@ int32_t reduce_chunk(const uint8_t* const* payloads, const uint64_t* lens, int32
   const uint64_t n = h.numel;
   if (feedback && (residual_n != n || (n && !residual))) return QSGD_E_ARG;
   if (n > scratch_n || (n && !scratch)) return QSGD_E_CAPACITY;
-  // the element-wise sums below with denormals, whatever the caller set
-  std::optional<qsgd_cpu::IeeeFpScope> fp;
-  if (feedback) fp.emplace();
   st = qsgd_decode_sum_cpu(payloads, lens, count, 1.0f, scratch, n, 0);
   if (st != QSGD_OK) return st;
-  if (feedback)
-    for (uint64_t i = 0; i < n; ++i) scratch[i] = scratch[i] + residual[i];
   qsgd_config c = *cfg;
   c.seed = qsgd_chunk_seed(cfg->seed, j, 1);
-  st = qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
-  if (st != QSGD_OK || !feedback) return st;
-  // scratch = v + (-1) * decode(q) = v - decode(q), exactly (decode_sum's accumulate: out + alpha * sum)
-  const uint8_t* q = out;
-  const uint64_t qlen = *out_len;
-  st = qsgd_decode_sum_cpu(&q, &qlen, 1, -1.0f, scratch, n, 1);
-  if (st != QSGD_OK) return st;
-  for (uint64_t i = 0; i < n; ++i)
-    if (std::isfinite(scratch[i])) residual[i] = scratch[i];
-  return QSGD_OK;
+  // with feedback, the worker's step on the sum: v = S + residual, q = encode(v), the residual kept
+  if (feedback) return qsgd_encode_ef_cpu(scratch, n, &c, residual, 1, out, cap, out_len);
+  return qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
 }
 
 }  // namespace

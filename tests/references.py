@@ -1,11 +1,12 @@
 """Reference statements of the codec's documented arithmetic (docs/wire-format.md) and payload
 helpers, shared by the test modules that check the CPU and the CUDA kernels against them
-(tests/test_codec_format.py, tests/test_codec_validation.py, tests/test_cuda.py)."""
+(tests/test_codec_format.py, tests/test_codec_validation.py, tests/test_cuda.py,
+tests/test_error_feedback_encode.py)."""
 import math
 
 import numpy as np
 
-from hvd_qsgd import _native
+from hvd_qsgd import _native, codec
 
 
 def fold_order_bucket():
@@ -154,7 +155,7 @@ def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype
     Returns (alpha times the shards back to back, cross) with cross[i][k] the bytes rank
     k*per_node+i sends to other nodes (payloads, chunks and 8-byte-framed reduced chunks)."""
     import numpy as np
-    from hvd_qsgd import codec, reduction
+    from hvd_qsgd import reduction
     from hvd_qsgd.exchange.hierarchical import cross_reduction
     s, n = settings, len(xs)
     nodes = n // per_node
@@ -196,3 +197,14 @@ def hierarchical(xs, settings, step_seeds, per_node, alpha, fingerprint=0, dtype
             cross.append([p.size * (nodes - 1) for p in sent])
     out = np.concatenate(shards)
     return (out * alpha if alpha != 1.0 else out), cross
+
+
+def error_feedback_steps(x32, residual, valid, **kw):
+    """Error feedback's steps one by one on the CPU, what the fused encodes must equal: v = x (+ r),
+    q = codec.encode(v, **kw), r' = v - decode(q) where that is finite (else r, or 0 when not valid)."""
+    v = x32 + residual if valid else x32.copy()
+    q = codec.encode(v, **kw)
+    with np.errstate(invalid="ignore"):
+        d = v - codec.decode(q)
+    keep = residual if valid else np.zeros_like(residual)
+    return q, np.where(np.isfinite(d), d, keep).astype(np.float32)

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 from hvd_qsgd import _native, codec, protocol, reduction
 from tests import emulated_cuda
-from tests.references import documented_sign_decode, fold_order_bucket, l1_fold_order_bucket
+from tests.references import documented_sign_decode, error_feedback_steps, fold_order_bucket, l1_fold_order_bucket
 
 torch = pytest.importorskip("torch")
 
@@ -265,7 +265,7 @@ def test_fused_checksum_variant_is_byte_identical_to_cpu(tmp_path_factory):
     for bits in (2, 4, 8):
         kw = dict(bits=bits, bucket_size=512, seed=5)
         r0 = (rng.standard_normal(x.size) * 0.01).astype(np.float32)
-        want_q, want_r = _ef_reference(x, r0, True, **kw)
+        want_q, want_r = error_feedback_steps(x, r0, True, **kw)
         r = r0.copy()
         np.testing.assert_array_equal(dev.encode_ex(x, "float32", residual=r, **kw), want_q,
                                       err_msg=f"error feedback, bits={bits}")
@@ -537,16 +537,6 @@ def test_half_precision_input_is_read_natively_and_encodes_as_its_fp32_value(bac
             np.testing.assert_array_equal(got, want, err_msg=f"{dtype} n={n} bits={bits} {norm}")
 
 
-def _ef_reference(x32, residual, valid, **kw):
-    """The unfused steps on the CPU: v = x (+ r), q = encode(v), r' = v - decode(q) where finite."""
-    v = x32 + residual if valid else x32.copy()
-    q = codec.encode(v, **kw)
-    with np.errstate(invalid="ignore"):
-        d = v - codec.decode(q)
-    keep = residual if valid else np.zeros_like(residual)
-    return q, np.where(np.isfinite(d), d, keep).astype(np.float32)
-
-
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
 @pytest.mark.parametrize("bucket", [512, 100])
 @pytest.mark.parametrize("encoder", [1, 2])
@@ -563,7 +553,7 @@ def test_error_feedback_fused_into_encode_equals_the_unfused_steps(backend, dtyp
             kw = dict(bits=bits, bucket_size=bucket, norm=norm, seed=3, encoder=encoder)
             r0 = (rng.standard_normal(n) * 1e-2).astype(np.float32)
             r0[::50] = -0.0
-            want_q, want_r = _ef_reference(x32, r0, valid, source_dtype=dtype, **kw)
+            want_q, want_r = error_feedback_steps(x32, r0, valid, source_dtype=dtype, **kw)
             r = r0.copy() if valid else np.full(n, 7.0, np.float32)  # not valid: never read
             got_q = backend.encode_ex(x, dtype, residual=r, valid=valid, **kw)
             where = f"{dtype} bits={bits} {norm} valid={valid} encoder={encoder}"

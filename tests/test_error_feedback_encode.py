@@ -14,6 +14,7 @@ import pytest
 
 from hvd_qsgd import _native, backends, codec, error_feedback, reduction
 from hvd_qsgd.settings import Settings
+from tests.references import error_feedback_steps
 
 # (elements, bucket): one element; buckets of 3 (chunks of 8 buckets' multiples), 8, 100, 512, 4072;
 # 2^17 (one bucket a chunk), 100,001 (8 of them a chunk, 800,008 elements: still fused) and 2^21
@@ -22,16 +23,6 @@ SHAPES = [(1, 512), (7, 3), (100, 8), (5003, 100), (70001, 512), (140000, 3), (2
           (3 * 65536 + 5, 1 << 17), (300000, 100001), (50, 1 << 21)]
 # (norm, coding, encoder, checksum)
 KINDS = [("max", "fixed", 2, True), ("l2", "fixed", 1, False), ("max", "elias", 2, True), ("sign", "fixed", 2, True)]
-
-
-def composed(x, e, valid, kw):
-    """The steps one by one: what the fused call must equal."""
-    v = x + e if valid else x.copy()
-    q = codec.encode(v, **kw)
-    codec.decode_sum([q], -1.0, out=v, accumulate=True)
-    e = e.copy()
-    error_feedback.keep_where_finite(e, v, valid)
-    return q, e
 
 
 def inputs(n, rng):
@@ -70,7 +61,7 @@ def test_the_fused_step_equals_the_steps_composed(isa, restore_cpu):
                     prepared = codec.prepare(n, bits, bucket, norm, coding, 5, checksum, "float32", encoder)
                     for valid in (True, False):
                         with np.errstate(over="ignore", invalid="ignore"):
-                            want_q, want_e = composed(x, e0, valid, kw)
+                            want_q, want_e = error_feedback_steps(x, e0, valid, **kw)
                         e = e0.copy()
                         q = error_feedback.encode(prepared, x, seed, e, valid, "g")
                         where = f"{isa}, {threads} threads, n={n}, {kw}, valid={valid}"
