@@ -1,7 +1,8 @@
 """The native binding of the codec's TensorFlow ops (``hvd_qsgd/tensorflow/qsgd_ops.cc``, built by
 setup.py against the installed TensorFlow into ``hvd_qsgd/tensorflow/_qsgd_ops*.so``):
-``qsgd_encode``, ``qsgd_decode_sum`` and ``qsgd_check_control``, and the steps of the
-scatter_allgather reduction ``qsgd_encode_chunks``, ``qsgd_reduce_chunk`` and ``qsgd_decode_chunks``:
+``qsgd_encode`` (``qsgd_encode_ef`` with error feedback), ``qsgd_decode_sum`` and
+``qsgd_check_control``, and the steps of the scatter_allgather reduction ``qsgd_encode_chunks``
+(``qsgd_encode_chunks_ef``), ``qsgd_reduce_chunk`` and ``qsgd_decode_chunks``:
 CPU kernels calling the same C ABI as the PyTorch binding and ``hvd_qsgd.reduction``, so the same
 input, settings and seed give the same bytes."""
 import glob

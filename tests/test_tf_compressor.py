@@ -249,6 +249,87 @@ def test_chunk_ops_equal_the_reduction_module_and_report_failures_without_raisin
         assert c["payloads_shape"] == [c["static"]], c
 
 
+
+ERROR_FEEDBACK_OPS = r"""
+import json
+import numpy as np
+import tensorflow as tf
+from hvd_qsgd import codec, error_feedback, protocol, reduction
+from hvd_qsgd.settings import Settings
+from hvd_qsgd.tensorflow import ops
+o = ops.load()
+rng = np.random.default_rng(11)
+cases = []
+for d, bits, coding, dtype, factor, world in [(20000, 4, "fixed", "float32", 1.0, 3), (70001, 8, "fixed", "float16", 0.5, 2),
+                                              (4096, 3, "elias", "float32", 2.0, 4), (30000, 2, "elias", "bfloat16", 1.0, 3),
+                                              (1000, 1, "fixed", "float32", 0.25, 2)]:
+    s = Settings.make(bits, coding=coding)
+    fp = codec.tensor_fingerprint("w", (d,), dtype)
+    x = tf.cast(tf.constant((rng.standard_normal(d) * 3).astype(np.float32)), dtype)
+    x32 = tf.cast(x, tf.float32).numpy()
+    x32[5], x32[d // 2] = np.nan, np.inf          # their buckets decode non-finite
+    x = tf.cast(tf.constant(x32), dtype)
+    r = (0.1 * rng.standard_normal(d)).astype(np.float32)
+    e = r * np.float32(factor)                    # the residual as it is worth now
+    base = protocol.exchange_seed(5, 1, "e")
+    seed = protocol.step_seed(base, 7)
+    attrs = dict(bits=bits, bucket_size=s.bucket_size, coding=codec.CODINGS[coding], dtype_code=codec.DTYPES[dtype],
+                 seed=ops.as_int64_attr(base), fingerprint=ops.as_int64_attr(fp))
+    occ = tf.constant(7, tf.int64)
+    # the worker's encode: the PyTorch/NumPy path's native call on the same values
+    want_e = e.copy()
+    want_p = error_feedback.encode(codec.prepare(d, bits, s.bucket_size, "max", coding, fp, True, dtype), x32, seed,
+                                   want_e)
+    v = tf.Variable(r)
+    held = v.read_value()   # a read still alive: the op updates a copy of its own (the variable's)
+    p = o.qsgd_encode_ef(x, occ, v.handle, tf.constant(factor), **attrs)
+    new = v.numpy()
+    kept = ~np.isfinite(x32 + e - codec.decode(want_p))
+    case = dict(d=d, coding=coding, dtype=dtype, same_bytes=bool(np.array_equal(p.numpy(), want_p)),
+                same_residual=bool(np.array_equal(new, want_e)), kept=int(kept.sum()),
+                kept_rescaled=bool(np.array_equal(new[kept], e[kept])), finite=bool(np.isfinite(new).all()),
+                read_unchanged=bool(np.array_equal(held.numpy(), r)))
+    # phase 1 of scatter_allgather (no read alive: updated in place)
+    want_c = e.copy()
+    buf, lens = reduction.encode_chunks(x32, s, seed, world, fp, dtype, residual=want_c)
+    v = tf.Variable(r)
+    pc, sp = o.qsgd_encode_chunks_ef(x, occ, v.handle, tf.constant(factor), world=world, **attrs)
+    case.update(same_chunks=bool(np.array_equal(pc.numpy(), buf)) and sp.numpy().tolist() == [int(v) for v in lens],
+                same_chunk_residual=bool(np.array_equal(v.numpy(), want_c)))
+    # a residual of another size fails the op, naming the tensor
+    errors = []
+    for call in (lambda: o.qsgd_encode_ef(x, occ, tf.Variable(tf.zeros([d + 1])).handle, tf.constant(1.0),
+                                          where="layer1.w", **attrs),
+                 lambda: o.qsgd_encode_chunks_ef(x, occ, tf.Variable(tf.zeros([d - 1])).handle, tf.constant(1.0),
+                                                 where="layer1.w", world=world, **attrs)):
+        try:
+            call()
+            errors.append("")
+        except tf.errors.InvalidArgumentError as err:
+            errors.append(err.message)
+    case["errors"] = errors
+    cases.append(case)
+print("RESULT " + json.dumps(cases))
+"""
+
+
+def test_the_error_feedback_ops_equal_the_pytorch_paths_native_call():
+    """QsgdEncodeEf and QsgdEncodeChunksEf (error feedback in one op, the residual's variable updated
+    in place) give the payload bytes and the residual bits of the PyTorch/NumPy path's native calls
+    (error_feedback.encode, reduction.encode_chunks with a residual) on the same values: fixed and
+    Elias, fp32/fp16/bf16, a residual worth 1, 0.5, 2 or 0.25 times its value (learning-rate
+    following). Where a bucket decodes non-finite, the new residual keeps the rescaled value, as
+    PyTorch's does. A read of the variable taken before the op keeps its value. A residual of
+    another size fails the op with a message naming the tensor."""
+    cases = snippet_cases(ERROR_FEEDBACK_OPS)
+    assert len(cases) == 5
+    for c in cases:
+        assert c["same_bytes"] and c["same_residual"] and c["same_chunks"] and c["same_chunk_residual"], c
+        assert c["kept"] > 0 and c["kept_rescaled"] and c["finite"] and c["read_unchanged"], c
+        assert re.search(r"layer1\.w: its error-feedback residual has \d+ elements, the tensor " + str(c["d"]),
+                         c["errors"][0]), c
+        assert re.search(r"layer1\.w: its error-feedback residual has \d+ elements", c["errors"][1]), c
+
 def test_the_tensorflow_op_library_was_built():
     here = os.path.join(ROOT, "hvd_qsgd", "tensorflow")
     assert any(f.startswith("_qsgd_ops") and f.endswith(".so") for f in os.listdir(here))
@@ -292,7 +373,8 @@ for kw in ({}, {"encoder": 1}, {"encoder": 2}):
         return c.decompress(hvd.allreduce(ctrl, op=hvd.Average), ctx)
     graph = tf.function(traced).get_concrete_function(tf.TensorSpec([20000], tf.float32)).graph
     attrs = sorted((op.type, op.get_attr("encoder")) for op in graph.get_operations()
-                   if op.type in ("QsgdEncode", "QsgdEncodeChunks", "QsgdReduceChunk", "QsgdReduceChunkEf"))
+                   if op.type in ("QsgdEncode", "QsgdEncodeEf", "QsgdEncodeChunks", "QsgdEncodeChunksEf",
+                                  "QsgdReduceChunk", "QsgdReduceChunkEf"))
     cases.append(dict(setting=kw, reduction="traced", ops=attrs))
 print("RESULT " + json.dumps(cases))
 '''
@@ -301,14 +383,15 @@ print("RESULT " + json.dumps(cases))
 def test_the_encoder_setting_reaches_the_tensorflow_ops():
     """hvd_qsgd.tensorflow.QSGD(encoder=...) hands the setting to every encoding op: the payloads of
     the encode ops and of the reduce step (eager, allgather and scatter_allgather) record it in their
-    header (2 by default), and in a traced step with both error feedbacks every QsgdEncodeChunks and
-    QsgdReduceChunkEf op carries it as its attr."""
+    header (2 by default), and in a traced step with both error feedbacks every QsgdEncodeChunksEf
+    and QsgdReduceChunkEf op carries it as its attr (and no encoding op without error feedback is
+    left in that graph)."""
     cases = snippet_cases(ENCODER)
     assert len(cases) == 9
     for c in cases:
         want = c["setting"].get("encoder", 2)
         if c["reduction"] == "traced":
-            assert c["ops"] == [["QsgdEncodeChunks", want], ["QsgdReduceChunkEf", want]], c
+            assert c["ops"] == [["QsgdEncodeChunksEf", want], ["QsgdReduceChunkEf", want]], c
         else:
             assert c["sent"] == [want], c
             assert c["reduced"] == ([want] if c["reduction"] == "scatter_allgather" else []), c

@@ -1,6 +1,10 @@
 // TensorFlow ops over the codec's C ABI (kernels/qsgd.h): the same kernels, inside graphs.
 //
 //   QsgdEncode(x, occurrence) -> payload        x: float32 | float16 | bfloat16, any shape
+//   QsgdEncodeEf(x, occurrence, residual, factor) -> payload
+//                                               the same with error feedback in one call
+//                                               (qsgd_encode_ef_cpu on residual * factor; residual
+//                                               a float32 resource variable, updated in place)
 //   QsgdDecodeSum(gathered, alpha) -> out       out = alpha * sum of the `count` payloads in gathered
 //   QsgdDecodeSumReport(gathered, alpha) -> out, error    the same, never failing the step (empty
 //                                               out and the reason where QsgdDecodeSum would fail)
@@ -10,6 +14,8 @@
 // algorithm; kernels/qsgd_chunks.cc implements it, these ops only check headers and call it):
 //
 //   QsgdEncodeChunks(x, occurrence) -> payloads, splits            phase 1: the n chunk payloads
+//   QsgdEncodeChunksEf(x, occurrence, residual, factor) -> payloads, splits
+//                                                                  the same with error feedback
 //   QsgdReduceChunk(received, received_splits, occurrence) -> payload, error
 //                                                                  this rank's chunk, re-quantized
 //   QsgdDecodeChunks(gathered, gathered_splits, alpha, local_error) -> out
@@ -18,12 +24,15 @@
 // CPU kernels only: GPU tensors are copied to the host by TensorFlow's placement.
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <type_traits>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 #include "qsgd.h"
@@ -147,38 +156,91 @@ const float* AsFloat(const Tensor& x, std::vector<float>* widened) {
   return widened->data();
 }
 
+// The residual an error-feedback op updates in place (input 2, a float32 resource variable of n
+// elements, whose lock the caller holds), times the scalar input 3 (lr_made / lr_now; 1 leaves it
+// as it is), so that where a difference is not finite the kernel keeps the rescaled value, as the
+// PyTorch path does. Where a read of the variable is still alive (or the variable copies on read),
+// the variable gets a copy of its own first, as TensorFlow's in-place updates of variables do.
+Status OwnResidual(OpKernelContext* ctx, Var* var, uint64_t n, const std::string& where, float** out) {
+  const Tensor& factor = ctx->input(3);
+  if (!TensorShapeUtils::IsScalar(factor.shape()))
+    return errors::InvalidArgument(where, ": the error-feedback factor must be a scalar, got shape ",
+                                   factor.shape().DebugString());
+  Tensor* t = var->tensor();
+  if (!var->is_initialized || t->dtype() != DT_FLOAT)
+    return errors::InvalidArgument(where, ": its error-feedback residual must be an initialized float32 variable");
+  if (uint64_t(t->NumElements()) != n)
+    return errors::InvalidArgument(where, ": its error-feedback residual has ", t->NumElements(),
+                                   " elements, the tensor ", n);
+  const float f = factor.scalar<float>()();
+  if (!t->RefCountIsOne() || var->copy_on_read_mode.load()) {
+    Tensor copy;
+    TF_RETURN_IF_ERROR(ctx->allocate_temp(DT_FLOAT, t->shape(), &copy));
+    const float* src = t->flat<float>().data();
+    float* dst = copy.flat<float>().data();
+    for (uint64_t i = 0; i < n; ++i) dst[i] = f == 1.0f ? src[i] : src[i] * f;
+    *t = copy;
+  } else if (f != 1.0f) {
+    float* r = t->flat<float>().data();
+    for (uint64_t i = 0; i < n; ++i) r[i] *= f;
+  }
+  *out = t->flat<float>().data();
+  return OkStatus();
+}
+
 }  // namespace
+
+// The attrs of QsgdEncode and QsgdEncodeEf.
+#define QSGD_ENCODE_ATTRS                    \
+  Attr("T: {float, half, bfloat16}")         \
+      .Attr("bits: int")                     \
+      .Attr("bucket_size: int")              \
+      .Attr("norm: int = 0")                 \
+      .Attr("coding: int = 0")               \
+      .Attr("dtype_code: int = 0")           \
+      .Attr("checksum: bool = true")         \
+      .Attr("encoder: int = 2")              \
+      .Attr("seed: int")                     \
+      .Attr("fingerprint: int = 0")          \
+      .Attr("where: string = 'tensor'")
+
+// The payload's shape: its length where the coding is fixed and x's shape known.
+Status EncodeShape(InferenceContext* c) {
+  int64_t bits, bucket, coding;
+  TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+  TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket));
+  TF_RETURN_IF_ERROR(c->GetAttr("coding", &coding));
+  const int64_t n = c->RankKnown(c->input(0)) ? c->Value(c->NumElements(c->input(0))) : -1;
+  if (coding == QSGD_CODING_FIXED && n >= 0 && c->FullyDefined(c->input(0)))
+    c->set_output(0, c->Vector(int64_t(qsgd_fixed_nbytes(uint64_t(n), int32_t(bits), uint32_t(bucket)))));
+  else
+    c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
+  return OkStatus();
+}
 
 REGISTER_OP("QsgdEncode")
     .Input("x: T")
     .Input("occurrence: int64")
     .Output("payload: uint8")
-    .Attr("T: {float, half, bfloat16}")
-    .Attr("bits: int")
-    .Attr("bucket_size: int")
-    .Attr("norm: int = 0")
-    .Attr("coding: int = 0")
-    .Attr("dtype_code: int = 0")
-    .Attr("checksum: bool = true")
-    .Attr("encoder: int = 2")
-    .Attr("seed: int")
-    .Attr("fingerprint: int = 0")
-    .Attr("where: string = 'tensor'")
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t bits, bucket, coding;
-      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
-      TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket));
-      TF_RETURN_IF_ERROR(c->GetAttr("coding", &coding));
-      const int64_t n = c->RankKnown(c->input(0)) ? c->Value(c->NumElements(c->input(0))) : -1;
-      if (coding == QSGD_CODING_FIXED && n >= 0 && c->FullyDefined(c->input(0)))
-        c->set_output(0, c->Vector(int64_t(qsgd_fixed_nbytes(uint64_t(n), int32_t(bits), uint32_t(bucket)))));
-      else
-        c->set_output(0, c->Vector(InferenceContext::kUnknownDim));
-      return OkStatus();
-    })
+    .QSGD_ENCODE_ATTRS
+    .SetShapeFn(EncodeShape)
     .Doc("QSGD-encode x with the seed qsgd_step_seed(seed, occurrence) into a payload.");
 
-template <typename T>
+REGISTER_OP("QsgdEncodeEf")
+    .Input("x: T")
+    .Input("occurrence: int64")
+    .Input("residual: resource")
+    .Input("factor: float")
+    .Output("payload: uint8")
+    .QSGD_ENCODE_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(EncodeShape)
+    .Doc("QsgdEncode with error feedback in one call (qsgd_encode_ef_cpu): with e = residual * factor "
+         "(the variable, float32, one value per element of x), the payload of v = x + e; the variable "
+         "becomes v - decode(payload) where that is finite, else e, in place.");
+
+// QsgdEncode (kEf false) and QsgdEncodeEf (kEf true).
+template <typename T, bool kEf>
 class QsgdEncodeOp : public OpKernel {
  public:
   explicit QsgdEncodeOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -193,19 +255,31 @@ class QsgdEncodeOp : public OpKernel {
     qsgd_config cfg = cfg_;
     cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
     const uint64_t n = uint64_t(x.NumElements());
+    core::RefCountPtr<Var> var;   // the residual's variable, locked until the encode is done
+    std::unique_ptr<mutex_lock> locked;
+    float* residual = nullptr;
+    if (kEf) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &var));
+      locked = std::make_unique<mutex_lock>(*var->mu());
+      OP_REQUIRES_OK(ctx, OwnResidual(ctx, var.get(), n, where_, &residual));
+    }
     std::vector<float> widened;
     const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = cfg.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(n, cfg.bits, cfg.bucket_size)
                                                           : qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size);
+    auto encode = [&](uint8_t* out, uint64_t* len) {
+      return kEf ? qsgd_encode_ef_cpu(data, n, &cfg, residual, 1, out, cap, len)
+                 : qsgd_encode_cpu(data, n, &cfg, out, cap, len);
+    };
     uint64_t len = 0;
     if (cfg.coding == QSGD_CODING_FIXED) {
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(cap)}), &out));
-      const int32_t st = qsgd_encode_cpu(data, n, &cfg, out->flat<uint8_t>().data(), cap, &len);
+      const int32_t st = encode(out->flat<uint8_t>().data(), &len);
       OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode"));
     } else {
       std::vector<uint8_t> buf(cap);
-      const int32_t st = qsgd_encode_cpu(data, n, &cfg, buf.data(), cap, &len);
+      const int32_t st = encode(buf.data(), &len);
       OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode"));
       Tensor* out = nullptr;
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(len)}), &out));
@@ -219,10 +293,13 @@ class QsgdEncodeOp : public OpKernel {
   std::string where_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("QsgdEncode").Device(DEVICE_CPU).TypeConstraint<float>("T"), QsgdEncodeOp<float>);
-REGISTER_KERNEL_BUILDER(Name("QsgdEncode").Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),
-                        QsgdEncodeOp<Eigen::half>);
-REGISTER_KERNEL_BUILDER(Name("QsgdEncode").Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"), QsgdEncodeOp<bfloat16>);
+#define QSGD_REGISTER_ENCODE(NAME, EF)                                                                         \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<float>("T"), QsgdEncodeOp<float, EF>); \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),                     \
+                          QsgdEncodeOp<Eigen::half, EF>);                                                     \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"), QsgdEncodeOp<bfloat16, EF>)
+QSGD_REGISTER_ENCODE("QsgdEncode", false);
+QSGD_REGISTER_ENCODE("QsgdEncodeEf", true);
 
 // The attrs of QsgdDecodeSum and QsgdDecodeSumReport: how many payloads, and what each must say.
 #define QSGD_DECODE_SUM_ATTRS                 \
@@ -427,6 +504,25 @@ REGISTER_KERNEL_BUILDER(Name("QsgdCheckControl").Device(DEVICE_CPU), QsgdCheckCo
       .Attr("world: int")                   \
       .Attr("where: string = 'tensor'")
 
+// Phase 1's shapes: the payloads' total length where the coding is fixed and x's shape known, one
+// split per rank.
+Status EncodeChunksShape(InferenceContext* c) {
+  int64_t bits, bucket, coding, world;
+  TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
+  TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket));
+  TF_RETURN_IF_ERROR(c->GetAttr("coding", &coding));
+  TF_RETURN_IF_ERROR(c->GetAttr("world", &world));
+  int64_t len = InferenceContext::kUnknownDim;
+  if (coding == QSGD_CODING_FIXED && c->RankKnown(c->input(0)) && c->FullyDefined(c->input(0))) {
+    const uint64_t total = qsgd_chunks_max_nbytes(uint64_t(c->Value(c->NumElements(c->input(0)))),
+                                                  int32_t(bits), uint32_t(bucket), int32_t(coding), int32_t(world));
+    if (total) len = int64_t(total);
+  }
+  c->set_output(0, c->Vector(len));
+  c->set_output(1, c->Vector(world));
+  return OkStatus();
+}
+
 REGISTER_OP("QsgdEncodeChunks")
     .Input("x: T")
     .Input("occurrence: int64")
@@ -434,26 +530,27 @@ REGISTER_OP("QsgdEncodeChunks")
     .Output("splits: int32")
     .Attr("T: {float, half, bfloat16}")
     .QSGD_SETTINGS_ATTRS
-    .SetShapeFn([](InferenceContext* c) {
-      int64_t bits, bucket, coding, world;
-      TF_RETURN_IF_ERROR(c->GetAttr("bits", &bits));
-      TF_RETURN_IF_ERROR(c->GetAttr("bucket_size", &bucket));
-      TF_RETURN_IF_ERROR(c->GetAttr("coding", &coding));
-      TF_RETURN_IF_ERROR(c->GetAttr("world", &world));
-      int64_t len = InferenceContext::kUnknownDim;
-      if (coding == QSGD_CODING_FIXED && c->RankKnown(c->input(0)) && c->FullyDefined(c->input(0))) {
-        const uint64_t total = qsgd_chunks_max_nbytes(uint64_t(c->Value(c->NumElements(c->input(0)))),
-                                                      int32_t(bits), uint32_t(bucket), int32_t(coding), int32_t(world));
-        if (total) len = int64_t(total);
-      }
-      c->set_output(0, c->Vector(len));
-      c->set_output(1, c->Vector(world));
-      return OkStatus();
-    })
+    .SetShapeFn(EncodeChunksShape)
     .Doc("Phase 1 of scatter_allgather: the `world` chunk payloads of x back to back (qsgd_encode_chunks_cpu "
          "with the step seed qsgd_step_seed(seed, occurrence)), and their lengths, the alltoall's splits.");
 
-template <typename T>
+REGISTER_OP("QsgdEncodeChunksEf")
+    .Input("x: T")
+    .Input("occurrence: int64")
+    .Input("residual: resource")
+    .Input("factor: float")
+    .Output("payloads: uint8")
+    .Output("splits: int32")
+    .Attr("T: {float, half, bfloat16}")
+    .QSGD_SETTINGS_ATTRS
+    .SetIsStateful()
+    .SetShapeFn(EncodeChunksShape)
+    .Doc("QsgdEncodeChunks with error feedback in one call (qsgd_encode_chunks_ef_cpu): each chunk and "
+         "its part of the residual variable as QsgdEncodeEf gives them for that chunk of x and of "
+         "residual * factor.");
+
+// QsgdEncodeChunks (kEf false) and QsgdEncodeChunksEf (kEf true).
+template <typename T, bool kEf>
 class QsgdEncodeChunksOp : public OpKernel {
  public:
   explicit QsgdEncodeChunksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -472,20 +569,31 @@ class QsgdEncodeChunksOp : public OpKernel {
     cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
     const uint64_t n = uint64_t(x.NumElements());
     const int32_t world = int32_t(world_);
+    core::RefCountPtr<Var> var;   // the residual's variable, locked until the encode is done
+    std::unique_ptr<mutex_lock> locked;
+    float* residual = nullptr;
+    if (kEf) {
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &var));
+      locked = std::make_unique<mutex_lock>(*var->mu());
+      OP_REQUIRES_OK(ctx, OwnResidual(ctx, var.get(), n, where_, &residual));
+    }
     std::vector<float> widened;
     const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = qsgd_chunks_max_nbytes(n, cfg.bits, cfg.bucket_size, cfg.coding, world);
     OP_REQUIRES(ctx, cap > 0, FromStatus(QSGD_E_ARG, where_ + ": encode chunks"));
     std::vector<uint64_t> lens(size_t(world), 0);
+    auto encode = [&](uint8_t* out) {
+      return kEf ? qsgd_encode_chunks_ef_cpu(data, n, &cfg, world, residual, 1, out, cap, lens.data())
+                 : qsgd_encode_chunks_cpu(data, n, &cfg, world, out, cap, lens.data());
+    };
     Tensor* payloads = nullptr;
     if (cfg.coding == QSGD_CODING_FIXED) {  // the bound is exact: encode in place
       OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(cap)}), &payloads));
-      const int32_t st = qsgd_encode_chunks_cpu(data, n, &cfg, world, payloads->flat<uint8_t>().data(), cap,
-                                                lens.data());
+      const int32_t st = encode(payloads->flat<uint8_t>().data());
       OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
     } else {
       std::vector<uint8_t> buf(cap);
-      const int32_t st = qsgd_encode_chunks_cpu(data, n, &cfg, world, buf.data(), cap, lens.data());
+      const int32_t st = encode(buf.data());
       OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
       uint64_t total = 0;
       for (uint64_t l : lens) total += l;
@@ -509,12 +617,15 @@ class QsgdEncodeChunksOp : public OpKernel {
   std::string where_;
 };
 
-REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<float>("T"),
-                        QsgdEncodeChunksOp<float>);
-REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),
-                        QsgdEncodeChunksOp<Eigen::half>);
-REGISTER_KERNEL_BUILDER(Name("QsgdEncodeChunks").Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"),
-                        QsgdEncodeChunksOp<bfloat16>);
+#define QSGD_REGISTER_ENCODE_CHUNKS(NAME, EF)                                                 \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<float>("T"),           \
+                          QsgdEncodeChunksOp<float, EF>);                                     \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),     \
+                          QsgdEncodeChunksOp<Eigen::half, EF>);                               \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"),        \
+                          QsgdEncodeChunksOp<bfloat16, EF>)
+QSGD_REGISTER_ENCODE_CHUNKS("QsgdEncodeChunks", false);
+QSGD_REGISTER_ENCODE_CHUNKS("QsgdEncodeChunksEf", true);
 
 REGISTER_OP("QsgdReduceChunk")
     .Input("received: uint8")

@@ -3,7 +3,8 @@ chains (``hvd_qsgd.exchange.chains``), built as TensorFlow ops (``hvd_qsgd.adapt
 so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
 
     compress(g):    the chain's encode of g [+ e] (QsgdEncode, or QsgdEncodeChunks for
-                    scatter_allgather); returns the control vector (a float64 constant)
+                    scatter_allgather; their Ef ops with error feedback); returns the control
+                    vector (a float64 constant)
     decompress(r):  alpha = QsgdCheckControl(r)                   (fails on every rank alike)
                     the chain's stages, the first collective after alpha (control dependency)
                     return cast(alpha * the reduced tensor, g.dtype)

@@ -3,7 +3,7 @@
 is built, in order (``chains.run_stages``); what they build runs every step:
 
     TensorFlowOps          the backend of one exchange: the codec ops of ``hvd_qsgd.tensorflow``
-                           (QsgdEncode, QsgdDecodeSum[Report], QsgdEncodeChunks,
+                           (QsgdEncode[Ef], QsgdDecodeSum[Report], QsgdEncodeChunks[Ef],
                            QsgdReduceChunk[Ef], QsgdDecodeChunks) bound to its settings, expected
                            header, message and seed; sizes are int64 tensors; a header check or a
                            failed reduce step raises inside the op that decodes
@@ -63,24 +63,28 @@ class TensorFlowOps:
         return dict(self.attrs, checksum=s.checksum, encoder=s.encoder, seed=step_seed[0], **more)
 
     def encode(self, x, settings, step_seed, fingerprint, source_dtype, where, residual=None, residual_valid=True):
+        """The payload of ``x`` (the tensor, or the node's sum of this rank's shard: hierarchical);
+        with a residual (``state.GraphResidual``), error feedback in the same op (QsgdEncodeEf,
+        which updates the residual's variable in place)."""
         ops = qops.load()
         if residual is None:
             return ops.qsgd_encode(x, step_seed[1], **self._encoding(step_seed))
-        v = residual.add_to(x)   # the tensor, or the node's sum of this rank's shard (hierarchical)
-        payload = ops.qsgd_encode(v, step_seed[1], **self._encoding(step_seed))
-        own = ops.qsgd_decode_sum(payload, tf.constant(1.0), count=1, numel=v.shape.num_elements(), **self.attrs)
-        self.run.depend(residual.assign(v - own))
+        payload = ops.qsgd_encode_ef(x, step_seed[1], residual.variable.handle, residual.factor,
+                                     **self._encoding(step_seed))
+        self.run.depend(residual.keep(payload))
         return payload
 
     def encode_chunks(self, x, settings, step_seed, n, fingerprint, source_dtype, where, residual=None,
                       residual_valid=True):
+        """Phase 1's payloads and splits; with a residual, error feedback in the same op
+        (QsgdEncodeChunksEf)."""
         ops = qops.load()
-        v = x if residual is None else residual.add_to(x)
-        payloads, splits = ops.qsgd_encode_chunks(v, step_seed[1], **self._encoding(step_seed, world=n))
-        if residual is not None:
-            own = ops.qsgd_decode_chunks(payloads, splits, tf.constant(1.0), tf.constant(""), numel=self.numel,
-                                         world=n, **self.attrs)
-            self.run.depend(residual.assign(v - own))
+        if residual is None:
+            payloads, splits = ops.qsgd_encode_chunks(x, step_seed[1], **self._encoding(step_seed, world=n))
+        else:
+            payloads, splits = ops.qsgd_encode_chunks_ef(x, step_seed[1], residual.variable.handle, residual.factor,
+                                                         **self._encoding(step_seed, world=n))
+            self.run.depend(residual.keep(payloads))
         return payloads, tf.cast(splits, tf.int64)
 
     # the hierarchical reduction's cross stage is an allgather: its scatter_allgather would decode

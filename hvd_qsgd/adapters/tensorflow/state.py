@@ -280,21 +280,22 @@ def usable_rate(lr):
 
 
 class GraphResidual:
-    """An error-feedback residual kept in a variable: what is encoded is ``x + residual * factor``
-    (``factor``: lr_made / lr_now, 1 without learning-rate following); after encoding, residual <-
-    that minus its decoded payload(s), except where that is not finite (a bucket that held a NaN or
-    an Inf decodes to NaN: there the previous residual stays, so one overflowing step skipped by loss
-    scaling does not make every later gradient non-finite); and the learning rate it was made at."""
+    """An error-feedback residual kept in a variable, and what it is worth now: ``factor`` (lr_made /
+    lr_now, 1 without learning-rate following). The encode ops with error feedback (QsgdEncodeEf,
+    QsgdEncodeChunksEf) take the variable and the factor, encode ``x + residual * factor`` and update
+    the variable in place to that minus its decoded payload(s), except where that is not finite (a
+    bucket that held a NaN or an Inf decodes to NaN: there the rescaled residual stays, so one
+    overflowing step skipped by loss scaling does not make every later gradient non-finite), as the
+    PyTorch path keeps it (``hvd_qsgd.error_feedback``); ``keep`` records the learning rate it was
+    made at."""
 
     def __init__(self, variable, factor, lr=None, lr_variable=None):
         self.variable, self.factor, self.lr, self.lr_variable = variable, factor, lr, lr_variable
 
-    def add_to(self, x):
-        return tf.reshape(tf.cast(x, tf.float32), [-1]) + self.variable * self.factor
-
-    def assign(self, new):
-        done = self.variable.assign(tf.where(tf.math.is_finite(new), new, self.variable))
-        if self.lr is None:
-            return done
-        with tf.control_dependencies([done]):
+    def keep(self, encoded):
+        """The op that records the learning rate now as the one the residual was made at, once the
+        encode op that updated it (``encoded``: its result) has run; a no-op without one."""
+        with tf.control_dependencies([encoded]):
+            if self.lr is None:
+                return tf.no_op()
             return self.lr_variable.assign(tf.where(usable_rate(self.lr), self.lr, self.lr_variable))
