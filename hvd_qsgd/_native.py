@@ -17,7 +17,7 @@ _cuda = None
 _cuda_tried = False
 
 HEADER_BYTES = 56
-ABI_VERSION = 12  # QSGD_ABI_VERSION of kernels/qsgd.h
+ABI_VERSION = 13  # QSGD_ABI_VERSION of kernels/qsgd.h
 
 # qsgd_status codes (kernels/qsgd.h)
 OK = 0
@@ -174,6 +174,10 @@ def load():
         lib.qsgd_encode_segments_cpu.restype = _I32
         lib.qsgd_encode_segments_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_U64), ctypes.POINTER(_U64), _I32,
                                                  _U64, ctypes.POINTER(Config), _P, _U64, ctypes.POINTER(_U64)]
+        lib.qsgd_encode_segments_ef_cpu.restype = _I32
+        lib.qsgd_encode_segments_ef_cpu.argtypes = [ctypes.POINTER(_P), ctypes.POINTER(_P), ctypes.POINTER(_U64),
+                                                    ctypes.POINTER(_U64), _I32, _U64, ctypes.POINTER(Config), _I32, _P,
+                                                    _U64, ctypes.POINTER(_U64)]
         lib.qsgd_validate_cpu.restype = _I32
         lib.qsgd_validate_cpu.argtypes = [_P, _U64]
         lib.qsgd_decode_sum_cpu.restype = _I32

@@ -48,9 +48,14 @@ class CpuBackend(HostCountedBackend):
                residual: Optional[np.ndarray] = None, residual_valid: bool = True):
         """The payload of x32; with ``residual`` (float32, x32's size) error feedback: the payload of
         v = x32 + residual (x32 alone when not ``residual_valid``), and residual = v - decode(payload)
-        where that is finite (else it keeps its value; 0 when it was not valid), updated in place."""
-        if type(x32) is codec_segments.Members:   # a fusion buffer's members, no residual (``encodes_members``)
-            return codec_segments.encode(self._prepared(settings, fingerprint, source_dtype, x32.numel), x32, seed, where)
+        where that is finite (else it keeps its value; 0 when it was not valid), updated in place.
+        x32 may also be a fusion buffer's members where they are (``encodes_members``), ``residual``
+        then their residuals, one per part."""
+        if type(x32) is codec_segments.Members:
+            prepared = self._prepared(settings, fingerprint, source_dtype, x32.numel)
+            if residual is None:
+                return codec_segments.encode(prepared, x32, seed, where)
+            return error_feedback.encode_members(prepared, x32, residual, seed, residual_valid, where)
         prepared = self._prepared(settings, fingerprint, source_dtype, x32.size)
         if residual is None:
             return codec.encode_prepared(prepared, x32, seed, where)

@@ -5,7 +5,9 @@ where they are (``hvd_qsgd.exchange.buffers``).
 ``offsets[i]`` on (contiguous 1-D float32 arrays, sorted by offset and apart) and 0 elsewhere;
 ``encode`` gives the bytes ``codec.encode_prepared`` gives for that tensor assembled (kernel
 ``qsgd_encode_segments_cpu``: each bucket read from the member that holds it, a bucket that holds
-a member's end padded with zeros in the kernel's scratch), without the copy into one array.
+a member's end padded with zeros in the kernel's scratch), without the copy into one array;
+``error_feedback.encode_members`` does so with error feedback, each part's residual read and
+updated where it is.
 """
 import ctypes
 import operator
@@ -38,15 +40,26 @@ def encode(prepared: tuple, members: Members, seed: int, name: str = "tensor", o
     """``codec.encode_prepared(prepared, assembled, seed)`` of the tensor ``members`` is, without
     assembling it: the same bytes (``out``: a uint8 array it writes into, a view of whose first
     bytes is returned)."""
-    template, numel, cap = prepared
+    return codec._encode_into(source(prepared, members, name), codec.seeded(prepared[0], seed), prepared[2], out,
+                              name, "qsgd_encode_segments_cpu")
+
+
+def source(prepared: tuple, members: Members, name: str = "tensor", residuals: Sequence[np.ndarray] = None) -> tuple:
+    """The segmented kernels' arguments before the config for ``members``, checked to be what the
+    prepared encode reads: the parts' addresses, the ``residuals``' (one per part, when given:
+    ``error_feedback.encode_members`` checks them), the offsets, the counts, their number, numel."""
     parts = members.parts
-    if members.numel != numel:
-        raise ValueError(f"{name}: encode was prepared for {numel} elements, got {members.numel}")
+    if members.numel != prepared[1]:
+        raise ValueError(f"{name}: encode was prepared for {prepared[1]} elements, got {members.numel}")
     # (each test over every part in one call: a buffer has many)
     if parts and not (set(map(type, parts)) == _NDARRAY and set(map(_DTYPE, parts)) == _FLOAT32
                       and set(map(_NDIM, parts)) == _ONE and all(map(_CONTIGUOUS, parts))):
         raise ValueError(f"{name}: a segmented encode reads contiguous 1-D float32 arrays")
     k = len(parts)
-    source = ((ctypes.c_void_p * k)(*map(_native.address, parts)), (ctypes.c_uint64 * k)(*members.offsets),
-              (ctypes.c_uint64 * k)(*map(_SIZE, parts)), k, numel)
-    return codec._encode_into(source, codec.seeded(template, seed), cap, out, name, "qsgd_encode_segments_cpu")
+    both = (_addresses(parts),) if residuals is None else (_addresses(parts), _addresses(residuals))
+    return (*both, (ctypes.c_uint64 * k)(*members.offsets), (ctypes.c_uint64 * k)(*map(_SIZE, parts)), k,
+            members.numel)
+
+
+def _addresses(arrays):
+    return (ctypes.c_void_p * len(arrays))(*map(_native.address, arrays))

@@ -32,11 +32,11 @@ A learning rate of 0 (or one that is not a finite positive number) rescales noth
 recorded: the residual keeps the last positive rate it was made at.
 """
 import math
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
-from hvd_qsgd import _native, codec
+from hvd_qsgd import _native, codec, codec_segments
 
 _FLOAT32 = np.dtype(np.float32)
 
@@ -81,6 +81,23 @@ def encode(prepared: tuple, x: np.ndarray, seed: int, residual: np.ndarray, vali
     check_residual(residual, x, name)
     return codec._encode_into((_native.address(x), numel), codec.seeded(template, seed), cap, None, name,
                               "qsgd_encode_ef_cpu", (_native.address(residual), 1 if valid else 0))
+
+
+def encode_members(prepared: tuple, members: "codec_segments.Members", residuals: Sequence[np.ndarray], seed: int,
+                   valid: bool = True, name: str = "tensor", out: np.ndarray = None) -> np.ndarray:
+    """``encode`` of the tensor ``members`` is (a fusion buffer's members where they are) with the
+    residual that is ``residuals[i]`` over ``parts[i]`` (each checked as ``check_residual`` checks it
+    against its part) and 0 elsewhere, without assembling either (kernel
+    ``qsgd_encode_segments_ef_cpu``): the same payload bytes, and each ``residuals[i]`` updated in
+    place to what ``encode`` leaves over its part (nothing is kept between the parts). ``out``: as
+    ``codec_segments.encode`` takes it."""
+    parts = members.parts
+    if len(residuals) != len(parts):
+        raise ValueError(f"{name}: {len(residuals)} error-feedback residuals for {len(parts)} parts")
+    for p, r in zip(parts, residuals):
+        check_residual(r, p, name)
+    return codec._encode_into(codec_segments.source(prepared, members, name, residuals), codec.seeded(prepared[0], seed),
+                              prepared[2], out, name, "qsgd_encode_segments_ef_cpu", (1 if valid else 0,))
 
 
 def check_residual(residual: Any, x: np.ndarray, name: str) -> None:

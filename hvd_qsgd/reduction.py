@@ -90,7 +90,8 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
     (the fixed coding: ``codec_segments.takes``), encoded without assembling it: the same bytes.
     With ``residual`` (a writeable contiguous float32 array of x32's size) error feedback, as
     ``error_feedback.encode`` does it for each chunk, in one native call
-    (``qsgd_encode_chunks_ef_cpu``)."""
+    (``qsgd_encode_chunks_ef_cpu``); with members, ``residual`` is their residuals, one per part
+    (``error_feedback.encode_members`` for each chunk)."""
     members = type(x32) is codec_segments.Members
     x = x32 if members else np.ascontiguousarray(x32, dtype=np.float32).reshape(-1)
     numel = x.numel if members else x.size
@@ -99,9 +100,7 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
     cap = lib.qsgd_chunks_max_nbytes(numel, cfg.bits, cfg.bucket_size, cfg.coding, int(n))
     out = np.empty(cap, dtype=np.uint8)
     if members:
-        if residual is not None:
-            raise ValueError(f"{where}: a fusion buffer's members are encoded without error feedback")
-        lens = _encode_member_chunks(x, cfg, step_seed, n, out, where)
+        lens = _encode_member_chunks(x, cfg, step_seed, n, out, where, residual, residual_valid)
     else:
         lens = np.zeros(n, dtype=np.uint64)
         if residual is not None:
@@ -119,25 +118,32 @@ def encode_chunks(x32, settings, step_seed, n, fingerprint=0, source_dtype="floa
     return (out if total == cap else out[:total].copy()), lens
 
 
-def _encode_member_chunks(members, cfg, step_seed, n, out, where):
+def _encode_member_chunks(members, cfg, step_seed, n, out, where, residuals=None, valid=True):
     """The chunk payloads of the tensor ``members`` into ``out``, and their lengths: chunk j, elements
-    [b_j, e_j), encoded from the parts of the members inside it (``qsgd_encode_segments_cpu``) with
-    chunk j's phase-1 seed."""
+    [b_j, e_j), encoded from the parts of the members inside it (``qsgd_encode_segments_cpu``, or
+    with ``residuals``, one per part, ``qsgd_encode_segments_ef_cpu`` on the same slices of them)
+    with chunk j's phase-1 seed."""
     parts, offsets, numel = members
+    if residuals is not None and len(residuals) != len(parts):
+        raise ValueError(f"{where}: {len(residuals)} error-feedback residuals for {len(parts)} parts")
     lens, at, first = [], 0, 0
     for j, (b, e) in enumerate(chunk_ranges(numel, cfg.bucket_size, n)):
-        inside = ([], [])   # the parts of chunk j: each member's elements in [b, e), at its offset from b
+        inside = ([], [], [])   # chunk j's parts: each member's elements in [b, e), at its offset from b; residuals
         while first < len(parts) and offsets[first] + parts[first].size <= b:
             first += 1   # (members end before the chunk: done with)
-        for p, o in zip(parts[first:], offsets[first:]):
+        for i in range(first, len(parts)):
+            p, o = parts[i], offsets[i]
             if o >= e:
                 break
             lo, hi = max(b, o), min(e, o + p.size)
             if hi > lo:
                 inside[0].append(p[lo - o:hi - o])
                 inside[1].append(lo - b)
-        q = codec_segments.encode((cfg, e - b, None), codec_segments.Members(*inside, e - b),
-                                  chunk_seed(step_seed, j, 0), where, out=out[at:])
+                if residuals is not None:
+                    inside[2].append(residuals[i][lo - o:hi - o])
+        chunk, prepared, seed = codec_segments.Members(*inside[:2], e - b), (cfg, e - b, None), chunk_seed(step_seed, j, 0)
+        q = (codec_segments.encode(prepared, chunk, seed, where, out=out[at:]) if residuals is None else
+             error_feedback.encode_members(prepared, chunk, inside[2], seed, valid, where, out=out[at:]))
         lens.append(q.size)
         at += q.size
     return lens

@@ -30,7 +30,7 @@
 extern "C" {
 #endif
 
-#define QSGD_ABI_VERSION 12
+#define QSGD_ABI_VERSION 13
 #define QSGD_WIRE_VERSION 1
 #define QSGD_HEADER_BYTES 56
 #define QSGD_MAGIC 0x44475351u /* "QSGD" read as little-endian uint32 */
@@ -136,6 +136,14 @@ int32_t qsgd_encode_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cf
 int32_t qsgd_encode_segments_cpu(const float* const* srcs, const uint64_t* offsets, const uint64_t* counts,
                                  int32_t nseg, uint64_t numel, const qsgd_config* cfg, uint8_t* out,
                                  uint64_t cap, uint64_t* out_len);
+/* qsgd_encode_segments_cpu with error feedback (a fusion buffer's members and their residuals
+ * where they are): residuals[i] is segment i's residual (float32[counts[i]], apart from the sources
+ * and out), the residual being 0 outside the segments. The payload and the residuals[i] are those
+ * qsgd_encode_ef_cpu gives for the tensor and its residual assembled (outside the segments nothing
+ * is kept); residual_valid 0: no residual is read, as there. Written only on success. */
+int32_t qsgd_encode_segments_ef_cpu(const float* const* srcs, float* const* residuals, const uint64_t* offsets,
+                                    const uint64_t* counts, int32_t nseg, uint64_t numel, const qsgd_config* cfg,
+                                    int32_t residual_valid, uint8_t* out, uint64_t cap, uint64_t* out_len);
 /* Fully validate a payload (header, layout, checksum when flagged, scales, stream, padding). */
 int32_t qsgd_validate_cpu(const uint8_t* payload, uint64_t len);
 /* out[i] = (accumulate ? out[i] : 0) + alpha * (v_0[i] + v_1[i] + ... + v_{count-1}[i]), where

@@ -369,8 +369,12 @@ static uint64_t encode_chunk_buckets(uint64_t B) {
 /* The error feedback of an encode (qsgd_encode_ef_cpu): the residual added to x (when valid) and
  * replaced by v - decode(q) where that is finite. */
 struct Feedback {
-  float* residual;
+  float* residual;  /* float32[numel]; or, with segs, nullptr */
   bool valid;
+  /* a segmented tensor's (qsgd_encode_segments_ef_cpu): x's segments, and segment i's residual
+   * residuals[i] (float32[counts[i]]); the residual is 0 outside them and not kept there */
+  const Segments* segs = nullptr;
+  float* const* residuals = nullptr;
 };
 /* The most elements a fused error-feedback encode stages per chunk (a chunk is at least one bucket,
  * up to 8 of an odd size; longer chunks take the composed path, qsgd_encode_ef_cpu) */
@@ -396,6 +400,49 @@ static void feedback_keep(const Feedback& fb, const float* d, uint64_t n) {
   }
 }
 
+/* The segments of g that hold elements of [lo, hi), as (segment t, its first element a and end b
+ * inside [lo, hi)) to fn, in order; the first found by bisection (segments are sorted and apart). */
+template <typename Fn>
+static void segments_in(const Segments& g, uint64_t lo, uint64_t hi, Fn fn) {
+  int32_t t = 0, n = g.n;
+  while (n > 0) { /* the first segment that ends after lo */
+    const int32_t half = n / 2;
+    if (g.offsets[t + half] + g.counts[t + half] <= lo) t += half + 1, n -= half + 1;
+    else n = half;
+  }
+  for (; t < g.n && g.offsets[t] < hi; ++t) {
+    const uint64_t a = std::max(lo, g.offsets[t]), b = std::min(hi, g.offsets[t] + g.counts[t]);
+    if (a < b) fn(t, a, b);
+  }
+}
+
+/* v[0:e1-e0) = elements [e0, e1) of x + residual (feedback_add), x and the residual whole or
+ * segmented (zeros outside the segments) */
+static void feedback_add_range(const float* x, const Feedback& fb, uint64_t e0, uint64_t e1, float* v) {
+  if (!fb.segs) {
+    feedback_add(x + e0, Feedback{fb.residual + e0, fb.valid}, e1 - e0, v);
+    return;
+  }
+  const Segments& g = *fb.segs;
+  memset(v, 0, sizeof(float) * (e1 - e0));
+  segments_in(g, e0, e1, [&](int32_t t, uint64_t a, uint64_t b) {
+    const uint64_t at = a - g.offsets[t];
+    feedback_add(g.srcs[t] + at, Feedback{fb.residuals[t] + at, fb.valid}, b - a, v + (a - e0));
+  });
+}
+
+/* the residual of elements [e0, e1) from d[0:e1-e0) (feedback_keep), whole or segmented */
+static void feedback_keep_range(const Feedback& fb, const float* d, uint64_t e0, uint64_t e1) {
+  if (!fb.segs) {
+    feedback_keep(Feedback{fb.residual + e0, fb.valid}, d, e1 - e0);
+    return;
+  }
+  const Segments& g = *fb.segs;
+  segments_in(g, e0, e1, [&](int32_t t, uint64_t a, uint64_t b) {
+    feedback_keep(Feedback{fb.residuals[t] + (a - g.offsets[t]), fb.valid}, d + (a - e0), b - a);
+  });
+}
+
 /* ---- encode (fixed) ------------------------------------------------------------------------
  * Parallel over chunks of whole buckets starting at multiples of 8 elements: per bucket the scale
  * (one read of x from memory; the bucket then sits in L1), the codes into a staging buffer in L1,
@@ -409,7 +456,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   const uint64_t need = qsgd_fixed_nbytes(numel, cfg->bits, cfg->bucket_size);
   if (out_len) *out_len = need;
   if (cap < need) return QSGD_E_CAPACITY;
-  if (numel && !x && !segs) return QSGD_E_ARG;
+  if (numel && !x && !segs && !(fb && fb->segs)) return QSGD_E_ARG;
   const Kernels& K = active_kernels();
   qsgd_write_header(out, cfg, numel, need, 0);
   uint8_t* scales = out + QSGD_HEADER_BYTES;
@@ -444,7 +491,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
     /* feedback: v of elements [e0, e1), encoded from here, then v - decode(q) */
     const uint64_t e0 = b0 * B, e1 = std::min(numel, b1 * B);
     float* v = fb ? (float*)(stage + kStage) : nullptr;
-    if (fb) feedback_add(x + e0, Feedback{fb->residual + e0, fb->valid}, e1 - e0, v);
+    if (fb) feedback_add_range(x, *fb, e0, e1, v);
     for (uint64_t b = b0; b < b1; ++b) {
       const uint64_t lo = b * B, hi = std::min(numel, lo + B);
       /* x a bucket and kPrefetch elements ahead on its way from memory while this bucket is worked
@@ -453,7 +500,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       if (B <= kStage && !packed && !segs && !fb)
         for (uint64_t i = hi + kPrefetch; i < std::min(numel, hi + B + kPrefetch); i += 16) __builtin_prefetch(x + i);
       /* xb[k]: element lo + k */
-      const float* xb = segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + kStage)) : fb ? v + (lo - e0) : x + lo;
+      const float* xb = fb ? v + (lo - e0) : segs ? segment_span(*segs, &seg, lo, hi, (float*)(stage + kStage)) : x + lo;
       const float scale = K.bucket_scale(xb, hi - lo, cfg->norm);
       store_scale(scales, b, scale);
       if (packed) { /* quantized and packed in one pass (encoder 2; the avx2 and avx512 variants) */
@@ -483,7 +530,7 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
       for (uint64_t lo = e0; lo < e1; lo += kStage)
         K.decode_step(bits, data, data_end, scales, B, lo, std::min(kStage, e1 - lo), stage, acc, 1, FIN_ACCUMULATE,
                       v + (lo - e0), -1.0f);
-      feedback_keep(Feedback{fb->residual + e0, fb->valid}, v, e1 - e0);
+      feedback_keep_range(*fb, v, e0, e1);
     }
     if (sums) {
       /* this chunk's packed bytes [d0, d1) of the payload; the words wholly inside them */
@@ -500,23 +547,50 @@ static int32_t encode_fixed(const float* x, uint64_t numel, const qsgd_config* c
   return status;
 }
 
-extern "C" int32_t qsgd_encode_segments_cpu(const float* const* srcs, const uint64_t* offsets,
-                                            const uint64_t* counts, int32_t nseg, uint64_t numel,
-                                            const qsgd_config* cfg, uint8_t* out, uint64_t cap,
-                                            uint64_t* out_len) {
+/* QSGD_OK when a segmented encode can take these arguments: the fixed coding, buckets it pads, the
+ * segments sorted, apart and inside the tensor, each with its source (and its residual when
+ * residuals is not null) */
+static int32_t check_segments(const float* const* srcs, float* const* residuals, const uint64_t* offsets,
+                              const uint64_t* counts, int32_t nseg, uint64_t numel, const qsgd_config* cfg,
+                              const uint8_t* out) {
   const int32_t st = qsgd_check_config(cfg);
   if (st != QSGD_OK) return st;
   if (!out || numel > (1ull << 56) || nseg < 0 || (nseg && (!srcs || !offsets || !counts)) ||
       cfg->coding != QSGD_CODING_FIXED || cfg->bucket_size > kSegmentBucketMax)
     return QSGD_E_ARG;
-  uint64_t end = 0; /* sorted, apart, inside the tensor */
+  uint64_t end = 0;
   for (int32_t i = 0; i < nseg; ++i) {
-    if (offsets[i] < end || counts[i] > numel || offsets[i] > numel - counts[i] || (counts[i] && !srcs[i]))
+    if (offsets[i] < end || counts[i] > numel || offsets[i] > numel - counts[i] || (counts[i] && !srcs[i]) ||
+        (residuals && counts[i] && !residuals[i]))
       return QSGD_E_ARG;
     end = offsets[i] + counts[i];
   }
+  return QSGD_OK;
+}
+
+extern "C" int32_t qsgd_encode_segments_cpu(const float* const* srcs, const uint64_t* offsets,
+                                            const uint64_t* counts, int32_t nseg, uint64_t numel,
+                                            const qsgd_config* cfg, uint8_t* out, uint64_t cap,
+                                            uint64_t* out_len) {
+  const int32_t st = check_segments(srcs, nullptr, offsets, counts, nseg, numel, cfg, out);
+  if (st != QSGD_OK) return st;
   const Segments segs{srcs, offsets, counts, nseg};
   return encode_fixed(nullptr, numel, cfg, out, cap, out_len, &segs);
+}
+
+extern "C" int32_t qsgd_encode_segments_ef_cpu(const float* const* srcs, float* const* residuals,
+                                               const uint64_t* offsets, const uint64_t* counts, int32_t nseg,
+                                               uint64_t numel, const qsgd_config* cfg, int32_t residual_valid,
+                                               uint8_t* out, uint64_t cap, uint64_t* out_len) {
+  if (!out_len || (nseg > 0 && !residuals)) return QSGD_E_ARG;
+  const int32_t st = check_segments(srcs, residuals, offsets, counts, nseg, numel, cfg, out);
+  if (st != QSGD_OK) return st;
+  const Segments segs{srcs, offsets, counts, nseg};
+  Feedback fb{nullptr, residual_valid != 0};
+  fb.segs = &segs;
+  fb.residuals = residuals;
+  /* (a chunk of buckets of at most kSegmentBucketMax elements stays under kFeedbackChunkMax) */
+  return encode_fixed(nullptr, numel, cfg, out, cap, out_len, nullptr, &fb);
 }
 
 extern "C" int32_t qsgd_encode_cpu(const float* x, uint64_t numel, const qsgd_config* cfg,

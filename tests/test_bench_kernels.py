@@ -53,6 +53,21 @@ def test_error_feedback_benchmark_checks_then_times_every_variant(tmp_path):
                for r in rows)
 
 
+
+@pytest.mark.parametrize("argv,header", [(["--members", "5"], "staged/segmented"),
+                                         (["--framework", "tensorflow"], "composed/fused")])
+def test_error_feedback_benchmark_of_a_buffer_and_of_the_tensorflow_ops(argv, header, tmp_path):
+    """``--members``: a fusion buffer staged against encoded where its members are; ``--framework
+    tensorflow``: the TensorFlow ops composed against ``QsgdEncodeEf``; each checked equal, then timed."""
+    out = tmp_path / "ef.json"
+    proc = subprocess.run([sys.executable, "-m", "benchmarks", "error-feedback", "--sizes", "70000", "--bits", "4",
+                           "--repeats", "1", "--json", str(out), *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=180)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert header in proc.stdout and "FAILED" not in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 1 and all(rows[0][k] > 0 for k in ("composed_us", "fused_us", "encode_us")), rows
+
 @pytest.mark.parametrize("argv,message", [
     (["--bits", "9"], "bits must be integers in 2..8"),
     (["--isa", "avx9000"], "--isa: avx9000 not among the variants this CPU runs"),

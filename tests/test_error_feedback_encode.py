@@ -12,7 +12,7 @@ or whose v overflows (x + e beyond float32). And scatter_allgather's phase 1 wit
 import numpy as np
 import pytest
 
-from hvd_qsgd import _native, backends, codec, error_feedback, reduction
+from hvd_qsgd import _native, backends, codec, codec_segments, error_feedback, reduction
 from hvd_qsgd.settings import Settings
 from tests.references import error_feedback_steps
 
@@ -136,3 +136,97 @@ def test_the_chunk_payloads_with_error_feedback_equal_the_steps_composed(coding)
                 np.testing.assert_array_equal(e.view(np.uint32), want_e.view(np.uint32), err_msg=where)
     with pytest.raises(ValueError, match="g: the error-feedback residual must be"):
         reduction.encode_chunks(x, s, 77, 2, 5, "float32", "g", np.zeros(3, np.float32))
+
+
+def members_of(n, bucket, rng, gaps=True):
+    """A fusion buffer's layout over n elements: parts at multiples of ``bucket`` (with gaps after
+    some, an empty one), each with its residual, and the tensor and residual assembled."""
+    parts, offsets, at = [], [], 0
+    sizes = [n // 8 + 7, 1, 0, bucket * 2, n // 4 + bucket // 2, bucket, n // 3]
+    for k, size in enumerate(sizes):
+        if at + size > n:
+            break
+        offsets.append(at)
+        parts.append(size)
+        at = -(-(at + size) // bucket) * bucket if gaps or size % bucket else at + size
+    x, e = inputs(at, rng)   # (its NaN and Inf at 17 and at // 2: inside members)
+    x[20] = e[20] = 3e38     # x + e overflows to Inf, inside the first member
+    xs = [x[o:o + size].copy() for o, size in zip(offsets, parts)]
+    es = [e[o:o + size].copy() for o, size in zip(offsets, parts)]
+    whole_x, whole_e = np.zeros(at, np.float32), np.zeros(at, np.float32)
+    for o, p, r in zip(offsets, xs, es):
+        whole_x[o:o + p.size], whole_e[o:o + p.size] = p, r
+    return codec_segments.Members(xs, offsets, at), es, whole_x, whole_e
+
+
+@pytest.mark.parametrize("isa", [name for name, runs in codec.cpu_isas().items() if runs])
+def test_a_fusion_buffers_members_with_error_feedback_equal_the_buffer_assembled(isa, restore_cpu):
+    """``error_feedback.encode_members`` (kernel ``qsgd_encode_segments_ef_cpu``: the members and their
+    residuals read and updated where they are) gives the payload of ``error_feedback.encode`` of the
+    tensor and residual assembled (zeros between the members), and each member's residual is that
+    call's over its member, bit for bit: every bit width, both encoders, buckets that are and are not
+    multiples of 8, one and two threads (parallel chunks from 65,536 elements), valid and not, inputs
+    that decode non-finite or overflow."""
+    codec.set_cpu_isa(isa)
+    rng = np.random.default_rng(8)
+    checked = 0
+    for threads in (1, 2):
+        _native.load().qsgd_set_num_threads(threads)
+        for bucket in (3, 100, 512, 4096):
+            members, es, x, e0 = members_of(1 << 20, bucket, rng)
+            for bits in (1, 2, 4, 5, 8):
+                for encoder in (1, 2):
+                    prepared = codec.prepare(members.numel, bits, bucket, fingerprint=9, encoder=encoder)
+                    for valid in (True, False):
+                        want_e = e0.copy()
+                        with np.errstate(over="ignore", invalid="ignore"):
+                            want_q = error_feedback.encode(prepared, x, 21 + bits, want_e, valid)
+                        got_es = [r.copy() for r in es]
+                        q = error_feedback.encode_members(prepared, members, got_es, 21 + bits, valid, "buffer")
+                        where = f"{isa}, {threads} threads, bucket {bucket}, {bits} bits, encoder {encoder}, {valid}"
+                        np.testing.assert_array_equal(q, want_q, err_msg=where)
+                        for o, r in zip(members.offsets, got_es):
+                            np.testing.assert_array_equal(r.view(np.uint32), want_e[o:o + r.size].view(np.uint32),
+                                                          err_msg=where)
+                        checked += 1
+    assert checked == 2 * 4 * 5 * 2 * 2
+
+
+def test_a_fusion_buffers_chunk_payloads_with_error_feedback_equal_the_buffer_assembled():
+    """scatter_allgather's phase 1 of a fusion buffer's members with their residuals
+    (``reduction.encode_chunks(members, ..., residual=[each member's])``) against the same of the
+    buffer and its residual assembled: the chunk payloads, their lengths and every member's residual."""
+    rng = np.random.default_rng(9)
+    for bucket, n in ((100, 3), (512, 4), (3, 2)):
+        members, es, x, e0 = members_of(300000, bucket, rng)
+        for bits in (1, 4, 8):
+            s = Settings.make(bits=bits, bucket_size=bucket)
+            for valid in (True, False):
+                want_e = e0.copy()
+                with np.errstate(over="ignore", invalid="ignore"):
+                    want_buf, want_lens = reduction.encode_chunks(x, s, 77, n, 5, "float32", "b", want_e, valid)
+                got_es = [r.copy() for r in es]
+                buf, lens = backends.CPU.encode_chunks(members, s, 77, n, 5, "float32", "b", residual=got_es,
+                                                       residual_valid=valid)
+                where = f"bucket {bucket}, {n} chunks, {bits} bits, valid={valid}"
+                assert lens == want_lens, where
+                np.testing.assert_array_equal(buf, want_buf, err_msg=where)
+                for o, r in zip(members.offsets, got_es):
+                    np.testing.assert_array_equal(r.view(np.uint32), want_e[o:o + r.size].view(np.uint32),
+                                                  err_msg=where)
+
+
+def test_a_fusion_buffers_bad_residuals_are_named():
+    members, es, _, _ = members_of(10000, 100, np.random.default_rng(10))
+    prepared = codec.prepare(members.numel, 4, 100)
+    with pytest.raises(ValueError, match=f"buffer b0: {len(es) - 1} error-feedback residuals for {len(es)} parts"):
+        error_feedback.encode_members(prepared, members, es[:-1], 1, True, "buffer b0")
+    short = list(es)
+    short[0] = short[0][:-1]
+    with pytest.raises(ValueError, match="buffer b0: the error-feedback residual must be .* float32 array of "
+                                         f"{es[0].size} elements"):
+        error_feedback.encode_members(prepared, members, short, 1, True, "buffer b0")
+    shared = list(es)
+    shared[0] = members.parts[0]
+    with pytest.raises(ValueError, match="buffer b0: the error-feedback residual shares memory"):
+        error_feedback.encode_members(prepared, members, shared, 1, True, "buffer b0")

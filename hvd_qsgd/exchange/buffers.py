@@ -16,10 +16,11 @@ of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
                 fused differently fail the control check, on every rank, before any rank waits on a
                 buffer
     close       when full, or at the first decompress of a member: the members encoded where they are
-                (``codec_segments``: allgather's payload or scatter_allgather's chunk payloads without
-                error feedback, on the CPU) or
-                copied into the group's staging array (zeros between them), encoded as one tensor with their
-                error-feedback residuals (each kept under its member's own key), and the buffer's
+                (``codec_segments``: allgather's payload or scatter_allgather's chunk payloads, on
+                the CPU; with error feedback ``error_feedback.encode_members``, each member's
+                residual read and updated where it is) or copied into the group's staging array
+                (zeros between them), encoded as one tensor with their error-feedback residuals;
+                each residual is kept under its member's own key; and the buffer's
                 presence allreduce started, with one more entry: the ranks that could not encode it
                 (then nothing more starts, and every member raises on every rank). At a member's
                 decompress, where that member's reduced control vector shows every rank stepping
@@ -146,12 +147,16 @@ class FusionBuffers:
     def _members(buf, numel):
         """The buffer as its members where they are (``codec_segments.Members``: no copy into the staging
         array), where its backend encodes it so: an allgather's payload or scatter_allgather's chunk
-        payloads, without error feedback; else None."""
-        if (buf.reduction not in ("allgather", "scatter_allgather") or buf.settings.error_feedback
+        payloads, with error feedback too (each member's residual then read and updated where it is:
+        ``residual``); else None. With error feedback and a member that could not be encoded (the
+        buffer fails on every rank), staged as before."""
+        if (buf.reduction not in ("allgather", "scatter_allgather")
                 or not buf.backend.encodes_members(buf.settings)):
             return None
         parts, offsets = list(map(_SOURCE, buf.members)), buf.offsets
         if _NONE in set(map(type, parts)):   # (members that could not be encoded: zeros)
+            if buf.settings.error_feedback:
+                return None
             offsets = [o for p, o in zip(parts, offsets) if p is not None]
             parts = [p for p in parts if p is not None]
         for m in buf.members:   # (the encode reads them before the buffer's first collective starts)
@@ -189,7 +194,13 @@ class FusionBuffers:
     @staticmethod
     def residual(run, buf, x):
         """The members' residuals at their offsets (zeros between and for a member without one,
-        each rescaled by its learning rates), and whether any member had one."""
+        each rescaled by its learning rates), and whether any member had one. Where ``x`` is the
+        members where they are (``codec_segments.Members``), the same as a list: each member's own
+        residual (the one kept, or its rescaled copy; zeros for a member without one)."""
+        if type(x) is codec_segments.Members:
+            kept = [run.kept_residual(m, p, m.expect.numel) for m, p in zip(buf.members, x.parts)]
+            return ([buf.backend.zeros(m.expect.numel, p) if k is None else k
+                     for m, p, k in zip(buf.members, x.parts, kept)], any(k is not None for k in kept))
         out, valid = buf.backend.zeros(buf.expect.numel, x), False
         for m, o in zip(buf.members, buf.offsets):
             kept = run.kept_residual(m, x, m.expect.numel)
@@ -200,6 +211,12 @@ class FusionBuffers:
 
     @staticmethod
     def keep_residuals(run, buf, residual):
+        """Each member's residual kept under its own key: its slice of the buffer's, or its own
+        (``residual``'s list)."""
+        if type(residual) is list:
+            for m, r in zip(buf.members, residual):
+                run.residuals.keep(m.route.residual_key, r, m.lr)
+            return
         for m, o in zip(buf.members, buf.offsets):
             run.residuals.keep(m.route.residual_key, residual[o:o + m.expect.numel], m.lr)
 

@@ -44,8 +44,9 @@ class ResidualSteps:
         return old
 
     def keep_residual(self, ex, residual):
-        if residual is not None and ex.offsets is not None and element_count(residual) == ex.expect.numel:
-            self.buffers.keep_residuals(self, ex, residual)
+        if residual is not None and ex.offsets is not None and (
+                type(residual) is list or element_count(residual) == ex.expect.numel):
+            self.buffers.keep_residuals(self, ex, residual)   # (a list: the members' own, where they are)
         elif residual is not None:
             self.residuals.keep(ex.route.residual_key, residual, ex.lr)
 

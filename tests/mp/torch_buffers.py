@@ -66,14 +66,14 @@ def check_layouts(closed, model, cap):
 
 def check_buffers(n, rank):
     """Through hvd.DistributedOptimizer, three steps: allgather and scatter_allgather buffers (two
-    or three a step at fusion_mb=0.2), error feedback, float16; every gradient equals its reference
+    or three a step at fusion_mb=0.2), error feedback with both, float16; every gradient equals its reference
     bit for bit on every rank, replicas are identical, stats count members (elements without the
     padding) and the payload bytes of the allgather buffers."""
     from hvd_qsgd.adapters.torch import TorchCompressor
     configs = [dict(reduction="allgather"), dict(reduction="scatter_allgather"),
                dict(reduction="allgather", error_feedback=True), dict(reduction="allgather", dtype=torch.float16),
                dict(reduction="allgather", error_feedback=True, overlap=True),
-               dict(reduction="scatter_allgather", overlap=True)]
+               dict(reduction="scatter_allgather", overlap=True), dict(reduction="scatter_allgather", error_feedback=True)]
     for i, cfg in enumerate(configs):
         cfg = dict(cfg)
         dtype = cfg.pop("dtype", torch.float32)
@@ -110,11 +110,10 @@ def check_buffers(n, rank):
             assert cfg.get("overlap") or any(name.endswith(".present") for name in reduced[:ended[0]]), (i, reduced)
             closed = list(c.runner.buffers.recent)[before:]
             check_layouts(closed, model, c.settings.fusion_elements())
-            # a buffer without error feedback is encoded from its members where they are (allgather's
-            # payload, scatter_allgather's chunks: hvd_qsgd.codec_segments): no staging array; the
-            # others are assembled in one first
-            direct = not cfg.get("error_feedback")
-            assert bool(c.runner.buffers._staging) != direct, (i, list(c.runner.buffers._staging))
+            # every buffer is encoded from its members where they are (allgather's payload,
+            # scatter_allgather's chunks: hvd_qsgd.codec_segments), with error feedback from their
+            # residuals where they are too: no staging array
+            assert not c.runner.buffers._staging, (i, list(c.runner.buffers._staging))
             expected = {}
             for name, occurrence, members in closed:
                 layout = [(label.rsplit(".p.", 1)[1], o, size) for label, o, size in members]
@@ -139,6 +138,11 @@ def check_buffers(n, rank):
                             residuals[(r, k)] = d[o:o + size]
                 else:
                     total = reduction.simulate(xs, c.settings, seeds, 1.0, fp, dname)[0]
+                    for r in range(n) if cfg.get("error_feedback") else ():   # v - its own phase-1 chunks
+                        chunks, lens = reduction.encode_chunks(xs[r], c.settings, seeds[r], n, fp, dname)
+                        d = xs[r] - reduction.decode_chunks(reduction.split_by(chunks, lens), 1.0, numel, 512)
+                        for k, o, size in layout:
+                            residuals[(r, k)] = d[o:o + size]
                 for k, o, size in layout:
                     expected[k] = torch.from_numpy(total[o:o + size] * (1.0 / n))
             for name, p in model.named_parameters():
