@@ -24,7 +24,7 @@ check-newest:
 	nice -n 10 bash scripts/check_newest.sh
 
 test: setup
-	$(PY) -m pytest -q -rs tests
+	$(PY) -m pytest -q -rs --durations=25 tests
 
 # the suite without the multi-rank jobs, the slow tests and the GPU tests (tests/conftest.py marks them)
 test-quick: setup

@@ -12,9 +12,9 @@ as ``benchmarks kernels`` takes it):
 - encode: ``codec.encode_prepared`` of x alone, the price of an encode without error feedback.
 
 With ``--members K``, each size is a fusion buffer of K members (each its share, at a multiple of
-the bucket size) with their residuals, and the three are: staged (the members and their residuals
-copied into one array each, zeros between, and the fused call on those: what a buffer with error
-feedback did before 2026-11-29), segmented (``error_feedback.encode_members``, kernel
+the bucket size) with their residuals, and the three are: staged (the members copied into a
+staging array kept from call to call, their residuals into a new one, zeros between, and the fused
+call on those: what a buffer with error feedback did before 2026-11-29), segmented (``error_feedback.encode_members``, kernel
 ``qsgd_encode_segments_ef_cpu``: the members and residuals read and updated where they are), and
 the encode of the members alone (``codec_segments.encode``).
 
@@ -82,12 +82,16 @@ def measure(n, bits, bucket, coding, repeats):
                 composed_over_fused=ratio)
 
 
-def staged(prepared, members, seed, residuals, valid=True):
-    """A buffer with error feedback as it was encoded before: its members and their residuals
-    assembled (zeros between), the fused call, each member's residual its slice of the result."""
-    x, e = np.zeros(members.numel, np.float32), np.zeros(members.numel, np.float32)
+def staged(prepared, members, seed, residuals, stage, valid=True):
+    """A buffer with error feedback as it was encoded before: its members copied into the group's
+    staging array ``stage`` (kept from step to step, zeros between), their residuals into a new
+    array, the fused call, each member's residual its slice of the result."""
+    x, e = stage[:members.numel], np.zeros(members.numel, np.float32)
+    end = 0
     for p, r, o in zip(members.parts, residuals, members.offsets):
+        x[end:o] = 0
         x[o:o + p.size], e[o:o + p.size] = p, r
+        end = o + p.size
     q = error_feedback.encode(prepared, x, seed, e, valid)
     return q, [e[o:o + p.size] for p, o in zip(members.parts, members.offsets)]
 
@@ -103,15 +107,16 @@ def measure_buffer(n, bits, bucket, coding, repeats, k):
     res0 = [(0.1 * rng.standard_normal(share)).astype(np.float32) for _ in range(k)]
     members = codec_segments.Members(parts, offsets, numel)
     prepared = codec.prepare(numel, bits, bucket, coding=coding)
-    q_a, r_a = staged(prepared, members, 7, res0)
+    stage = np.empty(numel, np.float32)
+    q_a, r_a = staged(prepared, members, 7, res0, stage)
     r_b = [r.copy() for r in res0]
     q_b = error_feedback.encode_members(prepared, members, r_b, 7)
     if not (np.array_equal(q_a, q_b) and all(np.array_equal(a, b) for a, b in zip(r_a, r_b))):
         raise SystemExit(f"self-check FAILED at {n} elements, {k} members: the segmented encode differs from staged")
-    t_staged, _ = kernels.median_time(lambda: staged(prepared, members, 7, r_b), repeats)
+    t_staged, _ = kernels.median_time(lambda: staged(prepared, members, 7, r_b, stage), repeats)
     t_seg, _ = kernels.median_time(lambda: error_feedback.encode_members(prepared, members, r_b, 7), repeats)
     t_enc, _ = kernels.median_time(lambda: codec_segments.encode(prepared, members, 7), repeats)
-    ratio = kernels.paired_ratio(lambda: staged(prepared, members, 7, r_b),
+    ratio = kernels.paired_ratio(lambda: staged(prepared, members, 7, r_b, stage),
                                  lambda: error_feedback.encode_members(prepared, members, r_b, 7), repeats)
     return dict(n=numel, bits=bits, composed_us=1e6 * t_staged, fused_us=1e6 * t_seg, encode_us=1e6 * t_enc,
                 composed_over_fused=ratio)

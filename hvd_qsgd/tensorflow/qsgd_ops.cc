@@ -160,7 +160,9 @@ const float* AsFloat(const Tensor& x, std::vector<float>* widened) {
 // elements, whose lock the caller holds), times the scalar input 3 (lr_made / lr_now; 1 leaves it
 // as it is), so that where a difference is not finite the kernel keeps the rescaled value, as the
 // PyTorch path does. Where a read of the variable is still alive (or the variable copies on read),
-// the variable gets a copy of its own first, as TensorFlow's in-place updates of variables do.
+// the variable gets a copy of its own first, as TensorFlow's in-place updates of variables do. (An
+// encode that then fails -- out of memory: the sizes were checked -- fails the step and leaves the
+// variable rescaled.)
 Status OwnResidual(OpKernelContext* ctx, Var* var, uint64_t n, const std::string& where, float** out) {
   const Tensor& factor = ctx->input(3);
   if (!TensorShapeUtils::IsScalar(factor.shape()))
