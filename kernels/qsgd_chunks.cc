@@ -30,6 +30,27 @@ int32_t reduce_chunk(const uint8_t* const* payloads, const uint64_t* lens, int32
   return qsgd_encode_cpu(scratch, n, &c, out, cap, out_len);
 }
 
+// Chunk j of the n chunks of a numel-element tensor, for each j in order, encoded by
+// encode_one(begin, end, config with chunk j's phase-1 seed, out, room, &len) back to back into
+// out[0:cap); lens[j] receives its length.
+template <typename EncodeOne>
+int32_t encode_each_chunk(uint64_t numel, const qsgd_config* cfg, int32_t n, uint8_t* out, uint64_t cap,
+                          uint64_t* lens, EncodeOne encode_one) {
+  uint64_t off = 0, b, e;
+  for (int32_t j = 0; j < n; ++j) {
+    int32_t st = qsgd_chunk_range(numel, cfg->bucket_size, n, j, &b, &e);
+    if (st != QSGD_OK) return st;
+    qsgd_config c = *cfg;
+    c.seed = qsgd_chunk_seed(cfg->seed, j, 0);
+    uint64_t len = 0;
+    st = encode_one(b, e, &c, out + off, cap - off, &len);
+    if (st != QSGD_OK) return st;
+    lens[j] = len;
+    off += len;
+  }
+  return QSGD_OK;
+}
+
 }  // namespace
 
 extern "C" {
@@ -56,19 +77,10 @@ uint64_t qsgd_chunks_max_nbytes(uint64_t numel, int32_t bits, uint32_t bucket_si
 int32_t qsgd_encode_chunks_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n,
                                uint8_t* out, uint64_t cap, uint64_t* lens) {
   if (!cfg || !out || !lens || n < 1 || (numel && !x)) return QSGD_E_ARG;
-  uint64_t off = 0, b, e;
-  for (int32_t j = 0; j < n; ++j) {
-    int32_t st = qsgd_chunk_range(numel, cfg->bucket_size, n, j, &b, &e);
-    if (st != QSGD_OK) return st;
-    qsgd_config c = *cfg;
-    c.seed = qsgd_chunk_seed(cfg->seed, j, 0);
-    uint64_t len = 0;
-    st = qsgd_encode_cpu(x + b, e - b, &c, out + off, cap - off, &len);
-    if (st != QSGD_OK) return st;
-    lens[j] = len;
-    off += len;
-  }
-  return QSGD_OK;
+  return encode_each_chunk(numel, cfg, n, out, cap, lens,
+                           [&](uint64_t b, uint64_t e, const qsgd_config* c, uint8_t* o, uint64_t room, uint64_t* len) {
+                             return qsgd_encode_cpu(x + b, e - b, c, o, room, len);
+                           });
 }
 
 int32_t qsgd_encode_chunks_ef_cpu(const float* x, uint64_t numel, const qsgd_config* cfg, int32_t n, float* residual,
@@ -78,19 +90,10 @@ int32_t qsgd_encode_chunks_ef_cpu(const float* x, uint64_t numel, const qsgd_con
   if (st != QSGD_OK) return st;
   // every chunk's room first: past this, a chunk's encode fails only for want of memory
   if (cap < qsgd_chunks_max_nbytes(numel, cfg->bits, cfg->bucket_size, cfg->coding, n)) return QSGD_E_CAPACITY;
-  uint64_t off = 0, b, e;
-  for (int32_t j = 0; j < n; ++j) {
-    st = qsgd_chunk_range(numel, cfg->bucket_size, n, j, &b, &e);
-    if (st != QSGD_OK) return st;
-    qsgd_config c = *cfg;
-    c.seed = qsgd_chunk_seed(cfg->seed, j, 0);
-    uint64_t len = 0;
-    st = qsgd_encode_ef_cpu(x + b, e - b, &c, residual + b, residual_valid, out + off, cap - off, &len);
-    if (st != QSGD_OK) return st;
-    lens[j] = len;
-    off += len;
-  }
-  return QSGD_OK;
+  return encode_each_chunk(numel, cfg, n, out, cap, lens,
+                           [&](uint64_t b, uint64_t e, const qsgd_config* c, uint8_t* o, uint64_t room, uint64_t* len) {
+                             return qsgd_encode_ef_cpu(x + b, e - b, c, residual + b, residual_valid, o, room, len);
+                           });
 }
 
 int32_t qsgd_reduce_chunk_cpu(const uint8_t* const* payloads, const uint64_t* lens, int32_t count,

@@ -190,7 +190,29 @@ Status OwnResidual(OpKernelContext* ctx, Var* var, uint64_t n, const std::string
   return OkStatus();
 }
 
+// The residual variable of an error-feedback op (input 2), locked from open() until the op is done.
+class LockedResidual {
+ public:
+  // Look the variable up, lock it and make its tensor the op's own, rescaled (OwnResidual).
+  Status open(OpKernelContext* ctx, uint64_t n, const std::string& where) {
+    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, 2), &var_));
+    lock_ = std::make_unique<mutex_lock>(*var_->mu());
+    return OwnResidual(ctx, var_.get(), n, where, &data);
+  }
+  float* data = nullptr;  // its n floats, updated in place by the encode
+
+ private:
+  core::RefCountPtr<Var> var_;
+  std::unique_ptr<mutex_lock> lock_;  // (released before var_)
+};
+
 }  // namespace
+
+// The CPU kernels of op NAME, KERNEL<T, EF> for each input type T it takes.
+#define QSGD_REGISTER_FOR_INPUT_TYPES(NAME, KERNEL, EF)                                                         \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<float>("T"), KERNEL<float, EF>);         \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"), KERNEL<Eigen::half, EF>); \
+  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"), KERNEL<bfloat16, EF>)
 
 // The attrs of QsgdEncode and QsgdEncodeEf.
 #define QSGD_ENCODE_ATTRS                    \
@@ -257,20 +279,14 @@ class QsgdEncodeOp : public OpKernel {
     qsgd_config cfg = cfg_;
     cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
     const uint64_t n = uint64_t(x.NumElements());
-    core::RefCountPtr<Var> var;   // the residual's variable, locked until the encode is done
-    std::unique_ptr<mutex_lock> locked;
-    float* residual = nullptr;
-    if (kEf) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &var));
-      locked = std::make_unique<mutex_lock>(*var->mu());
-      OP_REQUIRES_OK(ctx, OwnResidual(ctx, var.get(), n, where_, &residual));
-    }
+    LockedResidual residual;  // (error feedback: its variable, locked until the encode is done)
+    if (kEf) OP_REQUIRES_OK(ctx, residual.open(ctx, n, where_));
     std::vector<float> widened;
     const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = cfg.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(n, cfg.bits, cfg.bucket_size)
                                                           : qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size);
     auto encode = [&](uint8_t* out, uint64_t* len) {
-      return kEf ? qsgd_encode_ef_cpu(data, n, &cfg, residual, 1, out, cap, len)
+      return kEf ? qsgd_encode_ef_cpu(data, n, &cfg, residual.data, 1, out, cap, len)
                  : qsgd_encode_cpu(data, n, &cfg, out, cap, len);
     };
     uint64_t len = 0;
@@ -295,13 +311,8 @@ class QsgdEncodeOp : public OpKernel {
   std::string where_;
 };
 
-#define QSGD_REGISTER_ENCODE(NAME, EF)                                                                         \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<float>("T"), QsgdEncodeOp<float, EF>); \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),                     \
-                          QsgdEncodeOp<Eigen::half, EF>);                                                     \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"), QsgdEncodeOp<bfloat16, EF>)
-QSGD_REGISTER_ENCODE("QsgdEncode", false);
-QSGD_REGISTER_ENCODE("QsgdEncodeEf", true);
+QSGD_REGISTER_FOR_INPUT_TYPES("QsgdEncode", QsgdEncodeOp, false);
+QSGD_REGISTER_FOR_INPUT_TYPES("QsgdEncodeEf", QsgdEncodeOp, true);
 
 // The attrs of QsgdDecodeSum and QsgdDecodeSumReport: how many payloads, and what each must say.
 #define QSGD_DECODE_SUM_ATTRS                 \
@@ -571,21 +582,15 @@ class QsgdEncodeChunksOp : public OpKernel {
     cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
     const uint64_t n = uint64_t(x.NumElements());
     const int32_t world = int32_t(world_);
-    core::RefCountPtr<Var> var;   // the residual's variable, locked until the encode is done
-    std::unique_ptr<mutex_lock> locked;
-    float* residual = nullptr;
-    if (kEf) {
-      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, 2), &var));
-      locked = std::make_unique<mutex_lock>(*var->mu());
-      OP_REQUIRES_OK(ctx, OwnResidual(ctx, var.get(), n, where_, &residual));
-    }
+    LockedResidual residual;  // (error feedback: its variable, locked until the encode is done)
+    if (kEf) OP_REQUIRES_OK(ctx, residual.open(ctx, n, where_));
     std::vector<float> widened;
     const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = qsgd_chunks_max_nbytes(n, cfg.bits, cfg.bucket_size, cfg.coding, world);
     OP_REQUIRES(ctx, cap > 0, FromStatus(QSGD_E_ARG, where_ + ": encode chunks"));
     std::vector<uint64_t> lens(size_t(world), 0);
     auto encode = [&](uint8_t* out) {
-      return kEf ? qsgd_encode_chunks_ef_cpu(data, n, &cfg, world, residual, 1, out, cap, lens.data())
+      return kEf ? qsgd_encode_chunks_ef_cpu(data, n, &cfg, world, residual.data, 1, out, cap, lens.data())
                  : qsgd_encode_chunks_cpu(data, n, &cfg, world, out, cap, lens.data());
     };
     Tensor* payloads = nullptr;
@@ -619,15 +624,8 @@ class QsgdEncodeChunksOp : public OpKernel {
   std::string where_;
 };
 
-#define QSGD_REGISTER_ENCODE_CHUNKS(NAME, EF)                                                 \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<float>("T"),           \
-                          QsgdEncodeChunksOp<float, EF>);                                     \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<Eigen::half>("T"),     \
-                          QsgdEncodeChunksOp<Eigen::half, EF>);                               \
-  REGISTER_KERNEL_BUILDER(Name(NAME).Device(DEVICE_CPU).TypeConstraint<bfloat16>("T"),        \
-                          QsgdEncodeChunksOp<bfloat16, EF>)
-QSGD_REGISTER_ENCODE_CHUNKS("QsgdEncodeChunks", false);
-QSGD_REGISTER_ENCODE_CHUNKS("QsgdEncodeChunksEf", true);
+QSGD_REGISTER_FOR_INPUT_TYPES("QsgdEncodeChunks", QsgdEncodeChunksOp, false);
+QSGD_REGISTER_FOR_INPUT_TYPES("QsgdEncodeChunksEf", QsgdEncodeChunksOp, true);
 
 REGISTER_OP("QsgdReduceChunk")
     .Input("received: uint8")
