@@ -35,6 +35,7 @@ instead of dying with SIGILL, on a CPU lacking any of them. The payload bytes de
 target nor on the variant: the codec's arithmetic is compiled without FMA contraction or
 reassociation (CPU_FLAGS).
 """
+import concurrent.futures
 import functools
 import json
 import os
@@ -135,8 +136,27 @@ class BuildNative(build_ext):
     def build_extensions(self):
         # the C++ compiler every library but the CUDA one needs, checked before any build starts: a
         # missing one stops the build at once instead of after the CUDA library's compile
-        _find_cxx()
-        super().build_extensions()
+        cxx = _find_cxx()
+        # the CUDA library first: the longest compile, started while the ISA objects compile
+        self.extensions.sort(key=lambda ext: not ext.name.endswith("_lib_cuda"))
+        # the ISA variants' objects, which the CPU library and the TensorFlow ops both link: compiled
+        # once, side by side (the slowest variant first), while the libraries that need no ISA
+        # objects (CUDA) build; each library that links them waits for them
+        variants = _isa_variants(tuple(cxx))
+        workers = self.parallel if isinstance(self.parallel, int) else 1
+        if workers <= 1:  # one compile at a time: the objects when the first library needs them
+            self._isa_objects = functools.lru_cache(maxsize=None)(
+                lambda: [self._isa_object(cxx, name, march) for name, march in variants])
+            super().build_extensions()
+            return
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            futures = [pool.submit(self._isa_object, cxx, name, march) for name, march in reversed(variants)][::-1]
+            self._isa_objects = lambda: [f.result() for f in futures]
+            try:
+                super().build_extensions()
+            finally:
+                for f in futures:
+                    f.cancel()
 
     def get_outputs(self):
         outputs = super().get_outputs()
@@ -149,16 +169,20 @@ class BuildNative(build_ext):
             self.copy_file(os.path.join(self.build_lib, "hvd_qsgd", BUILD_TARGET),
                            os.path.join(os.path.dirname(self.get_ext_fullpath("hvd_qsgd._lib_cpu")), BUILD_TARGET))
 
-    def _isa_objects(self, cxx, extra_flags, tag):
-        """ISA_SOURCE compiled once per variant (its -march and -DQSGD_ISA=<name>): the object files."""
-        objects = []
-        for name, march in _isa_variants(tuple(cxx)):
-            obj = os.path.join(self.build_temp, f"qsgd_cpu_isa_{tag}_{name}.o")
-            os.makedirs(os.path.dirname(obj), exist_ok=True)
-            _run(cxx + CPU_FLAGS + march + ["-c", "-Wall", "-Wextra", "-Ikernels", *extra_flags,
-                                            f"-DQSGD_ISA={name}", ISA_SOURCE, "-o", obj])
-            objects.append(obj)
-        return objects
+    def _isa_object(self, cxx, name, march):
+        """ISA_SOURCE compiled for one variant (its -march and -DQSGD_ISA=<name>): the object file.
+        One object serves both libraries: the file includes no TensorFlow header and no type whose
+        layout TensorFlow's flags (its C++ library ABI) change, and exports only its table of
+        function pointers of plain types (qsgd_cpu_internal.h's Kernels)."""
+        obj = os.path.join(self.build_temp, f"qsgd_cpu_isa_{name}.o")
+        os.makedirs(os.path.dirname(obj), exist_ok=True)
+        _run(cxx + CPU_FLAGS + march + ["-c", "-Wall", "-Wextra", "-Ikernels", f"-DQSGD_ISA={name}", ISA_SOURCE,
+                                        "-o", obj])
+        return obj
+
+    def _isa_objects(self):
+        """Every variant's object file (build_extensions sets how they are made)."""
+        raise BuildError("the ISA objects are made in build_extensions")
 
     def build_extension(self, ext):
         out = self.get_ext_fullpath(ext.name)
@@ -166,14 +190,14 @@ class BuildNative(build_ext):
         if ext.name.endswith("_lib_cpu"):
             cxx = _find_cxx()
             march, source = _march_flags(tuple(cxx))
-            objects = self._isa_objects(cxx, [], "lib_cpu")
+            objects = self._isa_objects()
             cmd = cxx + CPU_FLAGS + march + ["-Wall", "-Wextra", "-Ikernels", *CPU_SOURCES, *objects, "-o", out]
             _run(cmd)
             _write_build_target(os.path.dirname(out), cxx, march, source)
         elif ext.name.endswith("_qsgd_ops"):
             compile_flags, link_flags = _tensorflow_flags()
             cxx = _find_cxx()
-            objects = self._isa_objects(cxx, compile_flags, "qsgd_ops")
+            objects = self._isa_objects()
             # TensorFlow's flags set -std=c++17 and its C++ ABI; they come after ours
             cmd = cxx + CPU_FLAGS + _march_flags(tuple(cxx))[0] + [
                 "-Wno-deprecated-declarations", "-Ikernels", *compile_flags, *TF_SOURCES, *CPU_SOURCES, *objects,
