@@ -1,12 +1,37 @@
 """Reference statements of the codec's documented arithmetic (docs/wire-format.md) and payload
 helpers, shared by the test modules that check the CPU and the CUDA kernels against them
 (tests/test_codec_format.py, tests/test_codec_validation.py, tests/test_cuda.py,
-tests/test_error_feedback_encode.py)."""
+tests/test_error_feedback_encode.py, tests/test_encoder_v2_stats.py, tests/test_cpu_isa.py)."""
 import math
 
 import numpy as np
 
 from hvd_qsgd import _native, codec
+
+M64 = 2 ** 64 - 1
+GOLDEN64 = 0x9E3779B97F4A7C15
+
+
+def mix64(z):
+    """qsgd_mix64 (kernels/qsgd_math.h) on a Python integer, mod 2^64."""
+    z &= M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return z ^ (z >> 31)
+
+
+def checksum(p: bytes) -> int:
+    """docs/wire-format.md's checksum, word by word: the little-endian 64-bit words (the last one
+    zero-padded), the checksum field (bytes 48..55, word 6) read as 0, each word's term added mod
+    2^64, then mix64 of the sum plus the length."""
+    c = 0xD6E8FEB86659FD93
+    padded = p + bytes(-len(p) % 8)
+    total = 0
+    for k in range(len(padded) // 8):
+        w = 0 if k == 6 else int.from_bytes(padded[8 * k:8 * k + 8], "little")
+        y = ((w ^ ((k + 1) * GOLDEN64 & M64)) * c) & M64
+        total += ((y ^ (y >> 32)) * c) & M64
+    return mix64(total + len(p))
 
 
 def fold_order_bucket():

@@ -17,6 +17,7 @@ import pytest
 
 from hvd_qsgd import _native, codec, codec_segments, reduction
 from hvd_qsgd.settings import Settings
+from tests import references
 from tests.helpers import ROOT
 
 VARIANTS = codec.cpu_isas()
@@ -152,22 +153,6 @@ def test_checksum_and_validation_agree_across_variants(restore_isa, checksum):
                         codec.validate(p)
 
 
-def _checksum_by_the_wire_format(p: bytes) -> int:
-    """docs/wire-format.md's checksum, word by word in Python: the reference the kernels' loops (the
-    header's words one by one, the rest vectorised with a running index product) must give."""
-    mask, golden, c = (1 << 64) - 1, 0x9E3779B97F4A7C15, 0xD6E8FEB86659FD93
-    padded = p + bytes(-len(p) % 8)
-    total = 0
-    for k in range(len(padded) // 8):
-        w = 0 if k == 6 else int.from_bytes(padded[8 * k:8 * k + 8], "little")   # bytes 48..55: the field
-        y = ((w ^ ((k + 1) * golden & mask)) * c) & mask
-        total += ((y ^ (y >> 32)) * c) & mask
-    z = (total + len(p)) & mask
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
-    return z ^ (z >> 31)
-
-
 def test_checksum_is_the_wire_formats_on_every_variant(restore_isa):
     """qsgd_checksum_cpu over byte strings from a header's length (56 bytes: the field's word is the
     last one the header loop takes) up, odd lengths, and strings long enough for several parallel
@@ -175,7 +160,7 @@ def test_checksum_is_the_wire_formats_on_every_variant(restore_isa):
     rng = np.random.default_rng(11)
     lengths = list(range(56, 100)) + [127, 1000, 4099, 8 * (1 << 14) + 13, 3 * 8 * (1 << 14) + 5]
     strings = [rng.integers(0, 256, n, dtype=np.uint8) for n in lengths]
-    expected = [_checksum_by_the_wire_format(s.tobytes()) for s in strings]
+    expected = [references.checksum(s.tobytes()) for s in strings]
     lib = _native.load()
     for name in RUNNABLE:
         codec.set_cpu_isa(name)

@@ -44,33 +44,26 @@ import numpy as np
 import pytest
 
 from hvd_qsgd import _native, codec, protocol, reduction
+from tests.references import GOLDEN64 as GOLDEN, M64, mix64
 
 F32 = np.float32
 ALPHA = 1e-6
 EPS = 2.0 ** -23 + 2.0 ** -48          # two roundings, relative (B2)
 EPS_C = 2.0 ** -8 + 2.0 ** -33         # the one-bit threshold's product rounding, absolute (B1)
 ROUND, ROUND_BITS = F32(2.0 ** 23), np.uint32(0x4B000000)
-M32, M64 = 0xFFFFFFFF, 2 ** 64 - 1
-GOLDEN = 0x9E3779B97F4A7C15
+M32 = 0xFFFFFFFF
 BASE_SEED = 0                           # Settings.seed's default
 EXCHANGE = "hvd_qsgd.0.p.fc1.weight"    # a parameter's exchange name (hvd_qsgd/state.py)
 N = 2 ** 20
 
 
 # ---- the stream and the quantizers in NumPy ------------------------------------------------------
-def _mix64(z):
-    z &= M64
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
-    return z ^ (z >> 31)
-
-
 def _page_key(seed, page=0):
-    return _mix64(seed + GOLDEN * (page + 1))
+    return mix64(seed + GOLDEN * (page + 1))
 
 
 def _step_seed(base, occurrence):
-    return _mix64(base + (occurrence + 1) * GOLDEN)
+    return mix64(base + (occurrence + 1) * GOLDEN)
 
 
 # the two 32-bit hashes, each a chain of x ^= x >> shift, then x *= multiplier (none after the last shift)
