@@ -788,45 +788,14 @@ __global__ void elias_place_kernel(const uint64_t* __restrict__ slots, uint64_t 
   for (uint64_t k = threadIdx.x; k < seg_bytes[sg]; k += blockDim.x) streams[begin + k] = src[k];
 }
 
-/* Bits read least-significant first from one segment's bytes. */
-struct DevBitReader {
-  const uint8_t* p;
-  uint64_t pos, nbits;
-  __host__ __device__ __forceinline__ bool bit(uint32_t* b) {
-    if (pos >= nbits) return false;
-    *b = (p[pos >> 3] >> (pos & 7)) & 1u;
-    ++pos;
-    return true;
-  }
-  /* omega-decode into *k; false on overrun or a value above 2^40 (never valid here) */
-  __host__ __device__ __forceinline__ bool omega(uint64_t* k) {
-    uint64_t n = 1;
-    for (;;) {
-      uint32_t b;
-      if (!bit(&b)) return false;
-      if (!b) {
-        *k = n;
-        return true;
-      }
-      if (n > 40) return false;
-      uint64_t v = 1;
-      for (uint64_t i = 0; i < n; ++i) {
-        if (!bit(&b)) return false;
-        v = (v << 1) | b;
-      }
-      n = v;
-    }
-  }
-};
-
 /* One thread per segment: parse the segment of every payload, in payload order, adding the decoded
- * values into acc (the CPU's parse_segment, step for step); the first failure goes to *status. */
+ * values into acc (qsgd_math.h's qsgd_elias_parse_segment, as the CPU does); the first failure goes
+ * to *status. */
 __global__ void elias_decode_kernel(const Jobs jobs, int count, uint64_t numel, uint32_t B, int bits,
                                     uint64_t seg_buckets, uint64_t nb, uint64_t nseg, float* __restrict__ acc,
                                     int32_t* __restrict__ status) {
   const uint64_t sg = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
   if (sg >= nseg || *status != QSGD_OK) return;
-  const float s = (float)qsgd_levels_of(bits);
   const uint64_t b0 = sg * seg_buckets, b1 = umin64(nb, b0 + seg_buckets);
   for (int p = 0; p < count; ++p) {
     const PayloadJob& job = jobs[p];
@@ -843,45 +812,12 @@ __global__ void elias_decode_kernel(const Jobs jobs, int count, uint64_t numel, 
       atomicCAS(status, 0, QSGD_E_LENGTH);
       return;
     }
-    DevBitReader r{streams + begin, 0, 8 * (end - begin)};
-    for (uint64_t b = b0; b < b1; ++b) {
-      const uint64_t lo = b * B, len = umin64(numel, lo + B) - lo;
-      float* bacc = acc + lo;
-      const float step = qsgd_step_of(qsgd_u2f((uint32_t)qsgd_load_le(scales + 4 * b, 4)), s);
-      if (!(step - step == 0.0f)) /* non-finite scale: every element decodes non-finite */
-        for (uint64_t k = 0; k < len; ++k) bacc[k] += qsgd_dequantize(0, step, bits);
-      uint64_t cnt1;
-      if (!r.omega(&cnt1) || cnt1 - 1 > len) {
-        atomicCAS(status, 0, QSGD_E_STREAM);
-        return;
-      }
-      int64_t prev = -1;
-      for (uint64_t j = 0; j + 1 < cnt1; ++j) {
-        uint64_t gap, level;
-        uint32_t sign;
-        if (!r.omega(&gap) || gap > len) {
-          atomicCAS(status, 0, QSGD_E_STREAM);
-          return;
-        }
-        const int64_t idx = prev + (int64_t)gap;
-        if (idx >= (int64_t)len || !r.bit(&sign) || !r.omega(&level) || level > (uint64_t)s) {
-          atomicCAS(status, 0, QSGD_E_STREAM);
-          return;
-        }
-        bacc[idx] += qsgd_dequantize((sign << (bits - 1)) | (uint32_t)level, step, bits);
-        prev = idx;
-      }
-    }
-    /* the stream must end in its last byte, and the rest of that byte must be zero */
-    if ((r.pos + 7) / 8 != end - begin) {
-      atomicCAS(status, 0, QSGD_E_STREAM);
+    const int32_t st = qsgd_elias_parse_segment(streams + begin, end - begin, scales, b0, b1, numel, B, bits,
+                                                acc + b0 * B);
+    if (st != QSGD_OK) {
+      atomicCAS(status, 0, st);
       return;
     }
-    for (uint64_t q = r.pos; q < r.nbits; ++q)
-      if ((streams[begin + (q >> 3)] >> (q & 7)) & 1u) {
-        atomicCAS(status, 0, QSGD_E_PADDING);
-        return;
-      }
   }
 }
 

@@ -61,37 +61,6 @@ struct BitWriter {
   }
 };
 
-struct BitReader {
-  const uint8_t* p;
-  uint64_t pos = 0, nbits;
-  BitReader(const uint8_t* src, uint64_t nbytes) : p(src), nbits(nbytes * 8) {}
-  inline bool bit(uint32_t* b) {
-    if (pos >= nbits) return false;
-    *b = (p[pos >> 3] >> (pos & 7)) & 1u;
-    ++pos;
-    return true;
-  }
-  /* omega-decode into *k; false on overrun or a value above 2^40 (never valid here) */
-  inline bool omega(uint64_t* k) {
-    uint64_t n = 1;
-    for (;;) {
-      uint32_t b;
-      if (!bit(&b)) return false;
-      if (!b) {
-        *k = n;
-        return true;
-      }
-      if (n > 40) return false;
-      uint64_t v = 1;
-      for (uint64_t i = 0; i < n; ++i) {
-        if (!bit(&b)) return false;
-        v = (v << 1) | b;
-      }
-      n = v;
-    }
-  }
-};
-
 struct EliasLayout {
   uint64_t nb, seg_buckets, nseg;
   const uint8_t* scales;
@@ -217,39 +186,13 @@ int32_t elias_encode(const float* x, uint64_t numel, const qsgd_config* cfg, uin
   return QSGD_OK;
 }
 
-/* Parse segment sg; when acc is given, acc[k] += decoded element (segment start + k). */
+/* Parse segment sg (qsgd_math.h's qsgd_elias_parse_segment); when acc is given, acc[k] += decoded
+ * element (segment start + k). */
 static int32_t parse_segment(const EliasLayout& L, const qsgd_header* h, uint64_t sg, float* acc) {
   const uint64_t begin = L.seg_begin(sg), end = L.seg_end(sg);
-  BitReader r(L.streams + begin, end - begin);
-  const uint64_t B = h->bucket_size, numel = h->numel;
-  const int bits = h->bits;
-  const float s = (float)qsgd_levels_of(bits);
   const uint64_t b0 = sg * L.seg_buckets, b1 = std::min(L.nb, b0 + L.seg_buckets);
-  for (uint64_t b = b0; b < b1; ++b) {
-    const uint64_t lo = b * B, len = std::min(numel, lo + B) - lo;
-    float* bacc = acc ? acc + (lo - b0 * B) : nullptr;
-    const float step = qsgd_step_of(load_scale(L.scales, b), s);
-    if (bacc && !(step - step == 0.0f)) /* non-finite scale: every element decodes non-finite */
-      for (uint64_t k = 0; k < len; ++k) bacc[k] += qsgd_dequantize(0, step, bits);
-    uint64_t cnt1;
-    if (!r.omega(&cnt1) || cnt1 - 1 > len) return QSGD_E_STREAM;
-    int64_t prev = -1;
-    for (uint64_t j = 0; j + 1 < cnt1; ++j) {
-      uint64_t gap, level;
-      uint32_t sign;
-      if (!r.omega(&gap) || gap > len) return QSGD_E_STREAM;
-      const int64_t idx = prev + (int64_t)gap;
-      if (idx >= (int64_t)len) return QSGD_E_STREAM;
-      if (!r.bit(&sign) || !r.omega(&level) || level > (uint64_t)s) return QSGD_E_STREAM;
-      if (bacc) bacc[idx] += qsgd_dequantize((sign << (bits - 1)) | (uint32_t)level, step, bits);
-      prev = idx;
-    }
-  }
-  /* the stream must end in its last byte, and the rest of that byte must be zero */
-  if ((r.pos + 7) / 8 != end - begin) return QSGD_E_STREAM;
-  for (uint64_t q = r.pos; q < r.nbits; ++q)
-    if ((L.streams[begin + (q >> 3)] >> (q & 7)) & 1u) return QSGD_E_PADDING;
-  return QSGD_OK;
+  return qsgd_elias_parse_segment(L.streams + begin, end - begin, L.scales, b0, b1, h->numel, h->bucket_size,
+                                  h->bits, acc);
 }
 
 int32_t elias_validate(const uint8_t* p, const qsgd_header* h) {

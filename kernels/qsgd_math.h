@@ -1,9 +1,10 @@
 /*
  * The per-element math of the codec, compiled into both the CPU and the CUDA library so that the
  * two cannot drift apart: the random stream, the bucket scale, the quantizer, the code layout,
- * the checksum. Everything here is exact integer arithmetic or single IEEE-754 operations in a
- * fixed order (both libraries are built without FMA contraction, -ffp-contract=off / --fmad=false),
- * which is what makes CPU and CUDA payloads bit-identical for the same seed.
+ * the checksum, the parse of an Elias stream. Everything here is exact integer arithmetic or
+ * single IEEE-754 operations in a fixed order (both libraries are built without FMA contraction,
+ * -ffp-contract=off / --fmad=false), which is what makes CPU and CUDA payloads bit-identical for
+ * the same seed.
  */
 #ifndef HVD_QSGD_MATH_H_
 #define HVD_QSGD_MATH_H_
@@ -291,6 +292,77 @@ QSGD_HD uint64_t qsgd_elias_bits_bound(int bits) {
   int lmax = 0;
   for (int l = 1; l <= s; ++l) lmax = qsgd_omega_len((uint64_t)l) > lmax ? qsgd_omega_len((uint64_t)l) : lmax;
   return 3 + 1 + (uint64_t)lmax;
+}
+
+/* Bits read least-significant first from one segment's bytes (the stream's bit order). */
+typedef struct {
+  const uint8_t* p;
+  uint64_t pos, nbits;
+} qsgd_bit_reader;
+
+/* the next bit into *b; 0 past the segment's end */
+QSGD_HD int qsgd_read_bit(qsgd_bit_reader* r, uint32_t* b) {
+  if (r->pos >= r->nbits) return 0;
+  *b = (r->p[r->pos >> 3] >> (r->pos & 7)) & 1u;
+  ++r->pos;
+  return 1;
+}
+
+/* omega-decode into *k; 0 on overrun or a value above 2^40 (never valid here) */
+QSGD_HD int qsgd_read_omega(qsgd_bit_reader* r, uint64_t* k) {
+  uint64_t n = 1;
+  for (;;) {
+    uint32_t b;
+    if (!qsgd_read_bit(r, &b)) return 0;
+    if (!b) {
+      *k = n;
+      return 1;
+    }
+    if (n > 40) return 0;
+    uint64_t v = 1;
+    for (uint64_t i = 0; i < n; ++i) {
+      if (!qsgd_read_bit(r, &b)) return 0;
+      v = (v << 1) | b;
+    }
+    n = v;
+  }
+}
+
+/* Parse one segment of an Elias stream: its nbytes bytes at `stream` hold buckets b0 .. b1-1 of a
+ * tensor of numel elements in buckets of B (scales: the payload's bucket scales). When acc is not
+ * null, acc[k] += the decoded element b0 * B + k (a bucket whose scale is not finite adds the
+ * non-finite value to all its elements). The CPU and CUDA decoders both parse with this, one
+ * segment per thread. Returns QSGD_OK, QSGD_E_STREAM (a malformed or overrun stream, or one that
+ * does not end in its last byte) or QSGD_E_PADDING (that byte's unused bits not zero). */
+QSGD_HD int32_t qsgd_elias_parse_segment(const uint8_t* stream, uint64_t nbytes, const uint8_t* scales, uint64_t b0,
+                                         uint64_t b1, uint64_t numel, uint64_t B, int bits, float* acc) {
+  qsgd_bit_reader r = {stream, 0, 8 * nbytes};
+  const float s = (float)qsgd_levels_of(bits);
+  for (uint64_t b = b0; b < b1; ++b) {
+    const uint64_t lo = b * B, len = (numel < lo + B ? numel : lo + B) - lo;
+    float* bacc = acc ? acc + (lo - b0 * B) : 0;
+    const float step = qsgd_step_of(qsgd_u2f((uint32_t)qsgd_load_le(scales + 4 * b, 4)), s);
+    if (bacc && !(step - step == 0.0f)) /* non-finite scale: every element decodes non-finite */
+      for (uint64_t k = 0; k < len; ++k) bacc[k] += qsgd_dequantize(0, step, bits);
+    uint64_t cnt1;
+    if (!qsgd_read_omega(&r, &cnt1) || cnt1 - 1 > len) return QSGD_E_STREAM;
+    int64_t prev = -1;
+    for (uint64_t j = 0; j + 1 < cnt1; ++j) {
+      uint64_t gap, level;
+      uint32_t sign;
+      if (!qsgd_read_omega(&r, &gap) || gap > len) return QSGD_E_STREAM;
+      const int64_t idx = prev + (int64_t)gap;
+      if (idx >= (int64_t)len || !qsgd_read_bit(&r, &sign) || !qsgd_read_omega(&r, &level) || level > (uint64_t)s)
+        return QSGD_E_STREAM;
+      if (bacc) bacc[idx] += qsgd_dequantize((sign << (bits - 1)) | (uint32_t)level, step, bits);
+      prev = idx;
+    }
+  }
+  /* the stream must end in its last byte, and the rest of that byte must be zero */
+  if ((r.pos + 7) / 8 != nbytes) return QSGD_E_STREAM;
+  for (uint64_t q = r.pos; q < r.nbits; ++q)
+    if ((stream[q >> 3] >> (q & 7)) & 1u) return QSGD_E_PADDING;
+  return QSGD_OK;
 }
 
 /* ---- the seeds and chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py) -------------
