@@ -206,6 +206,52 @@ class LockedResidual {
   std::unique_ptr<mutex_lock> lock_;  // (released before var_)
 };
 
+// What both encode ops start a step with (inputs: 0 the tensor, 1 the occurrence, 2 with error
+// feedback the residual variable): the step's config, its seed from the occurrence; the tensor as
+// float32; the residual, locked until the encode is done.
+struct EncodeStep {
+  qsgd_config cfg{};
+  uint64_t n = 0;
+  const float* data = nullptr;
+  std::vector<float> widened;
+  LockedResidual residual;
+
+  template <typename T, bool kEf>
+  Status open(OpKernelContext* ctx, const qsgd_config& base, uint64_t base_seed, const std::string& where) {
+    const Tensor& x = ctx->input(0);
+    const Tensor& occ = ctx->input(1);
+    if (!TensorShapeUtils::IsScalar(occ.shape()))
+      return errors::InvalidArgument(where, ": occurrence must be a scalar");
+    cfg = base;
+    cfg.seed = qsgd_step_seed(base_seed, as_u64(occ.scalar<int64_t>()()));
+    n = uint64_t(x.NumElements());
+    if (kEf) TF_RETURN_IF_ERROR(residual.open(ctx, n, where));
+    data = AsFloat<T>(x, &widened);
+    return OkStatus();
+  }
+};
+
+// Output 0: the payload bytes that encode(out) writes, at most cap. Where the bound is exact (the
+// fixed coding) they are encoded in place; otherwise into a buffer, and the length() bytes that the
+// encode reports copied out.
+template <typename Encode, typename Length>
+Status EncodeToOutput(OpKernelContext* ctx, uint64_t cap, bool exact, Encode encode, Length length,
+                      const std::string& what) {
+  Tensor* out = nullptr;
+  if (exact) {
+    TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({int64_t(cap)}), &out));
+    const int32_t st = encode(out->flat<uint8_t>().data());
+    return st == QSGD_OK ? OkStatus() : FromStatus(st, what);
+  }
+  std::vector<uint8_t> buf(cap);
+  const int32_t st = encode(buf.data());
+  if (st != QSGD_OK) return FromStatus(st, what);
+  const uint64_t len = length();
+  TF_RETURN_IF_ERROR(ctx->allocate_output(0, TensorShape({int64_t(len)}), &out));
+  std::memcpy(out->flat<uint8_t>().data(), buf.data(), len);
+  return OkStatus();
+}
+
 }  // namespace
 
 // The CPU kernels of op NAME, KERNEL<T, EF> for each input type T it takes.
@@ -272,37 +318,19 @@ class QsgdEncodeOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& occ = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(occ.shape()),
-                errors::InvalidArgument(where_, ": occurrence must be a scalar"));
-    qsgd_config cfg = cfg_;
-    cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
-    const uint64_t n = uint64_t(x.NumElements());
-    LockedResidual residual;  // (error feedback: its variable, locked until the encode is done)
-    if (kEf) OP_REQUIRES_OK(ctx, residual.open(ctx, n, where_));
-    std::vector<float> widened;
-    const float* data = AsFloat<T>(x, &widened);
+    EncodeStep step;
+    OP_REQUIRES_OK(ctx, (step.open<T, kEf>(ctx, cfg_, base_seed_, where_)));
+    const qsgd_config& cfg = step.cfg;
+    const uint64_t n = step.n;
     const uint64_t cap = cfg.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(n, cfg.bits, cfg.bucket_size)
                                                           : qsgd_elias_max_nbytes(n, cfg.bits, cfg.bucket_size);
-    auto encode = [&](uint8_t* out, uint64_t* len) {
-      return kEf ? qsgd_encode_ef_cpu(data, n, &cfg, residual.data, 1, out, cap, len)
-                 : qsgd_encode_cpu(data, n, &cfg, out, cap, len);
-    };
     uint64_t len = 0;
-    if (cfg.coding == QSGD_CODING_FIXED) {
-      Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(cap)}), &out));
-      const int32_t st = encode(out->flat<uint8_t>().data(), &len);
-      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode"));
-    } else {
-      std::vector<uint8_t> buf(cap);
-      const int32_t st = encode(buf.data(), &len);
-      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode"));
-      Tensor* out = nullptr;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(len)}), &out));
-      std::memcpy(out->flat<uint8_t>().data(), buf.data(), len);
-    }
+    auto encode = [&](uint8_t* out) {
+      return kEf ? qsgd_encode_ef_cpu(step.data, n, &cfg, step.residual.data, 1, out, cap, &len)
+                 : qsgd_encode_cpu(step.data, n, &cfg, out, cap, &len);
+    };
+    OP_REQUIRES_OK(ctx, EncodeToOutput(ctx, cap, cfg.coding == QSGD_CODING_FIXED, encode, [&] { return len; },
+                                       where_ + ": encode"));
   }
 
  private:
@@ -574,39 +602,25 @@ class QsgdEncodeChunksOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& x = ctx->input(0);
-    const Tensor& occ = ctx->input(1);
-    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(occ.shape()),
-                errors::InvalidArgument(where_, ": occurrence must be a scalar"));
-    qsgd_config cfg = cfg_;
-    cfg.seed = qsgd_step_seed(base_seed_, as_u64(occ.scalar<int64_t>()()));
-    const uint64_t n = uint64_t(x.NumElements());
+    EncodeStep step;
+    OP_REQUIRES_OK(ctx, (step.open<T, kEf>(ctx, cfg_, base_seed_, where_)));
+    const qsgd_config& cfg = step.cfg;
+    const uint64_t n = step.n;
     const int32_t world = int32_t(world_);
-    LockedResidual residual;  // (error feedback: its variable, locked until the encode is done)
-    if (kEf) OP_REQUIRES_OK(ctx, residual.open(ctx, n, where_));
-    std::vector<float> widened;
-    const float* data = AsFloat<T>(x, &widened);
     const uint64_t cap = qsgd_chunks_max_nbytes(n, cfg.bits, cfg.bucket_size, cfg.coding, world);
     OP_REQUIRES(ctx, cap > 0, FromStatus(QSGD_E_ARG, where_ + ": encode chunks"));
     std::vector<uint64_t> lens(size_t(world), 0);
     auto encode = [&](uint8_t* out) {
-      return kEf ? qsgd_encode_chunks_ef_cpu(data, n, &cfg, world, residual.data, 1, out, cap, lens.data())
-                 : qsgd_encode_chunks_cpu(data, n, &cfg, world, out, cap, lens.data());
+      return kEf ? qsgd_encode_chunks_ef_cpu(step.data, n, &cfg, world, step.residual.data, 1, out, cap, lens.data())
+                 : qsgd_encode_chunks_cpu(step.data, n, &cfg, world, out, cap, lens.data());
     };
-    Tensor* payloads = nullptr;
-    if (cfg.coding == QSGD_CODING_FIXED) {  // the bound is exact: encode in place
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(cap)}), &payloads));
-      const int32_t st = encode(payloads->flat<uint8_t>().data());
-      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
-    } else {
-      std::vector<uint8_t> buf(cap);
-      const int32_t st = encode(buf.data());
-      OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_ + ": encode chunks"));
-      uint64_t total = 0;
-      for (uint64_t l : lens) total += l;
-      OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({int64_t(total)}), &payloads));
-      std::memcpy(payloads->flat<uint8_t>().data(), buf.data(), total);
-    }
+    auto total = [&] {
+      uint64_t t = 0;
+      for (uint64_t l : lens) t += l;
+      return t;
+    };
+    OP_REQUIRES_OK(ctx, EncodeToOutput(ctx, cap, cfg.coding == QSGD_CODING_FIXED, encode, total,
+                                       where_ + ": encode chunks"));
     Tensor* splits = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({world_}), &splits));
     for (int32_t j = 0; j < world; ++j) {
