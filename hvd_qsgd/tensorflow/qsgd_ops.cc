@@ -22,6 +22,7 @@
 //                                                                  phase 2: alpha * the n chunks
 //
 // CPU kernels only: GPU tensors are copied to the host by TensorFlow's placement.
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <memory>
@@ -39,6 +40,7 @@
 
 using namespace tensorflow;  // NOLINT
 using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
 
 namespace {
 
@@ -467,6 +469,52 @@ class QsgdDecodeSumOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("QsgdDecodeSum").Device(DEVICE_CPU), QsgdDecodeSumOp<false>);
 REGISTER_KERNEL_BUILDER(Name("QsgdDecodeSumReport").Device(DEVICE_CPU), QsgdDecodeSumOp<true>);
+
+REGISTER_OP("QsgdControlVector")
+    .Input("table: double")
+    .Input("index: int32")
+    .Output("vector: double")
+    .Attr("where: string = 'tensor'")
+    .SetIsStateful()
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle table;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &table));
+      c->set_output(0, c->Vector(c->Dim(table, 1)));
+      return OkStatus();
+    })
+    .Doc(R"doc(
+Row `index` of `table` (one row per variant of the exchange's settings): this rank's control vector
+for Horovod's allreduce. Stateful so that TensorFlow never folds it into a constant: Horovod's
+allreduce is not stateful, and an allreduce of a constant in a tf.function is evaluated once, when
+the function is optimized, and its result kept for every step. The vector must be reduced at every
+step, which is where the check sees the ranks present (hvd.join) in that step.
+)doc");
+
+class QsgdControlVectorOp : public OpKernel {
+ public:
+  explicit QsgdControlVectorOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("where", &where_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& table = ctx->input(0);
+    const Tensor& index = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(table.shape()) && TensorShapeUtils::IsScalar(index.shape()),
+                errors::InvalidArgument(where_, ": the control vectors must be a matrix and their index a scalar"));
+    const int64_t rows = table.dim_size(0), length = table.dim_size(1);
+    const int64_t row = index.scalar<int32_t>()();
+    OP_REQUIRES(ctx, row >= 0 && row < rows,
+                errors::InvalidArgument(where_, ": control vector ", row, " of ", rows, " requested"));
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({length}), &out));
+    std::copy_n(table.matrix<double>().data() + row * length, length, out->flat<double>().data());
+  }
+
+ private:
+  std::string where_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("QsgdControlVector").Device(DEVICE_CPU), QsgdControlVectorOp);
 
 REGISTER_OP("QsgdCheckControl")
     .Input("reduced: double")

@@ -21,6 +21,7 @@ import horovod.tensorflow as hvd  # noqa: E402
 
 import hvd_qsgd  # noqa: E402
 from hvd_qsgd import codec, cost_model, protocol, reduction  # noqa: E402
+from tests.mp.tf_graphs import foldable_collectives  # noqa: E402
 
 SEED = 11
 SHAPES = [(64, 200), (200,), (200, 100), (100,), (100, 10), (10,)]  # 12800, 20000 and 1000 elements
@@ -101,8 +102,10 @@ def scenario_tape():
     x, y = batch(rank)
     gd = reduced_grads.get_concrete_function(tf.constant(x), tf.constant(y)).graph.as_graph_def()
     types = {n.op for n in gd.node} | {n.op for f in gd.library.function for n in f.node_def}
-    for op in ("QsgdEncode", "QsgdCheckControl", "QsgdDecodeSum", "HorovodAllgather", "HorovodAllreduce"):
+    for op in ("QsgdEncode", "QsgdControlVector", "QsgdCheckControl", "QsgdDecodeSum", "HorovodAllgather",
+               "HorovodAllreduce"):
         assert op in types, (op, sorted(types))
+    assert not foldable_collectives(gd), foldable_collectives(gd)  # every collective runs at every step
     st = c.stats
     assert st["tensors"] == 4 and st["elements"] == 2 * 32800, st
     assert st["bytes_sent"] == 2 * sum(codec.payload_nbytes(k, 4, 512) for k in (12800, 20000)), st
@@ -611,6 +614,7 @@ def run_tape_steps(c, shapes, steps, zeros=lambda r, i: 0.0):
                 assert np.allclose(g, np.mean([per[r][i] for r in range(n)], axis=0), rtol=1e-5, atol=1e-6), i
     graph = reduced_grads.get_concrete_function([tf.TensorSpec(sh, tf.float32) for sh in shapes]).graph
     gd = graph.as_graph_def()
+    assert not foldable_collectives(gd), foldable_collectives(gd)  # every collective runs at every step
     types = {nd.op for nd in gd.node} | {nd.op for f in gd.library.function for nd in f.node_def}
     return expected, types
 
@@ -893,6 +897,34 @@ def scenario_join():
     assert hvd.join() == 0
 
 
+def scenario_join_traced():
+    """In a tf.function, after steps that every rank took: rank 1 runs out of data after two steps
+    and joins; rank 0's third step fails on its control check with the error naming hvd.join, and
+    then rank 0 joins too. The control vector is reduced at every step: were it a constant, its
+    allreduce would be evaluated once, when the function is optimized, the joined rank would count
+    as present, and the payload allgather would reach Horovod with a joined rank (whose background
+    loop dies of it)."""
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+
+    @tf.function
+    def step(x):
+        return hvd.allreduce(x, compression=c, name="join_traced_t")
+
+    n = hvd.size()
+    for k in range(3 if hvd.rank() == 0 else 2):
+        x = tf.constant(np.full(20000, hvd.rank() + 1 + 10 * k, np.float32))
+        if k < 2:  # a constant bucket quantizes exactly: the mean of the ranks' values
+            assert np.array_equal(step(x).numpy(), np.full(20000, (n + 1) / 2 + 10 * k, np.float32)), k
+            continue
+        try:
+            step(x)
+        except tf.errors.InvalidArgumentError as e:
+            assert "hvd.join" in str(e) and "hvd_qsgd: compressed tensor" in str(e), str(e)
+        else:
+            raise AssertionError("a traced exchange with a joined rank did not fail")
+    assert hvd.join() == 0
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("scenario", nargs="+")
@@ -923,7 +955,8 @@ def main():
              "keras3-efsgdm": scenario_keras3_efsgdm, "error-feedback": scenario_error_feedback,
              "error-feedback-lr": scenario_error_feedback_lr,
              "scatter-tape": scenario_scatter_tape, "scatter-eager": scenario_scatter_eager,
-             "elias": scenario_elias, "auto": scenario_auto, "join": scenario_join}[s]()
+             "elias": scenario_elias, "auto": scenario_auto, "join": scenario_join,
+             "join-traced": scenario_join_traced}[s]()
         print(f"OK {s}", flush=True)
 
 

@@ -16,6 +16,7 @@ import hvd_qsgd
 import hvd_qsgd.tensorflow
 from hvd_qsgd import codec, protocol, reduction
 from tests import references
+from tests.mp.tf_graphs import foldable_collectives
 
 SEED = 5
 PER_NODE = 2
@@ -74,6 +75,8 @@ def traced_error_feedback():
         assert np.array_equal(out.numpy(), ref), f"step {k}: max diff {np.abs(out.numpy() - ref).max()}"
     (mine,) = [v.numpy() for v in c.residuals.residuals.values()]
     assert np.array_equal(mine, residuals[(rank // PER_NODE, rank % PER_NODE)]), "residual"
+    gd = step.get_concrete_function(tf.TensorSpec([5001], tf.float32)).graph.as_graph_def()
+    assert not foldable_collectives(gd), foldable_collectives(gd)  # every collective runs at every step
 
 
 def auto():

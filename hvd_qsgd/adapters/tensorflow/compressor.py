@@ -4,7 +4,8 @@ so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
 
     compress(g):    the chain's encode of g [+ e] (QsgdEncode, or QsgdEncodeChunks for
                     scatter_allgather; their Ef ops with error feedback); returns the control
-                    vector (a float64 constant)
+                    vector (QsgdControlVector: float64, stateful, so never folded into a
+                    constant and reduced at every step)
     decompress(r):  alpha = QsgdCheckControl(r)                   (fails on every rank alike)
                     the chain's stages, the first collective after alpha (control dependency)
                     return cast(alpha * the reduced tensor, g.dtype)
@@ -25,7 +26,7 @@ once each; ``bytes_received``: the other ranks' payloads received, in every phas
 DQSGD (a ``ScheduledBits`` policy): the ops take their bits as attrs, so compress and decompress are
 each a ``tf.switch_case`` over the bit widths, every branch the chain with that width's settings;
 the tensor's schedule variable (``hvd_qsgd.adapters.tensorflow.schedule``) picks the branch, and the control
-vector is that width's row of a constant table. Graph mode only, as error feedback is.
+vector is that width's row of the table QsgdControlVector holds. Graph mode only, as error feedback is.
 
 Eagerly, TensorFlow keeps a kernel for every distinct set of attrs an op was called with, for the
 life of the process: so an eager exchange travels as ``hvd_qsgd_<k>_n<slot>`` (the lowest slot no
@@ -222,11 +223,12 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         vectors = [protocol.control_vector(world, grank, set_rank, protocol.exchange_tags(
             len(ctx.set_ranks), self._creation_index, ex.settings.tag(ex.tag_reduction()), key))
             for ex in ctx.exchanges]
-        if ctx.index is None:
-            control = tf.constant(vectors[0], dtype=tf.float64, name=f"{ctx.name}_control")
-        else:  # the settings tag of the bits chosen: ranks that chose differently fail the check
-            control = tf.gather(tf.constant(np.stack(vectors), dtype=tf.float64), ctx.index,
-                                name=f"{ctx.name}_control")
+        # DQSGD: the settings tag of the bits chosen (ranks that chose differently fail the check).
+        # Through a stateful op: an allreduce of a constant would be folded when the function is
+        # optimized, reduced once for every step, and a rank's hvd.join() would go unseen
+        index = tf.zeros([], tf.int32) if ctx.index is None else tf.cast(ctx.index, tf.int32)
+        control = qops.load().qsgd_control_vector(tf.constant(np.stack(vectors), dtype=tf.float64), index,
+                                                  where=ctx.where, name=f"{ctx.name}_control")
         return control, ctx
 
     def _exchange(self, ctx, v):
