@@ -111,7 +111,6 @@ def test_join_fails_the_step_with_an_error_naming_hvd_join():
     assert ok_count(out, "join") == 2, out[-3000:]
 
 
-
 SCATTER = ["scatter-tape", "scatter-eager", "elias", "auto"]
 
 
@@ -348,6 +347,37 @@ def test_the_error_feedback_ops_equal_the_pytorch_paths_native_call():
 def test_the_tensorflow_op_library_was_built():
     here = os.path.join(ROOT, "hvd_qsgd", "tensorflow")
     assert any(f.startswith("_qsgd_ops") and f.endswith(".so") for f in os.listdir(here))
+
+
+CONTROL_VECTOR = r'''
+import json
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.framework import op_def_registry
+from hvd_qsgd.tensorflow import ops
+o = ops.load()
+table = np.arange(12, dtype=np.float64).reshape(3, 4) + 0.5
+cases = dict(stateful=op_def_registry.get("QsgdControlVector").is_stateful,
+             rows=[o.qsgd_control_vector(table, np.int32(i)).numpy().tolist() for i in range(3)],
+             traced=tf.function(lambda i: o.qsgd_control_vector(tf.constant(table), i))(tf.constant(2)).numpy().tolist())
+try:
+    o.qsgd_control_vector(table, np.int32(3), where="hvd_qsgd: compressed tensor w")
+    cases["raised"] = None
+except tf.errors.InvalidArgumentError as e:
+    cases["raised"] = e.message
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_the_control_vector_op_is_stateful_and_returns_the_row_asked_for():
+    """QsgdControlVector: a stateful op (TensorFlow never folds it, nor the allreduce of its result,
+    into a constant), its table's row ``index`` eagerly and traced, and an index out of range an
+    error naming the tensor."""
+    c = snippet_cases(CONTROL_VECTOR)
+    assert c["stateful"] is True
+    assert c["rows"] == [[4 * i + k + 0.5 for k in range(4)] for i in range(3)]
+    assert c["traced"] == c["rows"][2]
+    assert "compressed tensor w" in c["raised"] and "control vector 3 of 3" in c["raised"], c["raised"]
 
 
 ENCODER = r'''
