@@ -13,7 +13,13 @@ GOLDEN64 = 0x9E3779B97F4A7C15
 
 
 def mix64(z):
-    """qsgd_mix64 (kernels/qsgd_math.h) on a Python integer, mod 2^64."""
+    """qsgd_mix64 (kernels/qsgd_math.h) on a Python integer, mod 2^64, or elementwise on a NumPy
+    array of uint64 (whose arithmetic wraps mod 2^64)."""
+    if isinstance(z, np.ndarray):
+        z = z.astype(np.uint64)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
     z &= M64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64

@@ -365,10 +365,9 @@ def test_the_stream_depends_on_both_halves_of_the_page_key():
     expected -- still draw independent streams: in both versions their levels differ at the rate of
     independent draws."""
     s = np.arange(2 ** 18, dtype=np.uint64)
-    z = s + np.uint64(GOLDEN)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    lo32 = (z ^ (z >> np.uint64(31))) & np.uint64(M32)
+    keys = mix64(s + np.uint64(GOLDEN))  # _page_key(seed) of every seed, page 0
+    assert all(int(keys[i]) == _page_key(int(s[i])) for i in (0, 1, 2 ** 17, 2 ** 18 - 1))
+    lo32 = keys & np.uint64(M32)
     order = np.argsort(lo32, kind="stable")
     dup = np.nonzero(lo32[order][1:] == lo32[order][:-1])[0]
     assert dup.size >= 1
