@@ -719,19 +719,7 @@ struct DevBitWriter {
     ++total;
     if (++n == 64) *p++ = acc, acc = 0, n = 0;
   }
-  __host__ __device__ __forceinline__ void omega(uint64_t k) {
-    uint64_t groups[8];
-    int ng = 0;
-    while (k > 1) {
-      groups[ng++] = k;
-      k = (uint64_t)(qsgd_bit_width(k) - 1);
-    }
-    while (ng--) {
-      const uint64_t v = groups[ng];
-      for (int i = qsgd_bit_width(v) - 1; i >= 0; --i) bit((uint32_t)(v >> i) & 1u);
-    }
-    bit(0);
-  }
+  __host__ __device__ __forceinline__ void omega(uint64_t k) { qsgd_write_omega(*this, k); }
   __host__ __device__ __forceinline__ void flush() {
     if (n) *p = acc;
   }

@@ -43,19 +43,7 @@ struct BitWriter {
       p += 8, acc = 0, n = 0;
     }
   }
-  inline void msb_first(uint64_t v, int nbits) {
-    for (int i = nbits - 1; i >= 0; --i) bit((uint32_t)(v >> i) & 1u);
-  }
-  inline void omega(uint64_t k) {
-    uint64_t groups[8];
-    int ng = 0;
-    while (k > 1) {
-      groups[ng++] = k;
-      k = (uint64_t)(63 - __builtin_clzll(k));
-    }
-    while (ng--) msb_first(groups[ng], 64 - __builtin_clzll(groups[ng]));
-    bit(0);
-  }
+  inline void omega(uint64_t k) { qsgd_write_omega(*this, k); }
   inline void flush() {
     if (n) qsgd_store_le(p, acc, (n + 7) / 8);
   }

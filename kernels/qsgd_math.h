@@ -285,6 +285,27 @@ QSGD_HD int qsgd_omega_len(uint64_t k) {
   }
   return len;
 }
+#ifdef __cplusplus
+/* omega(k) for k >= 1 into the bit sink w (w.bit(b) appends bit b of 0 or 1 to the stream): the
+ * groups k, floor(log2 k), ... down to the last above 1, each most significant bit first, from the
+ * last group found to k itself; then a 0. The CPU and the CUDA writers differ only in where their
+ * bits go. */
+template <typename BitSink>
+QSGD_HD void qsgd_write_omega(BitSink& w, uint64_t k) {
+  uint64_t groups[8];
+  int ng = 0;
+  while (k > 1) {
+    groups[ng++] = k;
+    k = (uint64_t)(qsgd_bit_width(k) - 1);
+  }
+  while (ng--) {
+    const uint64_t v = groups[ng];
+    for (int i = qsgd_bit_width(v) - 1; i >= 0; --i) w.bit((uint32_t)(v >> i) & 1u);
+  }
+  w.bit(0);
+}
+#endif
+
 /* Bits per element a b-bit Elias stream can take: omega(gap) <= 3 * gap and the gaps of a bucket sum
  * to at most its length, so <= 3 per element; plus a sign bit and the longest omega(level). */
 QSGD_HD uint64_t qsgd_elias_bits_bound(int bits) {
