@@ -1,10 +1,10 @@
 /*
  * The per-element math of the codec, compiled into both the CPU and the CUDA library so that the
  * two cannot drift apart: the random stream, the bucket scale, the quantizer, the code layout,
- * the checksum, the parse of an Elias stream. Everything here is exact integer arithmetic or
- * single IEEE-754 operations in a fixed order (both libraries are built without FMA contraction,
- * -ffp-contract=off / --fmad=false), which is what makes CPU and CUDA payloads bit-identical for
- * the same seed.
+ * the checksum, the Elias stream's omega writer and its parse. Everything here is exact integer
+ * arithmetic or single IEEE-754 operations in a fixed order (both libraries are built without FMA
+ * contraction, -ffp-contract=off / --fmad=false), which is what makes CPU and CUDA payloads
+ * bit-identical for the same seed.
  */
 #ifndef HVD_QSGD_MATH_H_
 #define HVD_QSGD_MATH_H_
