@@ -198,6 +198,11 @@ def load():
         lib.qsgd_check_control_present.restype = _I32
         lib.qsgd_check_control_present.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, _P, _I32,
                                                    ctypes.POINTER(ctypes.c_double), ctypes.POINTER(_I32)]
+        lib.qsgd_control_participants.restype = _I32
+        lib.qsgd_control_participants.argtypes = [_P, ctypes.c_int64, _I32, _P, ctypes.POINTER(_I32)]
+        lib.qsgd_control_joined.restype = _I32
+        lib.qsgd_control_joined.argtypes = [_P, ctypes.c_int64, _I32, _P, _I32, _P, ctypes.POINTER(_I32),
+                                            ctypes.POINTER(_I32)]
         lib.qsgd_chunk_range.restype = _I32
         lib.qsgd_chunk_range.argtypes = [_U64, ctypes.c_uint32, _I32, _I32, ctypes.POINTER(_U64),
                                          ctypes.POINTER(_U64)]

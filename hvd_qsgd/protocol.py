@@ -190,16 +190,13 @@ JOIN_WAIT_S = 10.0  # how long a rank waits for a presence allreduce the control
 
 def _implied_participants(r, world_size):
     """The global ranks whose contributions a reduced control vector is the sum of (found from
-    MEMBERS / ONE = mask / m for m participants), or None when no participant set fits."""
-    if not r[ONE] > 0:
-        return None
-    per_rank = r[MEMBERS:MEMBERS + _chunks(world_size)] / r[ONE]
-    for m in range(1, world_size + 1):
-        chunks = [int(round(v * m)) for v in per_rank]
-        ranks = [j * MEMBER_BITS + b for j, x in enumerate(chunks) for b in range(MEMBER_BITS) if x >> b & 1]
-        if len(ranks) == m and _mask_matches(per_rank * m, chunks):
-            return ranks
-    return None
+    MEMBERS / ONE = mask / m for m participants; C ``qsgd_control_participants``), or None when no
+    participant set fits."""
+    r = np.ascontiguousarray(r, dtype=np.float64).reshape(-1)
+    ranks, m = np.zeros(max(int(world_size), 1), dtype=np.int32), ctypes.c_int32(0)
+    st = _native.load().qsgd_control_participants(_native.address(r), r.size, int(world_size), _native.address(ranks),
+                                                 ctypes.byref(m))
+    return [int(g) for g in ranks[:m.value]] if st == _native.OK else None
 
 
 def joined_verdict(reduced, world_size, set_ranks, where, fault_message=None):
@@ -211,24 +208,18 @@ def joined_verdict(reduced, world_size, set_ranks, where, fault_message=None):
     then divides by the smaller set's size m: c m = 1 rules a join out and c n = 1 proves it; for
     Sum (c = 1) only the exchange's presence allreduce can tell, which completes after a join and
     never after a reduction over a smaller set, so the caller waits for it ``JOIN_WAIT_S`` at most.
-    Raises MismatchError when the participants' own vector fails a check (a fault, a tag)."""
+    Raises MismatchError when the participants' own vector fails a check (a fault, a tag).
+    (C ``qsgd_control_joined``, which the TensorFlow op uses too.)"""
     r = np.ascontiguousarray(reduced, dtype=np.float64).reshape(-1)
-    if r.size != control_length(world_size) or not np.all(np.isfinite(r)):
+    ranks = np.ascontiguousarray(set_ranks, dtype=np.int32)
+    present, m, certain = np.zeros(ranks.size, dtype=np.int32), ctypes.c_int32(0), ctypes.c_int32(0)
+    st = _native.load().qsgd_control_joined(_native.address(r), r.size, int(world_size), _native.address(ranks),
+                                           ranks.size, _native.address(present), ctypes.byref(m), ctypes.byref(certain))
+    if st != _native.OK:
         return None
-    ranks = _implied_participants(r, world_size)
-    if ranks is None or not set(ranks) < set(set_ranks):
-        return None
-    m, n = len(ranks), len(set_ranks)
-    c = r[ONE] / m
-    if m > 1 and abs(c * m - 1.0) <= 1e-9:
-        return None  # Average over m ranks: the tensor was reduced over a smaller process set
-    present = sorted(list(set_ranks).index(g) for g in ranks)
+    present = [int(j) for j in present[:m.value]]
     alpha = check_control(r, world_size, set_ranks, where, fault_message, present=present)
-    return present, alpha, abs(c * n - 1.0) <= 1e-9
-
-
-def _mask_matches(values, mask):
-    return all(abs(v - m) <= 1e-3 for v, m in zip(values, mask))
+    return present, alpha, bool(certain.value)
 
 
 def _membership_message(r, world_size, set_ranks, where):

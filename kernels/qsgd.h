@@ -210,6 +210,19 @@ int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const in
 int32_t qsgd_check_control_present(const double* r, int64_t len, int32_t world, const int32_t* set_ranks,
                                    int32_t n, const int32_t* present, int32_t m, double* alpha,
                                    int32_t* detail);
+/* The global ranks a reduced control vector is the sum of (MEMBERS / ONE = mask / m for m
+ * participants): ranks[0..*m-1], ascending (ranks holds world entries); QSGD_E_CTRL_MEMBERS when no
+ * participant set fits. */
+int32_t qsgd_control_participants(const double* r, int64_t len, int32_t world, int32_t* ranks, int32_t* m);
+/* Whether a reduced control vector that failed qsgd_check_control is that of the set's ranks still
+ * stepping while the others have joined (hvd.join): QSGD_OK with their set ranks present[0..*m-1]
+ * (present holds n entries) and *certain = 1 where the op's scale proves a join (Average over the
+ * whole set, c n = 1), 0 where only a presence allreduce can tell it from a sum over a smaller
+ * process set (Sum, c = 1); QSGD_E_CTRL_MEMBERS when it is not a join's (no participants fit, they
+ * are not a strict subset of the set, or an Average over them alone: c m = 1). Their own vector is
+ * then checked with qsgd_check_control_present. */
+int32_t qsgd_control_joined(const double* r, int64_t len, int32_t world, const int32_t* set_ranks, int32_t n,
+                            int32_t* present, int32_t* m, int32_t* certain);
 
 /* ---- chunks of the scatter_allgather reduction (hvd_qsgd/reduction.py states the algorithm) - */
 /* Chunk j of n of a tensor of numel elements in buckets of bucket_size: elements [*begin, *end),

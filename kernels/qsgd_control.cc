@@ -100,4 +100,68 @@ int32_t qsgd_check_control(const double* r, int64_t len, int32_t world, const in
   return qsgd_check_control_present(r, len, world, set_ranks, n, nullptr, n, alpha, detail);
 }
 
+int32_t qsgd_control_participants(const double* r, int64_t len, int32_t world, int32_t* ranks, int32_t* m) {
+  if (!r || !ranks || !m || world < 1) return QSGD_E_ARG;
+  *m = 0;
+  if (len != qsgd_control_length(world) || !(r[kOne] > 0) || !std::isfinite(r[kOne])) return QSGD_E_CTRL_MEMBERS;
+  const int64_t k = chunks(world);
+  // a sum over m ranks M: MEMBERS / ONE = mask(M) / m; find the m whose mask is whole and has m bits
+  for (int32_t count = 1; count <= world; ++count) {
+    int32_t found = 0;
+    bool fits = true;
+    for (int64_t j = 0; j < k && fits; ++j) {
+      const double v = r[kMembers + j] / r[kOne] * count;
+      if (!std::isfinite(v) || v < -0.5 || v > kFull + 0.5 || !near(v, std::round(v))) {
+        fits = false;
+        break;
+      }
+      const uint32_t mask = uint32_t(std::lround(v));
+      for (int b = 0; b < QSGD_CONTROL_MEMBER_BITS; ++b) {
+        if (!(mask >> b & 1u)) continue;
+        const int64_t g = j * QSGD_CONTROL_MEMBER_BITS + b;
+        if (g >= world || found >= count) {
+          fits = false;
+          break;
+        }
+        ranks[found++] = int32_t(g);
+      }
+    }
+    if (fits && found == count) {
+      *m = count;
+      return QSGD_OK;
+    }
+  }
+  return QSGD_E_CTRL_MEMBERS;
+}
+
+int32_t qsgd_control_joined(const double* r, int64_t len, int32_t world, const int32_t* set_ranks, int32_t n,
+                            int32_t* present, int32_t* m, int32_t* certain) {
+  if (!r || !set_ranks || !present || !m || !certain || n < 1 || n > world) return QSGD_E_ARG;
+  *m = 0;
+  *certain = 0;
+  if (len != qsgd_control_length(world)) return QSGD_E_CTRL_MEMBERS;
+  for (int64_t i = 0; i < len; ++i)
+    if (!std::isfinite(r[i])) return QSGD_E_CTRL_MEMBERS;
+  int32_t* ranks = static_cast<int32_t*>(std::malloc(sizeof(int32_t) * size_t(world)));
+  if (!ranks) return QSGD_E_NOMEM;
+  int32_t count = 0;
+  int32_t st = qsgd_control_participants(r, len, world, ranks, &count);
+  // the participants must be a strict subset of the set: their set ranks, ascending
+  for (int32_t i = 0; st == QSGD_OK && i < count; ++i) {
+    int32_t at = -1;
+    for (int32_t j = 0; j < n; ++j)
+      if (set_ranks[j] == ranks[i]) at = j;
+    if (at < 0 || (i > 0 && at <= present[i - 1])) st = QSGD_E_CTRL_MEMBERS;
+    else present[i] = at;
+  }
+  std::free(ranks);
+  if (st != QSGD_OK) return st;
+  if (count >= n) return QSGD_E_CTRL_MEMBERS;
+  const double c = r[kOne] / count;
+  if (count > 1 && std::fabs(c * count - 1.0) <= kRelTol) return QSGD_E_CTRL_MEMBERS;  // Average over count ranks
+  *m = count;
+  *certain = std::fabs(c * n - 1.0) <= kRelTol ? 1 : 0;   // Average over the set: only a join gives it
+  return QSGD_OK;
+}
+
 }  // extern "C"

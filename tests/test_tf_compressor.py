@@ -8,6 +8,7 @@ seeds, and is bit-identical across ranks. With reduction="scatter_allgather" (an
 ``hvd_qsgd.reduction.simulate`` of every rank's input, regenerated in each worker. Mismatches fail
 the step on every rank.
 """
+import functools
 import json
 import os
 import re
@@ -51,9 +52,11 @@ def test_compat_v1_distributed_optimizer_in_a_session():
     assert ok_count(out, "v1") == 2, out[-3000:]
 
 
-def test_join_after_traced_steps_fails_the_step_instead_of_horovod():
-    """The control vector of a tf.function step is reduced at every step (not folded into a
-    constant when the function is optimized), so a rank that joined after earlier steps is seen."""
+def test_join_after_traced_steps_is_carried_as_horovods_joined_allreduce():
+    """A rank that joins after two tf.function steps: the other rank's third step gives Horovod's
+    joined result for allgather (Average, Sum), scatter_allgather and error feedback, counted as
+    joined exchanges. The control vector is reduced at every step (not folded into a constant when
+    the function is optimized), so the join is seen."""
     scenarios, out = tape_launch(2, "gloo")
     assert "join-traced" in scenarios and ok_count(out, "join-traced") == 2, out[-3000:]
 
@@ -106,7 +109,7 @@ def step_failures_launch(scenarios):
     return launch_once(2, "gloo", (WORKER, *scenarios), timeout=60 + 30 * len(scenarios))
 
 
-def test_join_fails_the_step_with_an_error_naming_hvd_join():
+def test_join_carries_eager_exchanges_as_horovods_joined_allreduce():
     out = step_failures_launch(SHARED_LAUNCH)
     assert ok_count(out, "join") == 2, out[-3000:]
 
@@ -365,19 +368,75 @@ try:
     cases["raised"] = None
 except tf.errors.InvalidArgumentError as e:
     cases["raised"] = e.message
+
+# QsgdCheckControl's verdicts on vectors reduced over some of a 4-rank set's ranks, against the
+# PyTorch runner's (protocol.check_control / joined_verdict)
+from hvd_qsgd import protocol
+world, ranks = 4, [0, 1, 2, 3]
+def vec(g, settings_tag=7):
+    return protocol.control_vector(world, g, g, protocol.exchange_tags(world, 0, settings_tag, 5))
+def verdict(r, sum_join):
+    try:
+        alpha, joined = o.qsgd_check_control(tf.constant(r), world=world, set_ranks=ranks,
+                                             tag_names=list(protocol.TAG_NAMES), where="hvd_qsgd: compressed tensor w",
+                                             sum_join=sum_join)
+        return [float(alpha.numpy()), bool(joined.numpy())]
+    except tf.errors.InvalidArgumentError as e:
+        return e.message
+def python_verdict(r):
+    try:
+        return [protocol.check_control(r, world, ranks, "w"), False]
+    except protocol.MismatchError:
+        try:
+            v = protocol.joined_verdict(r, world, ranks, "w")
+        except protocol.MismatchError as e:
+            return str(e)
+        return None if v is None else [v[1], True, v[0], v[2]]
+some = vec(0) + vec(2)
+vectors = {"all, average": sum(vec(g) for g in ranks) / 4, "0 and 2, sum": some, "0 and 2, average over the set": some / 4,
+           "0 and 2, average over them": some / 2, "0 and 2, settings differ": vec(0) + vec(2, settings_tag=8),
+           "0 alone, sum": vec(0)}
+cases["verdicts"] = {k: [verdict(r, False), verdict(r, True), python_verdict(r)] for k, r in vectors.items()}
 print("RESULT " + json.dumps(cases))
 '''
+
+
+@functools.lru_cache(maxsize=None)
+def control_op_cases():
+    """The control ops' cases (one TensorFlow process for the two tests that read them)."""
+    return snippet_cases(CONTROL_VECTOR)
 
 
 def test_the_control_vector_op_is_stateful_and_returns_the_row_asked_for():
     """QsgdControlVector: a stateful op (TensorFlow never folds it, nor the allreduce of its result,
     into a constant), its table's row ``index`` eagerly and traced, and an index out of range an
     error naming the tensor."""
-    c = snippet_cases(CONTROL_VECTOR)
+    c = control_op_cases()
     assert c["stateful"] is True
     assert c["rows"] == [[4 * i + k + 0.5 for k in range(4)] for i in range(3)]
     assert c["traced"] == c["rows"][2]
     assert "compressed tensor w" in c["raised"] and "control vector 3 of 3" in c["raised"], c["raised"]
+
+
+def test_the_control_check_op_tells_a_join_from_a_smaller_set_as_the_pytorch_runner_does():
+    """QsgdCheckControl on vectors reduced over ranks 0 and 2 of a 4-rank set: averaged over the set,
+    a join (alpha 1/4, joined) wherever the compressor's set came from; summed, a join only where the
+    set is Horovod's own (``sum_join``), else an error naming both causes; averaged over the two
+    alone, an allreduce over a smaller set; a settings disagreement among them, that error. The
+    PyTorch runner's verdicts (protocol.check_control, joined_verdict) agree: the same native check."""
+    v = control_op_cases()["verdicts"]
+    assert v["all, average"] == [[0.25, False], [0.25, False], [0.25, False]], v
+    assert v["0 and 2, average over the set"] == [[0.25, True], [0.25, True], [0.25, True, [0, 2], True]], v
+    tf_sum, tf_sum_join, torch_sum = v["0 and 2, sum"]
+    assert "hvd.join" in tf_sum and "smaller process set" in tf_sum and "took no part" in tf_sum, tf_sum
+    assert tf_sum_join == [1.0, True] and torch_sum == [1.0, True, [0, 2], False], v
+    assert v["0 alone, sum"][1] == [1.0, True] and v["0 alone, sum"][2] == [1.0, True, [0], False], v
+    for case in ("0 and 2, average over them",):
+        tf_error, tf_error_too, python = v[case]
+        assert "another process set" in tf_error and tf_error == tf_error_too and python is None, v
+    tf_error, tf_error_too, python = v["0 and 2, settings differ"]
+    assert "ranks disagree on the compressor settings" in tf_error and tf_error == tf_error_too, v
+    assert "ranks disagree on the compressor settings" in python, v
 
 
 ENCODER = r'''
@@ -416,10 +475,11 @@ for kw in ({}, {"encoder": 1}, {"encoder": 2}):
     def traced(v):
         ctrl, ctx = c.compress(v)
         return c.decompress(hvd.allreduce(ctrl, op=hvd.Average), ctx)
-    graph = tf.function(traced).get_concrete_function(tf.TensorSpec([20000], tf.float32)).graph
-    attrs = sorted((op.type, op.get_attr("encoder")) for op in graph.get_operations()
-                   if op.type in ("QsgdEncode", "QsgdEncodeEf", "QsgdEncodeChunks", "QsgdEncodeChunksEf",
-                                  "QsgdReduceChunk", "QsgdReduceChunkEf"))
+    gd = tf.function(traced).get_concrete_function(tf.TensorSpec([20000], tf.float32)).graph.as_graph_def()
+    nodes = list(gd.node) + [n for f in gd.library.function for n in f.node_def]   # (and the branches')
+    attrs = sorted((n.op, n.attr["encoder"].i) for n in nodes
+                   if n.op in ("QsgdEncode", "QsgdEncodeEf", "QsgdEncodeChunks", "QsgdEncodeChunksEf",
+                               "QsgdReduceChunk", "QsgdReduceChunkEf"))
     cases.append(dict(setting=kw, reduction="traced", ops=attrs))
 print("RESULT " + json.dumps(cases))
 '''

@@ -13,13 +13,15 @@ OVERLAPPED = ("allgather", "scatter_allgather")
 _joined_logged = threading.Event()
 
 
-def _note_joined(where, joined):
-    """Log, once per process, that exchanges go uncompressed while ranks have joined."""
+def note_joined(where, joined=None):
+    """Log, once per process, that exchanges go uncompressed while ranks have joined (``joined``: how
+    many, where known)."""
     if not _joined_logged.is_set():
         _joined_logged.set()
-        log.warning("%s: %d rank(s) of the set have joined (hvd.join); until every rank has joined, compressed "
+        log.warning("%s: %s of the set have joined (hvd.join); until every rank has joined, compressed "
                     "exchanges go through Horovod's allreduce of each stepping rank's dequantized payload "
-                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where, joined)
+                    "(fp32 on the wire; counted in stats['joined_exchanges'])", where,
+                    "ranks" if joined is None else f"{joined} rank(s)")
 
 
 class JoinedSteps:
@@ -80,4 +82,4 @@ class JoinedSteps:
     def _count_joined(self, ex):
         carrier = ex.fused or ex
         self.stats.add(raw_elements=ex.expect.numel, raw_tensors=1, joined_exchanges=1)
-        _note_joined(ex.where, len(ex.set_ranks) - len(carrier.present))
+        note_joined(ex.where, len(ex.set_ranks) - len(carrier.present))

@@ -8,7 +8,7 @@
 //   QsgdDecodeSum(gathered, alpha) -> out       out = alpha * sum of the `count` payloads in gathered
 //   QsgdDecodeSumReport(gathered, alpha) -> out, error    the same, never failing the step (empty
 //                                               out and the reason where QsgdDecodeSum would fail)
-//   QsgdCheckControl(reduced) -> alpha          the control-vector verdict (hvd_qsgd/protocol.py)
+//   QsgdCheckControl(reduced) -> alpha, joined  the control-vector verdict (hvd_qsgd/protocol.py)
 //
 // and the three steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the
 // algorithm; kernels/qsgd_chunks.cc implements it, these ops only check headers and call it):
@@ -519,15 +519,26 @@ REGISTER_KERNEL_BUILDER(Name("QsgdControlVector").Device(DEVICE_CPU), QsgdContro
 REGISTER_OP("QsgdCheckControl")
     .Input("reduced: double")
     .Output("alpha: float")
+    .Output("joined: bool")
     .Attr("world: int")
     .Attr("set_ranks: list(int)")
     .Attr("tag_names: list(string)")
     .Attr("where: string = 'tensor'")
+    .Attr("sum_join: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Scalar());
+      c->set_output(1, c->Scalar());
       return OkStatus();
     })
-    .Doc("The verdict on a reduced control vector: the gradient scale, or an error on every rank.");
+    .Doc(R"doc(
+The verdict on a reduced control vector, the same on every rank: the gradient scale alpha, and
+whether ranks of the set have joined (hvd.join), in which case the vector is the stepping ranks'
+(qsgd_control_joined, then qsgd_check_control_present) and the exchange must go as an allreduce
+(Horovod carries no allgather or alltoall through a join); or an error. A join is told from an
+allreduce over a smaller process set by the op's scale (Average divides by the set's size after a
+join); for Sum only where `sum_join` says the process set is Horovod's own (the caller's), so that
+no smaller set can have reduced it.
+)doc");
 
 class QsgdCheckControlOp : public OpKernel {
  public:
@@ -538,16 +549,37 @@ class QsgdCheckControlOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("set_ranks", &ranks));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tag_names", &tag_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("where", &where_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("sum_join", &sum_join_));
     world_ = int32_t(world);
     for (int64_t r : ranks) ranks_.push_back(int32_t(r));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& r = ctx->input(0);
+    const double* v = r.flat<double>().data();
+    const int32_t n = int32_t(ranks_.size());
     double alpha = 0.0;
     int32_t detail = 0;
-    const int32_t st = qsgd_check_control(r.flat<double>().data(), r.NumElements(), world_, ranks_.data(),
-                                          int32_t(ranks_.size()), &alpha, &detail);
+    bool joined = false;
+    int32_t st = qsgd_check_control(v, r.NumElements(), world_, ranks_.data(), n, &alpha, &detail);
+    if (st == QSGD_E_CTRL_MEMBERS) {  // ranks of the set may have joined: then the vector is the others'
+      std::vector<int32_t> present(size_t(n), 0);
+      int32_t m = 0, certain = 0;
+      if (qsgd_control_joined(v, r.NumElements(), world_, ranks_.data(), n, present.data(), &m, &certain) == QSGD_OK) {
+        // the participants' own vector is checked first (faults, tags), as protocol.joined_verdict does
+        st = qsgd_check_control_present(v, r.NumElements(), world_, ranks_.data(), n, present.data(), m, &alpha,
+                                        &detail);
+        if (st == QSGD_OK && !certain && !sum_join_) {
+          ctx->CtxFailure(errors::InvalidArgument(
+              where_, ": ", n - m, " rank(s) of the compressor's process set took no part in the op=Sum allreduce: "
+              "either they joined (hvd.join) or the allreduce ran over a smaller process set, which a Sum outside "
+              "Horovod's own calls cannot tell apart (pass the allreduce's process_set= to the compressor, or use "
+              "op=Average)"));
+          return;
+        }
+        joined = true;
+      }
+    }
     if (st == QSGD_E_CTRL_TAG && detail >= 0 && size_t(detail) < tag_names_.size()) {
       ctx->CtxFailure(errors::InvalidArgument(where_, ": ranks disagree on the ", tag_names_[detail], ": ",
                                               qsgd_status_string(st)));
@@ -556,20 +588,20 @@ class QsgdCheckControlOp : public OpKernel {
     if (st == QSGD_E_CTRL_MEMBERS) {
       ctx->CtxFailure(errors::InvalidArgument(
           where_, ": the tensor was not reduced over exactly the compressor's process set: the allreduce ran "
-          "over another process set (pass its process_set= to the compressor), or ranks of the set have joined "
-          "(hvd.join), which the TensorFlow compressor does not carry exchanges through (let every rank take "
-          "the same number of steps, or use hvd.Compression.none for the uneven tail): ",
-          qsgd_status_string(st)));
+          "over another process set (pass its process_set= to the compressor): ", qsgd_status_string(st)));
       return;
     }
     OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_));
     Tensor* out = nullptr;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<float>()() = float(alpha);
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &out));
+    out->scalar<bool>()() = joined;
   }
 
  private:
   int32_t world_ = 0;
+  bool sum_join_ = false;
   std::vector<int32_t> ranks_;
   std::vector<std::string> tag_names_;
   std::string where_;

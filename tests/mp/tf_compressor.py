@@ -882,46 +882,58 @@ def mismatch(kind):
 
 
 def scenario_join():
-    """Rank 1 has no data and joins at once; rank 0's compressed exchange fails on its control check
-    with an error naming hvd.join (the TensorFlow compressor does not carry exchanges through a
-    join; its payload collectives only start after the check, so Horovod never sees one), then
-    rank 0 joins too and both return from hvd.join() as without compression."""
-    c = hvd_qsgd.QSGD(4, seed=SEED)  # on every rank: compressors are numbered in creation order
+    """Rank 1 has no data and joins at once; rank 0's eager compressed exchanges, allgather and
+    scatter_allgather, are carried through the join as Horovod's own allreduce would be: the
+    stepping rank's payload dequantized (exact for a constant bucket), reduced by Horovod's allreduce
+    with the joined rank adding zeros, Average still dividing by the set's size. Then rank 0 joins
+    too and both return from hvd.join() as without compression."""
+    n = hvd.size()
+    compressors = [hvd_qsgd.QSGD(4, seed=SEED, reduction=r) for r in ("allgather", "scatter_allgather")]
     if hvd.rank() == 0:
-        try:
-            hvd.allreduce(tf.constant(np.ones(20000, np.float32)), compression=c, name="join_t")
-        except tf.errors.InvalidArgumentError as e:
-            assert "hvd.join" in str(e) and "hvd_qsgd: compressed tensor" in str(e), str(e)
-        else:
-            raise AssertionError("a compressed exchange with a joined rank did not fail")
+        x = tf.constant(np.full(20000, 3.0, np.float32))
+        for c in compressors:
+            got = hvd.allreduce(x, compression=c, name=f"join_{c.settings.reduction}").numpy()
+            assert np.array_equal(got, np.full(20000, 3.0 / n, np.float32)), (c, got[:4])
+            st = c.stats
+            assert st["joined_exchanges"] == 1 and st["raw_tensors"] == 1 and st["tensors"] == 0, st
     assert hvd.join() == 0
 
 
 def scenario_join_traced():
     """In a tf.function, after steps that every rank took: rank 1 runs out of data after two steps
-    and joins; rank 0's third step fails on its control check with the error naming hvd.join, and
-    then rank 0 joins too. The control vector is reduced at every step: were it a constant, its
-    allreduce would be evaluated once, when the function is optimized, the joined rank would count
+    and joins; rank 0's third step is carried through the join: allgather (Average and Sum),
+    scatter_allgather and error feedback give Horovod's joined allreduce of rank 0's dequantized
+    payloads (exact for a constant bucket; the residual stays zero), each counted as a joined
+    exchange; then rank 0 joins too. The control vector is reduced at every step: were it a constant,
+    its allreduce would be evaluated once, when the function is optimized, the joined rank would count
     as present, and the payload allgather would reach Horovod with a joined rank (whose background
     loop dies of it)."""
-    c = hvd_qsgd.QSGD(4, seed=SEED)
+    plain, scatter = hvd_qsgd.QSGD(4, seed=SEED), hvd_qsgd.QSGD(4, seed=SEED, reduction="scatter_allgather")
+    fed_back = hvd_qsgd.QSGD(4, seed=SEED, error_feedback=True)
 
     @tf.function
     def step(x):
-        return hvd.allreduce(x, compression=c, name="join_traced_t")
+        return (hvd.allreduce(x, compression=plain, name="join_traced_t"),
+                hvd.allreduce(x, compression=plain, op=hvd.Sum, name="join_traced_sum"),
+                hvd.allreduce(x, compression=scatter, name="join_traced_scatter"),
+                hvd.allreduce(x, compression=fed_back, name="join_traced_ef"))
 
-    n = hvd.size()
-    for k in range(3 if hvd.rank() == 0 else 2):
-        x = tf.constant(np.full(20000, hvd.rank() + 1 + 10 * k, np.float32))
-        if k < 2:  # a constant bucket quantizes exactly: the mean of the ranks' values
-            assert np.array_equal(step(x).numpy(), np.full(20000, (n + 1) / 2 + 10 * k, np.float32)), k
-            continue
-        try:
-            step(x)
-        except tf.errors.InvalidArgumentError as e:
-            assert "hvd.join" in str(e) and "hvd_qsgd: compressed tensor" in str(e), str(e)
-        else:
-            raise AssertionError("a traced exchange with a joined rank did not fail")
+    n, rank = hvd.size(), hvd.rank()
+    for k in range(3 if rank == 0 else 2):
+        x = tf.constant(np.full(20000, rank + 1 + 10 * k, np.float32))
+        # a constant bucket quantizes exactly: the ranks' mean (sum) while all step; after rank 1 has
+        # joined, rank 0's value over n (Average, as Horovod's joined allreduce divides) or itself (Sum)
+        mean, total = ((n + 1) / 2 + 10 * k, n * (n + 1) / 2 + 10 * k * n) if k < 2 else ((1 + 10 * k) / n, 1 + 10 * k)
+        got = [t.numpy() for t in step(x)]
+        for name, value, want in zip(("average", "sum", "scatter", "error feedback"), got, (mean, total, mean, mean)):
+            assert np.array_equal(value, np.full(20000, want, np.float32)), (k, name, value[:4], want)
+    joined = 1 if rank == 0 else 0
+    assert int(plain.stats["joined_exchanges"]) == 2 * joined, plain.stats
+    for c in (scatter, fed_back):
+        st = c.stats
+        assert int(st["joined_exchanges"]) == joined and int(st["tensors"]) == 2 and int(st["raw_tensors"]) == joined, st
+    residuals = fed_back._adapters["tensorflow"].residuals.residuals
+    assert len(residuals) == 1 and all(not np.any(v.numpy()) for v in residuals.values()), residuals
     assert hvd.join() == 0
 
 

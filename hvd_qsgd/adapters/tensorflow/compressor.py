@@ -6,8 +6,10 @@ so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
                     scatter_allgather; their Ef ops with error feedback); returns the control
                     vector (QsgdControlVector: float64, stateful, so never folded into a
                     constant and reduced at every step)
-    decompress(r):  alpha = QsgdCheckControl(r)                   (fails on every rank alike)
-                    the chain's stages, the first collective after alpha (control dependency)
+    decompress(r):  alpha, joined = QsgdCheckControl(r)           (fails on every rank alike)
+                    the chain's stages, the first collective after alpha (control dependency);
+                    where ranks have called hvd.join(), Horovod's Sum of the stepping ranks'
+                    dequantized payloads instead (``hvd_qsgd.adapters.tensorflow.verdict``)
                     return cast(alpha * the reduced tensor, g.dtype)
 
 Each exchange resolves its reduction with ``settings.exchange_reduction(n, numel)``; the resolved
@@ -45,8 +47,9 @@ from horovod.tensorflow.compression import Compressor
 from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
+from hvd_qsgd.adapters.tensorflow import verdict
 from hvd_qsgd.adapters.tensorflow.state import TensorFlowState
-from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
+from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
@@ -72,7 +75,7 @@ class _Tensor:
 
     __slots__ = ("name", "where", "shape", "dtype", "numel", "set_ranks", "set_rank", "fingerprint", "occurrence",
                  "seed", "slot", "per_node", "index", "schedule", "key", "process_set", "variants", "exchanges",
-                 "deps")
+                 "deps", "sum_join")
 
 
 class TensorFlowCompressor(TensorFlowState, Compressor):
@@ -138,6 +141,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             raise ValueError(f"hvd_qsgd: this rank (global rank {grank}) is not in the compressor's process "
                              f"set {set_ranks}; pass the optimizer's process_set= to the compressor")
         ctx = self._open(tensor, ps, seq, state_key, set_ranks, set_ranks.index(grank))
+        ctx.sum_join = caller.process_set is not None   # Horovod's own set: ranks missing from a Sum joined
         return self._encode(ctx, self._input(ctx, tensor), seq)
 
     def _raw(self, tensor):
@@ -268,14 +272,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         if isinstance(ctx, _Raw):
             return tf.cast(tensor, ctx.dtype)
         try:
-            alpha = qops.load().qsgd_check_control(tf.cast(tensor, tf.float64), world=hvd.size(),
-                                                   set_ranks=ctx.set_ranks, tag_names=list(protocol.TAG_NAMES),
-                                                   where=ctx.where)
             with self.run.collecting() as deps:
-                if ctx.index is None:
-                    out = self._stages(ctx.exchanges[0], alpha)
-                else:  # DQSGD: the exchange with the bits chosen in compress; its norm chooses the next bits
-                    out = self.run.switch(ctx.index, [lambda ex=ex: self._stages(ex, alpha) for ex in ctx.exchanges])
+                out = verdict.reduced(self.run, ctx, tensor)   # the chain's, or the joined ranks' result
+                if ctx.index is not None:  # DQSGD: the result's norm chooses the next bits
                     deps.append(tf_schedule.observe(ctx.schedule, out))
             with tf.control_dependencies(ctx.deps + deps + [self._count_allreduce_bytes(ctx)]):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
@@ -286,15 +285,6 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             return result
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
-
-    def _stages(self, ex, alpha):
-        """alpha * the reduced tensor: the chain's stages, its first collective ordered after the
-        control check (a rank never waits on a collective another rank did not start)."""
-        with tf.control_dependencies([alpha]):
-            ex.payload = tf.identity(ex.payload)
-            if ex.splits is not None:
-                ex.splits = tf.identity(ex.splits)
-        return run_stages(self.run, ex, alpha)
 
 
 TensorFlowCompressor.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)

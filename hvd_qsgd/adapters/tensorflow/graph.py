@@ -9,16 +9,14 @@ is built, in order (``chains.run_stages``); what they build runs every step:
                            failed reduce step raises inside the op that decodes
                            (``InvalidArgumentError``, every rank), or, mid-chain (the hierarchical
                            shard result), reports its failure for every rank to see
-    TensorFlowCollectives  Horovod's TensorFlow collectives under the exchange's names ("." becomes
-                           "_"), each timed into ``wait_s``
+    TensorFlowCollectives  Horovod's TensorFlow collectives (``hvd_qsgd.adapters.tensorflow.collectives``)
     GraphRun               what a chain calls on its runner: the collectives, the statistics (the
                            adapter's counter variables), timing, and the residuals the adapter keeps
                            as variables (``state.GraphResidual``)
 
-Phase 2 of scatter_allgather carries the reduced chunks' lengths by a second allgather of one int32
-each (``<exchange>_gather_splits``; not payload, not counted), not in frames as the CPU and CUDA
-backends do: the decode op then knows every rank's slot, an empty one included, without parsing
-headers (``Phase2Part``). QsgdReduceChunk never fails the step: a rank whose received payloads fail
+Phase 2 of scatter_allgather carries the reduced chunks' lengths apart (``collectives.Phase2Part``):
+the decode op then knows every rank's slot, an empty one included, without parsing headers.
+QsgdReduceChunk never fails the step: a rank whose received payloads fail
 their checks sends an empty reduced chunk and keeps its reason, so every rank still joins phase 2,
 sees the empty slot and raises ``InvalidArgumentError`` naming the ranks that could not reduce.
 
@@ -26,22 +24,15 @@ The operations a step builds that nothing downstream reads (statistics, residual
 are collected by ``GraphRun.collecting`` for the adapter to make its result depend on.
 """
 import threading
-from collections import namedtuple
 from contextlib import contextmanager
 
 import tensorflow as tf
-import horovod.tensorflow as hvd
 
 from hvd_qsgd import _tf_ops as qops, codec
+from hvd_qsgd.adapters.tensorflow.collectives import Phase2Part, TensorFlowCollectives
+from hvd_qsgd.adapters.tensorflow.state import UNCHECKPOINTED_COUNTS
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.settings import Stats
-
-
-class Phase2Part(namedtuple("Phase2Part", "data lengths")):
-    """A reduced chunk and its length (int32, [1]); once gathered, every rank's back to back and
-    their lengths (a namedtuple: ``tf.nest`` sees its two tensors)."""
-
-    __slots__ = ()
 
 
 class TensorFlowOps:
@@ -126,6 +117,16 @@ class TensorFlowOps:
         return tuple(qops.load().qsgd_decode_sum_report(buffer, tf.constant(1.0), count=count, numel=expect.numel,
                                                         **attrs))
 
+    def decode(self, payload, where):
+        """The payload decoded (this rank's own, for the allreduce that carries an exchange through a
+        join): QsgdDecodeSum of one payload, its header checked."""
+        return qops.load().qsgd_decode_sum(payload, tf.constant(1.0), count=1, numel=self.numel, **self.attrs)
+
+    @staticmethod
+    def split_by(buffer, lens):
+        """Payloads back to back and their lengths, as ``decode_chunks`` takes them."""
+        return Phase2Part(buffer, tf.cast(lens, tf.int32))
+
     @staticmethod
     def checked_sizes(out, got, expected, message, error=None):
         """``out``, after an assertion that fails the step (on every rank that received the same
@@ -190,39 +191,6 @@ class TensorFlowOps:
                                               numel=self.numel, world=self.world, **self.attrs)
 
 
-class TensorFlowCollectives:
-    """Horovod's TensorFlow collectives as the chains start them (``hvd_qsgd.exchange.collectives``):
-    a handle is the collective's result, and waiting is reading it."""
-
-    def __init__(self, run):
-        self.run = run
-
-    @staticmethod
-    def _name(name):
-        return name.replace(".", "_")
-
-    def allgather(self, x, name, group):
-        name = self._name(name)
-        if isinstance(x, Phase2Part):  # both at one moment: Horovod negotiates them in one cycle (timed
-            # apart, one could reach Horovod a cycle after the other on some rank: 40% slower steps)
-            return Phase2Part(*self.run.timed("wait_s", lambda: (
-                hvd.allgather(x.data, name=name, ignore_name_scope=True, process_set=group),
-                hvd.allgather(x.lengths, name=f"{name}_splits", ignore_name_scope=True, process_set=group)), *x))
-        return self.run.timed("wait_s", lambda: hvd.allgather(x, name=name, ignore_name_scope=True,
-                                                             process_set=group), x)
-
-    def alltoall(self, x, splits, name, group):
-        splits = (tf.stack([tf.cast(v, tf.int32) for v in splits]) if isinstance(splits, (list, tuple))
-                  else tf.cast(splits, tf.int32))
-        received, rsplits = self.run.timed("wait_s", lambda: tuple(hvd.alltoall(
-            x, splits=splits, name=self._name(name), ignore_name_scope=True, process_set=group)), x, splits)
-        return received, tf.cast(rsplits, tf.int64)
-
-    @staticmethod
-    def wait(handle):
-        return handle
-
-
 class GraphRun:
     """What a chain calls on its runner, for the TensorFlow adapter ``owner`` (its counter and timing
     variables: ``hvd_qsgd.adapters.tensorflow.state``; its residuals: each exchange's ``origin``)."""
@@ -260,8 +228,9 @@ class GraphRun:
         self._local.deps.append(op)
 
     def add(self, **amounts):
-        """Count ``amounts`` in the counter variables (the fields TensorFlow keeps: ``Stats.GRAPH_FIELDS``)."""
-        kept = {k: v for k, v in amounts.items() if k in Stats.GRAPH_FIELDS}
+        """Count ``amounts`` in the counter variables (the fields TensorFlow keeps: ``Stats.GRAPH_FIELDS``
+        and ``state.UNCHECKPOINTED_COUNTS``)."""
+        kept = {k: v for k, v in amounts.items() if k in Stats.GRAPH_FIELDS or k in UNCHECKPOINTED_COUNTS}
         self._local.deps.extend(self.owner._count(**kept))
 
     def exchanged(self, elements, sent, received, cross_sent=0, cross_received=0):

@@ -15,6 +15,9 @@ from hvd_qsgd import cost_model, protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
 from hvd_qsgd.settings import Stats
 
+# integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
+UNCHECKPOINTED_COUNTS = ("allreduce_bytes", "joined_exchanges")
+
 
 class TensorFlowState:
     """Variables, statistics, learning-rate following, checkpoints and elastic state (see the
@@ -65,15 +68,16 @@ class TensorFlowState:
         return self._counters
 
     def _timing_vars(self):
-        """The time fields and allreduce_bytes (``Stats.TIME_FIELDS``): variables of their own, kept
-        out of ``variables`` so that checkpoints hold what they held before."""
+        """The time fields (``Stats.TIME_FIELDS``), allreduce_bytes and joined_exchanges: variables of
+        their own, kept out of ``variables`` so that checkpoints hold what they held before."""
         if self._timing is None:
             with tf.init_scope():
                 self._timing = {k: tf.Variable(0.0, dtype=tf.float64, trainable=False,
                                                name=f"hvd_qsgd_{self._creation_index}_{k}")
                                 for k in Stats.TIME_FIELDS}
-                self._timing["allreduce_bytes"] = tf.Variable(0, dtype=tf.int64, trainable=False,
-                                                              name=f"hvd_qsgd_{self._creation_index}_allreduce_bytes")
+                for k in UNCHECKPOINTED_COUNTS:
+                    self._timing[k] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
                 _initialize_in_session(self._timing.values())
                 accumulators.register(self._timing.values())
         return self._timing
@@ -101,6 +105,8 @@ class TensorFlowState:
 
     def _count(self, **amounts):
         counters = self._counter_vars()
+        if any(k in UNCHECKPOINTED_COUNTS for k in amounts):
+            counters = {**counters, **self._timing_vars()}
         return [counters[k].assign_add(tf.cast(v, tf.int64)) for k, v in amounts.items()]
 
     def _count_allreduce_bytes(self, ctx):
@@ -156,14 +162,15 @@ class TensorFlowState:
 
     @property
     def stats(self):
-        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks`` and ``joined_exchanges``): numbers when executing eagerly,
+        """Cumulative counters (see ``hvd_qsgd.settings.Stats``, less ``host_fallbacks`` and the cross-node
+        bytes): numbers when executing eagerly,
         the counter tensors otherwise (evaluate them in a session)."""
         counters = self._counter_vars()
         if not tf.executing_eagerly():
             return {**counters, **self._timing_vars()}
         d = {k: int(v.numpy()) for k, v in counters.items()}
         for k, v in self._timing_vars().items():
-            d[k] = int(v.numpy()) if k == "allreduce_bytes" else float(v.numpy())
+            d[k] = int(v.numpy()) if k in UNCHECKPOINTED_COUNTS else float(v.numpy())
         d["ratio"] = protocol.ratio(d["elements"], d["bytes_sent"])
         return d
 
@@ -243,7 +250,7 @@ class TensorFlowState:
         for k, v in self._counter_vars().items():
             v.assign(int(stats[k]))
         for k, v in self._timing_vars().items():
-            v.assign(int(stats[k]) if k == "allreduce_bytes" else float(stats[k]))
+            v.assign(int(stats.get(k, 0)) if k in UNCHECKPOINTED_COUNTS else float(stats.get(k, 0.0)))
 
     def reset(self, residuals=True):
         """Forget every exchange in progress (the slots of eager exchanges), and with ``residuals``

@@ -1,0 +1,74 @@
+"""A TensorFlow exchange from its reduced control vector to its result, as graph ops (eagerly, the
+same ops run in turn)::
+
+    alpha, joined = QsgdCheckControl(reduced)      the verdict, the same on every rank (or an error
+                                                   on every rank alike)
+    joined == 0:  the reduction's chain (``chains.run_stages``), its first collective ordered after
+                  alpha (a rank never waits on a collective another rank did not start)
+    joined == 1:  ranks of the set have called ``hvd.join()``: alpha * Horovod's Sum of the stepping
+                  ranks' own payloads, dequantized (the joined ranks add zeros)
+
+in a ``tf.switch_case`` on ``joined`` (DQSGD: each path a switch on the bits chosen in compress).
+
+A join is carried through as PyTorch's runner does (``hvd_qsgd.exchange.joined``): Horovod carries
+its allreduce through a join, and no allgather or alltoall. The control vector, reduced at every
+step, shows which ranks stepped; QsgdCheckControl checks it as theirs (the native checks of
+``protocol.joined_verdict``) and tells a join from an allreduce over a smaller process set by the
+op's scale (Average divides by the set's size after a join); for Sum, by where the process set came
+from (``sum_join``): Horovod's own call (``horovod_caller``) reduces over the set it names, so a Sum
+that misses ranks of it is a join. Outside Horovod's calls such a Sum fails the step, naming both
+causes. A traced exchange cannot wait a while for a presence allreduce as PyTorch's runner does.
+"""
+import tensorflow as tf
+import horovod.tensorflow as hvd
+
+from hvd_qsgd import _tf_ops as qops, protocol
+from hvd_qsgd.exchange.chains import run_stages
+from hvd_qsgd.exchange.joined import note_joined
+
+
+def reduced(run, ctx, control):
+    """The exchange ``ctx``'s result, float32 of its elements, once ``control`` (the control vector
+    as Horovod's allreduce returned it) has been checked; DQSGD: also the observation of its norm
+    that chooses the next bits, among the operations ``run`` collects."""
+    alpha, joined = qops.load().qsgd_check_control(
+        tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
+        tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join)
+    saved = [(ex.payload, ex.splits) for ex in ctx.exchanges]   # (the stages take them)
+    return run.switch(tf.cast(joined, tf.int32), [lambda: stepping(run, ctx, alpha),
+                                                 lambda: joined_ranks(run, ctx, alpha, saved)])
+
+
+def stepping(run, ctx, alpha):
+    """Every rank of the set stepping: the reduction's chain (DQSGD: that of the bits chosen)."""
+    if ctx.index is None:
+        return stages(run, ctx.exchanges[0], alpha)
+    return run.switch(ctx.index, [lambda ex=ex: stages(run, ex, alpha) for ex in ctx.exchanges])
+
+
+def joined_ranks(run, ctx, alpha, saved):
+    """Ranks of the set have joined: alpha * Horovod's Sum of this rank's own payload(s),
+    dequantized (``saved``: each exchange's payload and splits from compress); uncompressed on the
+    wire, counted in ``joined_exchanges`` (and ``raw_elements``, ``raw_tensors``), logged once."""
+    def own(ex, payload, splits):
+        ex.payload, ex.splits = payload, splits
+        with tf.control_dependencies([alpha]):
+            return ex.chain.own_dequantized(ex)
+    if ctx.index is None:
+        mine = own(ctx.exchanges[0], *saved[0])
+    else:
+        mine = run.switch(ctx.index, [lambda ex=ex, p=p: own(ex, *p) for ex, p in zip(ctx.exchanges, saved)])
+    summed = run.collectives.allreduce(mine, f"{ctx.name}.joined", ctx.process_set)
+    run.add(raw_elements=ctx.numel, raw_tensors=1, joined_exchanges=1)
+    run.depend(tf.py_function(lambda: (note_joined(ctx.where), 0)[1], [], tf.int32))
+    return summed * alpha
+
+
+def stages(run, ex, alpha):
+    """alpha * the reduced tensor: the chain's stages, its first collective ordered after the
+    control check."""
+    with tf.control_dependencies([alpha]):
+        ex.payload = tf.identity(ex.payload)
+        if ex.splits is not None:
+            ex.splits = tf.identity(ex.splits)
+    return run_stages(run, ex, alpha)
