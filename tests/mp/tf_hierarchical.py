@@ -3,7 +3,7 @@ HVD_QSGD_RANKS_PER_NODE=2: the hierarchical reduction through Horovod's TensorFl
 the single-process reference of its three stages (``tests.references.hierarchical``, its cross
 stage an allgather, as TensorFlow runs it) bit for bit on every rank, eagerly and in a traced step
 with error feedback, and where "auto" resolves to it; counts what it sent; ranks that disagree on the
-layout raise on every rank.
+layout raise on every rank; a join is carried through.
 Prints ``OK <scenario>`` or ``RAISED <type>: <message>``."""
 import os
 import sys
@@ -112,11 +112,30 @@ def layouts_differ():
     raise AssertionError("ranks with different layouts did not raise")
 
 
+def joined():
+    """The last rank has no data and joins at once: the others' hierarchical exchanges, eager and
+    traced, are carried through the join as Horovod's joined allreduce (zeros for the joined rank,
+    Average dividing by the set's size): their own tensors, in float32, summed (exact for these
+    integers), each counted as a joined exchange. Last in its launch: Horovod 0.28.1 carries one
+    uneven join per process."""
+    rank, n = hvd.rank(), hvd.size()
+    if rank < n - 1:
+        c = hvd_qsgd.tensorflow.QSGD(4, seed=SEED, reduction="hierarchical")
+        x = tf.constant(np.full(20000, rank + 1, np.float32))
+        want = np.full(20000, sum(range(1, n)) / n, np.float32)
+        eager = hvd.allreduce(x, compression=c, name="joined_eager")
+        traced = tf.function(lambda v: hvd.allreduce(v, compression=c, name="joined_traced"))(x)
+        for got in (eager, traced):
+            assert np.array_equal(got.numpy(), want), got.numpy()[:4]
+        assert c.stats["joined_exchanges"] == 2 and c.stats["tensors"] == 0, c.stats
+    assert 0 <= hvd.join() < n - 1
+
+
 def main():
     hvd.init()
     for name in sys.argv[1:]:
         if {"exact": exact, "traced-error-feedback": traced_error_feedback, "auto": auto,
-                "layouts-differ": layouts_differ}[name]() is not False:
+                "layouts-differ": layouts_differ, "joined": joined}[name]() is not False:
             print(f"OK {name}", flush=True)
 
 
