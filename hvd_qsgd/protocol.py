@@ -76,10 +76,6 @@ def small_hash(text, modulus=TAG_RANGE):
     return _hash64(text) % modulus
 
 
-def _chunks(world_size):
-    return -(-int(world_size) // MEMBER_BITS)
-
-
 def control_length(world_size):
     """Entries of the control vector for a job of ``world_size`` ranks (the same on every rank)."""
     return int(_native.load().qsgd_control_length(int(world_size)))
