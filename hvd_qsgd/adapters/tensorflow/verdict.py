@@ -29,8 +29,8 @@ from hvd_qsgd.exchange.joined import note_joined
 
 def reduced(run, ctx, control):
     """The exchange ``ctx``'s result, float32 of its elements, once ``control`` (the control vector
-    as Horovod's allreduce returned it) has been checked; DQSGD: also the observation of its norm
-    that chooses the next bits, among the operations ``run`` collects."""
+    as Horovod's allreduce returned it) has been checked; what nothing reads (statistics, timing)
+    among the operations ``run`` collects."""
     alpha, joined = qops.load().qsgd_check_control(
         tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
         tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join)
