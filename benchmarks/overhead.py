@@ -20,6 +20,7 @@ trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks (and its CPU time, every thread of every rank, in
 brackets: what the compressor adds, less moved by how the ranks were scheduled). The table gives the median step per K and mode,
+(TensorFlow: and a second table the first step, which traces the step and optimizes its graph),
 for every tree in ``--trees`` (each a checkout of this package, its kernels built), launched in
 turn for each K (``--repeats`` times, alternating) so that both see the same machine load: what a compressed tensor costs beyond the
 bytes it moves (the handshake's collectives, Python, the codec at this size).
@@ -115,6 +116,8 @@ def tf_worker(args):
                 c1 = time.process_time()
                 dt = hvd.allreduce(tf.constant([time.perf_counter() - t0]), op=hvd.Max, name="step_time")
                 dc = hvd.allreduce(tf.constant([c1 - c0]), op=hvd.Sum, name="step_cpu")
+                if i == 0:   # traced, its graph optimized, run once
+                    results[f"{mode}/{k}/first"] = float(dt.numpy()[0])
                 if i >= args.warmup:
                     times.append(float(dt.numpy()[0]))
                     cpu.append(float(dc.numpy()[0]))
@@ -248,9 +251,22 @@ def run(args):
     print("|---|---|" + "---|" * len(modes))
     for k in ks:
         for tree in trees:
-            name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
-            print(f"| {name} | {k} | " + " | ".join(_cell(table, tree, f"{m}/{k}") for m in modes) + " |")
+            print(f"| {_tree_name(tree)} | {k} | " + " | ".join(_cell(table, tree, f"{m}/{k}") for m in modes) + " |")
+    if any(key.endswith("/first") for _, key in table):
+        print("\nThe first step (s), median over the launches: the step traced, its graph optimized, run once "
+              "(the slowest rank; a tree whose benchmark does not time it: -)")
+        print("| tree | K | " + " | ".join(modes) + " |")
+        print("|---|---|" + "---|" * len(modes))
+        for k in ks:
+            for tree in trees:
+                firsts = [table.get((tree, f"{m}/{k}/first")) for m in modes]
+                print(f"| {_tree_name(tree)} | {k} | "
+                      + " | ".join("-" if f is None else f"{statistics.median(f):.2f}" for f in firsts) + " |")
     return 0
+
+
+def _tree_name(tree):
+    return os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
 
 
 def _cell(table, tree, key):

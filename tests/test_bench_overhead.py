@@ -1,6 +1,6 @@
 """``python -m benchmarks overhead``: TensorFlow's mode runs a tiny 2-rank job and prints a step time
-for every tree and mode; a mode TensorFlow does not have is refused before anything is launched;
-``--calls`` times the compressor's calls in one process."""
+for every tree and mode, and the first step's (traced and optimized); a mode TensorFlow does not
+have is refused before anything is launched; ``--calls`` times the compressor's calls in one process."""
 import re
 import sys
 from types import SimpleNamespace
@@ -25,6 +25,10 @@ def test_tensorflow_overhead_tiny():
     cell = r"([\d.]+) \[([\d.]+)\]"   # the step's wall time [its CPU time]
     row = re.search(rf"^\| \. \| 2 \| {cell} \| {cell} \| {cell} \|$", stdout, re.M)
     assert row and all(float(v) > 0 for v in row.groups()), stdout[-3000:]
+    # the first step (traced, optimized, run) is timed too, and costs more than a later one
+    first = re.search(r"^\| \. \| 2 \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", stdout.split("The first step")[-1], re.M)
+    assert "The first step (s)" in stdout and first, stdout[-3000:]
+    assert all(float(f) > float(w) / 1e3 for f, w in zip(first.groups(), row.groups()[::2])), stdout[-3000:]
 
 
 def test_calls_mode_times_compress_and_decompress_in_one_process():
