@@ -20,10 +20,10 @@ trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x
 timed steps on ``--np`` Gloo ranks on loopback; a step is zero_grad, backward, step after a
 barrier, and its time is the maximum over ranks (and its CPU time, every thread of every rank, in
 brackets: what the compressor adds, less moved by how the ranks were scheduled). The table gives the median step per K and mode,
-(TensorFlow: and a second table the first step, which traces the step and optimizes its graph),
 for every tree in ``--trees`` (each a checkout of this package, its kernels built), launched in
 turn for each K (``--repeats`` times, alternating) so that both see the same machine load: what a compressed tensor costs beyond the
-bytes it moves (the handshake's collectives, Python, the codec at this size).
+bytes it moves (the handshake's collectives, Python, the codec at this size). TensorFlow adds a
+second table: the first step, which traces the step, optimizes its graph and runs it once.
 """
 import argparse
 import json
