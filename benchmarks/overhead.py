@@ -247,26 +247,28 @@ def run(args):
           f"median of {args.steps} steps (ms), "
           f"median of {args.repeats} launches per tree, in ABBA order; in brackets the CPU time of a step, all "
           "ranks' threads together (less moved by the ranks' scheduling than the step's wall time)")
+    _print_table(trees, ks, modes, lambda tree, key: _cell(table, tree, key))
+    if any(key.endswith("/first") for _, key in table):
+        print("\nThe first step (s), median over the launches: the step traced, its graph optimized, run once "
+              "(the slowest rank; a tree whose benchmark does not time it: -)")
+        _print_table(trees, ks, modes, lambda tree, key: _first_cell(table, tree, key))
+    return 0
+
+
+def _print_table(trees, ks, modes, cell):
+    """A row per K and tree, a column per mode: cell(tree, "<mode>/<K>")."""
     print("| tree | K | " + " | ".join(modes) + " |")
     print("|---|---|" + "---|" * len(modes))
     for k in ks:
         for tree in trees:
-            print(f"| {_tree_name(tree)} | {k} | " + " | ".join(_cell(table, tree, f"{m}/{k}") for m in modes) + " |")
-    if any(key.endswith("/first") for _, key in table):
-        print("\nThe first step (s), median over the launches: the step traced, its graph optimized, run once "
-              "(the slowest rank; a tree whose benchmark does not time it: -)")
-        print("| tree | K | " + " | ".join(modes) + " |")
-        print("|---|---|" + "---|" * len(modes))
-        for k in ks:
-            for tree in trees:
-                firsts = [table.get((tree, f"{m}/{k}/first")) for m in modes]
-                print(f"| {_tree_name(tree)} | {k} | "
-                      + " | ".join("-" if f is None else f"{statistics.median(f):.2f}" for f in firsts) + " |")
-    return 0
+            name = os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
+            print(f"| {name} | {k} | " + " | ".join(cell(tree, f"{m}/{k}") for m in modes) + " |")
 
 
-def _tree_name(tree):
-    return os.path.relpath(tree, REPO_ROOT) if tree.startswith(REPO_ROOT) else tree
+def _first_cell(table, tree, key):
+    """A mode's median first step in s, or - where the tree's benchmark does not time it."""
+    first = table.get((tree, key + "/first"))
+    return "-" if first is None else f"{statistics.median(first):.2f}"
 
 
 def _cell(table, tree, key):

@@ -74,8 +74,8 @@ CONTROLS = ["keras3-tape-none", "keras3-fit-none"]
 def test_keras3_tape_and_fit_equal_single_process_decode_on_every_rank(np_, controller):
     """Keras 3 (no legacy flag): Horovod's tape over tf_variables; hvd_qsgd.tensorflow's tape over the
     model's own variables; model.fit with hvd_qsgd.tensorflow.keras.DistributedOptimizer and its
-    callbacks; each with QSGD(4), and at 2 ranks with hvd.Compression.none; PQASGD step by step; DQSGD and
-    dist-EF-SGDM (``ALGORITHMS``) step by step."""
+    callbacks; each with QSGD(4), and at 2 ranks with hvd.Compression.none; PQASGD step by step;
+    DQSGD and dist-EF-SGDM (``ALGORITHMS``) step by step."""
     scenarios = [s for s in KERAS3 if np_ == 2 or s not in CONTROLS] + ALGORITHMS[(np_, controller)]
     out = launch(np_, controller, [WORKER] + scenarios, timeout=420)
     for s in scenarios:
