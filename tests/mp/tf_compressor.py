@@ -76,9 +76,11 @@ def scenario_tape():
     rank = hvd.rank()
     vs = make_vars()
     c = hvd_qsgd.QSGD(4, seed=SEED)
+    traces = []
 
     @tf.function
     def reduced_grads(x, y):
+        traces.append(1)
         with tf.GradientTape() as tape:
             loss = loss_fn(vs, x, y)
         tape = hvd.DistributedGradientTape(tape, compression=c)
@@ -99,6 +101,11 @@ def scenario_tape():
             else:
                 assert np.allclose(g, np.mean(gather_np(mine[i]), axis=0), rtol=1e-5, atol=1e-7), i
             check_identical(g, f"var {i}")
+    # traced once: the compressor's variables, made in the first trace, do not make TensorFlow trace
+    # the step again (state.state_variable); its two exchanges numbered from s0
+    assert len(traces) == 1, f"the step was traced {len(traces)} times"
+    assert [name for name, _ in c._adapters["tensorflow"].traced_exchanges] == names, names
+    assert names[0].endswith("_s0") and names[1].endswith("_s1"), names
     x, y = batch(rank)
     gd = reduced_grads.get_concrete_function(tf.constant(x), tf.constant(y)).graph.as_graph_def()
     types = {n.op for n in gd.node} | {n.op for f in gd.library.function for n in f.node_def}
@@ -441,15 +448,18 @@ def scenario_error_feedback():
     rank = hvd.rank()
     vs = make_vars()
     c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
+    traces = []
 
     @tf.function
     def reduced_grads(x, y):
+        traces.append(1)
         with tf.GradientTape() as tape:
             loss = loss_fn(vs, x, y)
         return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
 
     mine = local_grads(vs, rank)
     reduced_grads(*batch(rank))
+    assert len(traces) == 1, f"the step was traced {len(traces)} times (its residuals were made in the trace)"
     adapter = c._adapters["tensorflow"]
     names = [name for name, _ in adapter.traced_exchanges[-2:]]
     residuals = list(adapter.residuals.residuals.values())

@@ -48,7 +48,7 @@ from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
 from hvd_qsgd.adapters.tensorflow import verdict
-from hvd_qsgd.adapters.tensorflow.state import TensorFlowState
+from hvd_qsgd.adapters.tensorflow.state import TensorFlowState, state_variable
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
@@ -176,8 +176,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             ctx.occurrence = tf.constant(np.int64(qops.as_int64_attr(protocol.occurrence_seeding(
                 protocol.exchange_seed(s.seed, set_rank, self.names.name(f"s{seq}"))))))
         else:
-            counter = self._state(self._occurrences, state_key, lambda: tf.Variable(
-                0, dtype=tf.int64, trainable=False, name=f"{ctx.name}_occurrence"))
+            counter = self._state(self._occurrences, state_key, lambda: state_variable(
+                0, dtype=tf.int64, name=f"{ctx.name}_occurrence"))
             ctx.occurrence = counter.assign_add(1) - 1
         ctx.deps = []
         ctx.variants, ctx.index, ctx.schedule, ctx.key = [s], None, None, state_key
@@ -193,7 +193,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             if eager:
                 raise ValueError("hvd_qsgd.DynamicQSGD in TensorFlow needs a tf.function training step: the bits "
                                  "schedule is kept per traced tensor")
-            ctx.schedule = self._state(self._schedules, state_key, lambda: tf_schedule.new_state(f"{ctx.name}_schedule"))
+            ctx.schedule = self._state(self._schedules, state_key, lambda: state_variable(
+                tf_schedule.initial_state(), name=f"{ctx.name}_schedule"))
             bits, advance = tf_schedule.next_bits(ctx.schedule, self.policy.schedule_args)
             ctx.variants = [self.policy.settings_of_bits(b) for b in self.policy.bits_range()]
             with tf.control_dependencies([advance]):

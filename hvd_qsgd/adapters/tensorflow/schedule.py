@@ -28,9 +28,9 @@ FIELDS = ("steps", "observed", "sum_r", "carry", "norm", "has_norm")
 _LN2 = math.log(2.0)
 
 
-def new_state(name):
-    """The schedule variable of one tensor (create it outside the traced function)."""
-    return tf.Variable(tf.zeros([len(FIELDS)], tf.float64), trainable=False, name=name)
+def initial_state():
+    """The value of one tensor's schedule variable when it is made (``FIELDS``, all zero)."""
+    return tf.zeros([len(FIELDS)], tf.float64)
 
 
 def next_bits(state, schedule_args):

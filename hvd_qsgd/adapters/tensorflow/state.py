@@ -9,6 +9,7 @@ and ``_creation_index``. The names of an exchange's variables, its state key, co
 ``_next_exchange``.
 """
 import tensorflow as tf
+from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
 from hvd_qsgd import cost_model, protocol, reduction
@@ -49,8 +50,8 @@ class TensorFlowState:
             raise ValueError("hvd_qsgd.tensorflow: server_error_feedback=True needs a tf.function training step: "
                              "the reducing rank's residual is kept per traced tensor")
         begin, end = reduction.chunk_ranges(ctx.numel, v.bucket_size, len(ctx.set_ranks))[ctx.set_rank]
-        server = self._state(self.residuals.server, ctx.key, lambda: tf.Variable(
-            tf.zeros([end - begin], tf.float32), trainable=False, name=f"{ctx.name}_server_residual"))
+        server = self._state(self.residuals.server, ctx.key, lambda: state_variable(
+            tf.zeros([end - begin], tf.float32), name=f"{ctx.name}_server_residual"))
         if server.shape.num_elements() != end - begin:
             raise ValueError(f"{ctx.where}: its server error-feedback residual has {server.shape.num_elements()} "
                              f"elements, this rank's chunk {end - begin}: the tensor, the bucket size or the "
@@ -60,7 +61,7 @@ class TensorFlowState:
     def _counter_vars(self):
         if self._counters is None:
             with tf.init_scope():
-                self._counters = {k: tf.Variable(0, dtype=tf.int64, trainable=False,
+                self._counters = {k: state_variable(0, dtype=tf.int64,
                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
                                   for k in Stats.GRAPH_FIELDS}
                 _initialize_in_session(self._counters.values())
@@ -72,11 +73,11 @@ class TensorFlowState:
         their own, kept out of ``variables`` so that checkpoints hold what they held before."""
         if self._timing is None:
             with tf.init_scope():
-                self._timing = {k: tf.Variable(0.0, dtype=tf.float64, trainable=False,
+                self._timing = {k: state_variable(0.0, dtype=tf.float64,
                                                name=f"hvd_qsgd_{self._creation_index}_{k}")
                                 for k in Stats.TIME_FIELDS}
                 for k in UNCHECKPOINTED_COUNTS:
-                    self._timing[k] = tf.Variable(0, dtype=tf.int64, trainable=False,
+                    self._timing[k] = state_variable(0, dtype=tf.int64,
                                                   name=f"hvd_qsgd_{self._creation_index}_{k}")
                 _initialize_in_session(self._timing.values())
                 accumulators.register(self._timing.values())
@@ -139,8 +140,8 @@ class TensorFlowState:
         elements (a variable of its state key, made zero at first), rescaled by lr_made / lr_now (1
         without follow_learning_rate, or where either is not a finite positive number). Traced steps
         only: the adapter refuses error feedback eagerly before any chain runs."""
-        variable = self._state(self.residuals.residuals, ctx.key, lambda: tf.Variable(
-            tf.zeros([size], tf.float32), trainable=False, name=f"{ctx.name}_residual"))
+        variable = self._state(self.residuals.residuals, ctx.key, lambda: state_variable(
+            tf.zeros([size], tf.float32), name=f"{ctx.name}_residual"))
         if variable.shape.num_elements() != size:
             raise ValueError(f"{ctx.where}: its error-feedback residual ({ctx.key}) has "
                              f"{variable.shape.num_elements()} elements: the function handed the "
@@ -148,8 +149,8 @@ class TensorFlowState:
         if self._learning_rate is None:
             return GraphResidual(variable, tf.constant(1.0))
         lr = tf.cast(tf.convert_to_tensor(self._lr_now()), tf.float32)
-        made = self._state(self.residuals.rates, ctx.key, lambda: tf.Variable(
-            0.0, dtype=tf.float32, trainable=False, name=f"{ctx.name}_residual_lr"))
+        made = self._state(self.residuals.rates, ctx.key, lambda: state_variable(
+            0.0, dtype=tf.float32, name=f"{ctx.name}_residual_lr"))
         ok = usable_rate(lr) & usable_rate(made)
         return GraphResidual(variable, tf.where(ok, made / tf.where(ok, lr, 1.0), 1.0), lr, made)
 
@@ -221,7 +222,7 @@ class TensorFlowState:
         occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
         self.names.load_counters({"seq": counters["seq"], "occurrences": {}})
         for k in occurrences:
-            self._state(self._occurrences, k, lambda: tf.Variable(0, dtype=tf.int64, trainable=False,
+            self._state(self._occurrences, k, lambda: state_variable(0, dtype=tf.int64,
                                                                   name=f"{self.names.prefix}_occurrence"))
         for k, v in list(self._occurrences.items()):
             v.assign(occurrences.get(k, 0))
@@ -233,17 +234,16 @@ class TensorFlowState:
 
     def create_residuals(self, layout):
         """Create the residuals (zero) and learning rates of ``residual_layout()`` this compressor lacks,
-        so that a trace finds them: a tf.function whose first trace creates variables traces twice, and
-        every trace numbers its exchanges."""
+        so that a new worker has every rank's layout before its first trace (checked against it here)."""
         for k, n in layout["residuals"].items():
-            v = self._state(self.residuals.residuals, k, lambda: tf.Variable(
-                tf.zeros([n], tf.float32), trainable=False, name=f"{self.names.prefix}_residual"))
+            v = self._state(self.residuals.residuals, k, lambda: state_variable(
+                tf.zeros([n], tf.float32), name=f"{self.names.prefix}_residual"))
             if v.shape.num_elements() != n:
                 raise protocol.MismatchError(f"hvd_qsgd: the error-feedback residual {k} has "
                                              f"{v.shape.num_elements()} elements here and {n} in the layout given")
         for k in layout["rates"]:
-            self._state(self.residuals.rates, k, lambda: tf.Variable(
-                0.0, dtype=tf.float32, trainable=False, name=f"{self.names.prefix}_residual_lr"))
+            self._state(self.residuals.rates, k, lambda: state_variable(
+                0.0, dtype=tf.float32, name=f"{self.names.prefix}_residual_lr"))
 
     def load_stats(self, stats):
         """Set the statistics counters (those of ``stats``, as the eager ``stats`` gives them)."""
@@ -266,6 +266,16 @@ class TensorFlowState:
             # a server residual is the chunk of a world that is gone: dropped; the retrace of the
             # step makes one of the new chunk's size
             self.residuals.server = {}
+
+
+def state_variable(initial_value, name, dtype=None):
+    """A variable of the compressor's state (not trainable), made where its caller made it -- under
+    ``tf.init_scope``, from a value known then -- without going through the variable creators of
+    an enclosing ``tf.function``. ``tf.Variable`` would: the function then sees a variable made
+    in its first trace and traces the whole step a second time, to lift the variable's initializer
+    out (the step's first call took twice its trace for the compressor's counters alone). These
+    variables are initialized as they are made, so nothing need be lifted."""
+    return resource_variable_ops.ResourceVariable(initial_value, dtype=dtype, trainable=False, name=name)
 
 
 def _initialize_in_session(variables):
