@@ -61,8 +61,7 @@ class TensorFlowState:
     def _counter_vars(self):
         if self._counters is None:
             with tf.init_scope():
-                self._counters = {k: state_variable(0, dtype=tf.int64,
-                                                 name=f"hvd_qsgd_{self._creation_index}_{k}")
+                self._counters = {k: state_variable(0, dtype=tf.int64, name=f"hvd_qsgd_{self._creation_index}_{k}")
                                   for k in Stats.GRAPH_FIELDS}
                 _initialize_in_session(self._counters.values())
                 accumulators.register(self._counters.values())
@@ -73,12 +72,10 @@ class TensorFlowState:
         their own, kept out of ``variables`` so that checkpoints hold what they held before."""
         if self._timing is None:
             with tf.init_scope():
-                self._timing = {k: state_variable(0.0, dtype=tf.float64,
-                                               name=f"hvd_qsgd_{self._creation_index}_{k}")
+                self._timing = {k: state_variable(0.0, dtype=tf.float64, name=f"hvd_qsgd_{self._creation_index}_{k}")
                                 for k in Stats.TIME_FIELDS}
                 for k in UNCHECKPOINTED_COUNTS:
-                    self._timing[k] = state_variable(0, dtype=tf.int64,
-                                                  name=f"hvd_qsgd_{self._creation_index}_{k}")
+                    self._timing[k] = state_variable(0, dtype=tf.int64, name=f"hvd_qsgd_{self._creation_index}_{k}")
                 _initialize_in_session(self._timing.values())
                 accumulators.register(self._timing.values())
         return self._timing
@@ -222,8 +219,8 @@ class TensorFlowState:
         occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
         self.names.load_counters({"seq": counters["seq"], "occurrences": {}})
         for k in occurrences:
-            self._state(self._occurrences, k, lambda: state_variable(0, dtype=tf.int64,
-                                                                  name=f"{self.names.prefix}_occurrence"))
+            self._state(self._occurrences, k, lambda: state_variable(
+                0, dtype=tf.int64, name=f"{self.names.prefix}_occurrence"))
         for k, v in list(self._occurrences.items()):
             v.assign(occurrences.get(k, 0))
 
