@@ -62,12 +62,9 @@ Trace the training step anew after every reset: create its ``tf.function`` insid
 ``run`` wraps. A trace holds the world size, this rank's rank and the exchange names as constants; a
 step traced for the old world would fail the control check. The new trace has the same function
 name, so it finds its state keys' variables (residuals, occurrence counters) again; on every rank its
-exchanges are numbered from the same ``seq``. A new worker creates rank 0's variables at the sync,
-before its first trace: a ``tf.function`` whose first trace creates variables with ``tf.Variable``
-is traced twice, and every trace numbers its exchanges, so the new worker's exchanges were numbered
-two traces ahead of the survivors' (and failed the control check). The compressor's variables are
-now made past TensorFlow's variable creators (``state.state_variable``), so such a trace is traced
-once either way; making them at the sync keeps the new worker's layout checked against rank 0's.
+exchanges are numbered from the same ``seq`` (a trace that makes the compressor's variables is
+traced once: ``state.state_variable``). A new worker creates rank 0's variables at the sync, before
+its first trace, where its residual layout is checked against rank 0's.
 
 Statistics are per process: a survivor's are rolled back to the commit (the undone steps are done
 again and counted then), a new worker's start at zero. Commit between steps. Elastic training needs
