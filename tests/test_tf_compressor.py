@@ -522,7 +522,9 @@ for red in ("allgather", "scatter_allgather"):
     graph = tf.function(step).get_concrete_function().graph
     branches = [op for op in graph.get_operations() if op.type in ("If", "StatelessIf")]
     chained = [(op.name, dep.name) for op in branches for dep in op.control_inputs if dep in branches]
-    cases.append(dict(reduction=red, branches=len(branches), chained=chained))
+    library = graph.as_graph_def().library.function
+    verdicts = [n.attr["_lower_using_switch_merge"].b for f in library for n in f.node_def if n.op == "Case"]
+    cases.append(dict(reduction=red, branches=len(branches), chained=chained, verdicts=verdicts))
 print("RESULT " + json.dumps(cases))
 '''
 
@@ -532,8 +534,11 @@ def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
     (Horovod's), and every one adds to the compressor's statistics counters. TensorFlow orders the
     stateful branches that touch one resource: the counters made each gradient's branch wait for the
     one before, so a step's exchanges ran one after another (docs/performance.md). No branch has
-    another among its control inputs (hvd_qsgd.adapters.tensorflow.accumulators)."""
+    another among its control inputs (hvd_qsgd.adapters.tensorflow.accumulators). Each exchange's
+    join verdict is a Case op that TensorFlow does not lower to switch and merge ops
+    (``GraphRun.switch``: lowered, both branches joined the graph optimized at the first step)."""
     cases = snippet_cases(UNORDERED)
     assert [c["reduction"] for c in cases] == ["allgather", "scatter_allgather"]
     for c in cases:
         assert c["branches"] == 4 and c["chained"] == [], c
+        assert c["verdicts"] == [False] * 4, c

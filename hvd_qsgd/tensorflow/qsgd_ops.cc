@@ -519,7 +519,7 @@ REGISTER_KERNEL_BUILDER(Name("QsgdControlVector").Device(DEVICE_CPU), QsgdContro
 REGISTER_OP("QsgdCheckControl")
     .Input("reduced: double")
     .Output("alpha: float")
-    .Output("joined: bool")
+    .Output("joined: int32")
     .Attr("world: int")
     .Attr("set_ranks: list(int)")
     .Attr("tag_names: list(string)")
@@ -537,7 +537,9 @@ whether ranks of the set have joined (hvd.join), in which case the vector is the
 (Horovod carries no allgather or alltoall through a join); or an error. A join is told from an
 allreduce over a smaller process set by the op's scale (Average divides by the set's size after a
 join); for Sum only where `sum_join` says the process set is Horovod's own (the caller's), so that
-no smaller set can have reduced it.
+no smaller set can have reduced it. `joined` is 0 or 1, the index of the exchange's conditional.
+The kernel is marked inexpensive: it runs in the thread that finished the allreduce, so the step's
+payload collectives are enqueued together rather than one by one from the thread pool.
 )doc");
 
 class QsgdCheckControlOp : public OpKernel {
@@ -553,6 +555,9 @@ class QsgdCheckControlOp : public OpKernel {
     world_ = int32_t(world);
     for (int64_t r : ranks) ranks_.push_back(int32_t(r));
   }
+
+  // A few hundred doubles: run inline (see the op's doc).
+  bool IsExpensive() override { return false; }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& r = ctx->input(0);
@@ -596,7 +601,7 @@ class QsgdCheckControlOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
     out->scalar<float>()() = float(alpha);
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &out));
-    out->scalar<bool>()() = joined;
+    out->scalar<int32_t>()() = joined ? 1 : 0;
   }
 
  private:

@@ -27,6 +27,7 @@ import threading
 from contextlib import contextmanager
 
 import tensorflow as tf
+from tensorflow.python.ops import control_flow_switch_case
 
 from hvd_qsgd import _tf_ops as qops, codec
 from hvd_qsgd.adapters.tensorflow.collectives import Phase2Part, TensorFlowCollectives
@@ -216,13 +217,17 @@ class GraphRun:
 
     def switch(self, index, makes):
         """``tf.switch_case(index, makes)``, each branch's collected operations made dependencies of
-        its results (nothing built in a branch can be read outside it)."""
+        its results (nothing built in a branch can be read outside it); kept a functional ``Case`` op,
+        not lowered to switch and merge ops: the graph TensorFlow optimizes at the first step is then
+        one node per conditional, not every node of both branches and a switch per tensor they read
+        (docs/performance.md, "The join conditional, kept whole")."""
         def branch(make):
             with self.collecting() as deps:
                 out = make()
             with tf.control_dependencies(deps):
                 return tf.nest.map_structure(tf.identity, out)
-        return tf.switch_case(index, [lambda m=m: branch(m) for m in makes])
+        return control_flow_switch_case._indexed_case_helper(
+            [lambda m=m: branch(m) for m in makes], None, index, "switch_case", lower_using_switch_merge=False)
 
     def depend(self, op):
         self._local.deps.append(op)

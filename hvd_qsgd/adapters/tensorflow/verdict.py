@@ -8,7 +8,10 @@ same ops run in turn)::
     joined == 1:  ranks of the set have called ``hvd.join()``: alpha * Horovod's Sum of the stepping
                   ranks' own payloads, dequantized (the joined ranks add zeros)
 
-in a ``tf.switch_case`` on ``joined`` (DQSGD: each path a switch on the bits chosen in compress).
+in a ``Case`` op on ``joined`` (``GraphRun.switch``; DQSGD: each path a switch on the bits chosen in
+compress). QsgdCheckControl runs inline, in the thread that finished the control vector's allreduce,
+and gives ``joined`` as the branch index itself, so the chain's first collective is enqueued as soon
+as the verdict exists.
 
 A join is carried through as PyTorch's runner does (``hvd_qsgd.exchange.joined``): Horovod carries
 its allreduce through a join, and no allgather or alltoall. The control vector, reduced at every
@@ -35,8 +38,7 @@ def reduced(run, ctx, control):
         tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
         tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join)
     saved = [(ex.payload, ex.splits) for ex in ctx.exchanges]   # (the stages take them)
-    return run.switch(tf.cast(joined, tf.int32), [lambda: stepping(run, ctx, alpha),
-                                                 lambda: joined_ranks(run, ctx, alpha, saved)])
+    return run.switch(joined, [lambda: stepping(run, ctx, alpha), lambda: joined_ranks(run, ctx, alpha, saved)])
 
 
 def stepping(run, ctx, alpha):
