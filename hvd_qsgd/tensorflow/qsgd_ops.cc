@@ -538,8 +538,8 @@ whether ranks of the set have joined (hvd.join), in which case the vector is the
 allreduce over a smaller process set by the op's scale (Average divides by the set's size after a
 join); for Sum only where `sum_join` says the process set is Horovod's own (the caller's), so that
 no smaller set can have reduced it. `joined` is 0 or 1, the index of the exchange's conditional.
-The kernel is marked inexpensive: it runs in the thread that finished the allreduce, so the step's
-payload collectives are enqueued together rather than one by one from the thread pool.
+The kernel is marked inexpensive: it runs in the thread that finished the allreduce rather than
+waiting for a thread of the pool.
 )doc");
 
 class QsgdCheckControlOp : public OpKernel {

@@ -10,8 +10,7 @@ same ops run in turn)::
 
 in a ``Case`` op on ``joined`` (``GraphRun.switch``; DQSGD: each path a switch on the bits chosen in
 compress). QsgdCheckControl runs inline, in the thread that finished the control vector's allreduce,
-and gives ``joined`` as the branch index itself, so the chain's first collective is enqueued as soon
-as the verdict exists.
+and gives ``joined`` as the branch index itself (no cast between them).
 
 A join is carried through as PyTorch's runner does (``hvd_qsgd.exchange.joined``): Horovod carries
 its allreduce through a join, and no allgather or alltoall. The control vector, reduced at every
