@@ -504,6 +504,57 @@ def test_the_encoder_setting_reaches_the_tensorflow_ops():
             assert c["reduced"] == ([want] if c["reduction"] == "scatter_allgather" else []), c
 
 
+TALLY = r'''
+import json
+import tensorflow as tf
+from hvd_qsgd import _tf_ops
+ops = _tf_ops.load()
+counts = [tf.Variable(0, dtype=tf.int64), tf.Variable(100, dtype=tf.int64)]
+time = tf.Variable(0.0, dtype=tf.float64)
+
+def tally(a, b):
+    return ops.qsgd_tally(counters=[v.handle for v in counts], amounts=[a, b], timers=[time.handle],
+                          stamps=[tf.constant(x, tf.float64) for x in (1.0, 1.5, 2.0, 4.0)],
+                          constants=[10, 0], amount_into=[0, 0], stamp_into=[0, 0])
+
+cases = []
+before = counts[0].read_value()          # a read alive while the op adds: keeps its value
+tally(tf.constant(5, tf.int64), tf.constant(7, tf.int64))
+cases.append(dict(eager=[int(v.numpy()) for v in counts], time=float(time.numpy()), before=int(before.numpy())))
+traced = tf.function(lambda: tally(tf.constant(1, tf.int64), tf.constant(2, tf.int64)) and None)
+traced(); traced()
+cases.append(dict(traced=[int(v.numpy()) for v in counts], time=float(time.numpy())))
+errors = []
+for bad in (dict(constants=[0, 0], amount_into=[2]), dict(constants=[0], amount_into=[0])):
+    try:
+        ops.qsgd_tally(counters=[v.handle for v in counts], amounts=[tf.constant(1, tf.int64)], timers=[],
+                       stamps=[], stamp_into=[], **bad)
+    except (tf.errors.InvalidArgumentError, ValueError) as e:
+        errors.append(str(e).splitlines()[0])
+try:   # a float counter
+    ops.qsgd_tally(counters=[time.handle], amounts=[], timers=[], stamps=[], constants=[1], amount_into=[],
+                   stamp_into=[])
+except tf.errors.InvalidArgumentError as e:
+    errors.append(str(e).splitlines()[0])
+cases.append(dict(errors=errors))
+print("RESULT " + json.dumps(cases))
+'''
+
+
+def test_the_tally_op_adds_a_scopes_counts_and_times_to_their_variables():
+    """QsgdTally, the op a scope's statistics become (``tally.Tally``): each counter gets its
+    constant and the amounts directed to it, each timer the differences of its pairs of stamps;
+    a read of a counter taken before the op keeps its value; the same eagerly and traced; attrs
+    that do not match the inputs, and a counter that is not an int64 scalar, are errors."""
+    eager, traced, errors = snippet_cases(TALLY)
+    assert eager == dict(eager=[22, 100], time=2.5, before=0), eager
+    assert traced == dict(traced=[22 + 2 * 13, 100], time=7.5), traced
+    assert len(errors["errors"]) == 3, errors
+    assert "amount_into out of range" in errors["errors"][0], errors
+    assert "constants must name every counter" in errors["errors"][1], errors
+    assert "not an initialized int64 scalar" in errors["errors"][2], errors
+
+
 UNORDERED = r'''
 import json
 import numpy as np
@@ -524,7 +575,10 @@ for red in ("allgather", "scatter_allgather"):
     chained = [(op.name, dep.name) for op in branches for dep in op.control_inputs if dep in branches]
     library = graph.as_graph_def().library.function
     verdicts = [n.attr["_lower_using_switch_merge"].b for f in library for n in f.node_def if n.op == "Case"]
-    cases.append(dict(reduction=red, branches=len(branches), chained=chained, verdicts=verdicts))
+    kinds = [n.op for f in library for n in f.node_def] + [op.type for op in graph.get_operations()]
+    cases.append(dict(reduction=red, branches=len(branches), chained=chained, verdicts=verdicts,
+                      tallies=kinds.count("QsgdTally"), assign_adds=kinds.count("AssignAddVariableOp"),
+                      stamps=kinds.count("Timestamp")))
 print("RESULT " + json.dumps(cases))
 '''
 
@@ -536,9 +590,13 @@ def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
     one before, so a step's exchanges ran one after another (docs/performance.md). No branch has
     another among its control inputs (hvd_qsgd.adapters.tensorflow.accumulators). Each exchange's
     join verdict is a Case op that TensorFlow does not lower to switch and merge ops
-    (``GraphRun.switch``: lowered, both branches joined the graph optimized at the first step)."""
+    (``GraphRun.switch``: lowered, both branches joined the graph optimized at the first step).
+    Each scope's statistics are one QsgdTally op (``tally.Tally``): one in compress and one in
+    each of the verdict's two branches, a gradient; the only variable additions left are the
+    gradients' occurrence counters (before, 13 ``assign_add``s a gradient)."""
     cases = snippet_cases(UNORDERED)
     assert [c["reduction"] for c in cases] == ["allgather", "scatter_allgather"]
     for c in cases:
         assert c["branches"] == 4 and c["chained"] == [], c
         assert c["verdicts"] == [False] * 4, c
+        assert c["tallies"] == 3 * 4 and c["assign_adds"] == 4, c

@@ -9,6 +9,7 @@
 //   QsgdDecodeSumReport(gathered, alpha) -> out, error    the same, never failing the step (empty
 //                                               out and the reason where QsgdDecodeSum would fail)
 //   QsgdCheckControl(reduced) -> alpha, joined  the control-vector verdict (hvd_qsgd/protocol.py)
+//   QsgdTally(counters, amounts, timers, stamps)  a scope's statistics added to their variables
 //
 // and the three steps of the scatter_allgather reduction (hvd_qsgd/reduction.py states the
 // algorithm; kernels/qsgd_chunks.cc implements it, these ops only check headers and call it):
@@ -613,6 +614,103 @@ class QsgdCheckControlOp : public OpKernel {
 };
 
 REGISTER_KERNEL_BUILDER(Name("QsgdCheckControl").Device(DEVICE_CPU), QsgdCheckControlOp);
+
+// ---- the statistics ------------------------------------------------------------------------
+
+REGISTER_OP("QsgdTally")
+    .Input("counters: n * resource")
+    .Input("amounts: m * int64")
+    .Input("timers: p * resource")
+    .Input("stamps: q * double")
+    .Attr("n: int >= 0")
+    .Attr("m: int >= 0")
+    .Attr("p: int >= 0")
+    .Attr("q: int >= 0")
+    .Attr("constants: list(int)")
+    .Attr("amount_into: list(int)")
+    .Attr("stamp_into: list(int)")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::NoOutputs)
+    .Doc(R"doc(
+Adds what one scope of an exchange counted and timed to the compressor's statistics variables, in
+one op (hvd_qsgd/adapters/tensorflow/tally.py): counter i (an int64 scalar variable) gets
+constants[i] plus each amount j with amount_into[j] == i; timer k (a float64 scalar variable) gets
+stamps[2t + 1] - stamps[2t] for each pair t with stamp_into[t] == k (the seconds between two
+tf.timestamp()s). Each variable is
+updated under its lock, as AssignAddVariableOp does, and gets a tensor of its own first where a read
+of it is still alive. The kernel is marked inexpensive (a few scalar adds).
+)doc");
+
+class QsgdTallyOp : public OpKernel {
+ public:
+  explicit QsgdTallyOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int n, m, p, q;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("n", &n));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("m", &m));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("p", &p));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("q", &q));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("constants", &constants_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("amount_into", &amount_into_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stamp_into", &stamp_into_));
+    n_ = n, m_ = m, p_ = p, q_ = q;
+    OP_REQUIRES(ctx, int(constants_.size()) == n && int(amount_into_.size()) == m && q % 2 == 0 &&
+                         int(stamp_into_.size()) == q / 2,
+                errors::InvalidArgument("QsgdTally: constants must name every counter, amount_into every amount "
+                                        "and stamp_into every pair of stamps"));
+    for (int64_t c : amount_into_)
+      OP_REQUIRES(ctx, c >= 0 && c < n, errors::InvalidArgument("QsgdTally: amount_into out of range"));
+    for (int64_t k : stamp_into_)
+      OP_REQUIRES(ctx, k >= 0 && k < p, errors::InvalidArgument("QsgdTally: stamp_into out of range"));
+  }
+
+  bool IsExpensive() override { return false; }
+
+  void Compute(OpKernelContext* ctx) override {
+    std::vector<int64_t> add(constants_);
+    for (int j = 0; j < m_; ++j) {
+      const Tensor& a = ctx->input(n_ + j);
+      OP_REQUIRES(ctx, a.NumElements() == 1, errors::InvalidArgument("QsgdTally: an amount is not a scalar"));
+      add[amount_into_[j]] += a.flat<int64_t>()(0);
+    }
+    std::vector<double> seconds(size_t(p_), 0.0);
+    for (int t = 0; t < q_ / 2; ++t) {
+      const Tensor& t0 = ctx->input(n_ + m_ + p_ + 2 * t);
+      const Tensor& t1 = ctx->input(n_ + m_ + p_ + 2 * t + 1);
+      OP_REQUIRES(ctx, t0.NumElements() == 1 && t1.NumElements() == 1,
+                  errors::InvalidArgument("QsgdTally: a stamp is not a scalar"));
+      seconds[stamp_into_[t]] += t1.flat<double>()(0) - t0.flat<double>()(0);
+    }
+    for (int i = 0; i < n_; ++i)
+      if (add[i] != 0) OP_REQUIRES_OK(ctx, Add<int64_t>(ctx, i, DT_INT64, add[i]));
+    for (int k = 0; k < p_; ++k)
+      if (seconds[k] != 0.0) OP_REQUIRES_OK(ctx, Add<double>(ctx, n_ + m_ + k, DT_DOUBLE, seconds[k]));
+  }
+
+ private:
+  template <typename T>
+  static Status Add(OpKernelContext* ctx, int input, DataType dtype, T amount) {
+    core::RefCountPtr<Var> var;
+    TF_RETURN_IF_ERROR(LookupResource(ctx, HandleFromInput(ctx, input), &var));
+    mutex_lock lock(*var->mu());
+    Tensor* t = var->tensor();
+    if (!var->is_initialized || t->dtype() != dtype || t->NumElements() != 1)
+      return errors::InvalidArgument("QsgdTally: a statistics variable is not an initialized ",
+                                     DataTypeString(dtype), " scalar");
+    if (!t->RefCountIsOne() || var->copy_on_read_mode.load()) {   // a read of it is alive: a copy of its own
+      Tensor copy;
+      TF_RETURN_IF_ERROR(ctx->allocate_temp(dtype, t->shape(), &copy));
+      copy.flat<T>()(0) = t->flat<T>()(0);
+      *t = copy;
+    }
+    t->flat<T>()(0) += amount;
+    return OkStatus();
+  }
+
+  int n_ = 0, m_ = 0, p_ = 0, q_ = 0;
+  std::vector<int64_t> constants_, amount_into_, stamp_into_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("QsgdTally").Device(DEVICE_CPU), QsgdTallyOp);
 
 // ---- the scatter_allgather reduction -------------------------------------------------------
 

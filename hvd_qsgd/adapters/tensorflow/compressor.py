@@ -44,7 +44,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, protocol, report, step_built
+from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
 from hvd_qsgd.adapters.tensorflow import verdict
@@ -151,7 +151,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         n = tensor.shape.num_elements()
         if n is None:
             n = tf.size(tensor)
-        with tf.control_dependencies(self._count(raw_elements=n, raw_tensors=1)):
+        counted = self._tally(raw_elements=n, raw_tensors=1)
+        with tf.control_dependencies([] if counted is None else [counted]):
             if tensor.dtype.is_floating and tensor.dtype != tf.float64:
                 return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
             return tf.identity(tensor), None
@@ -211,6 +212,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         ctx.exchanges = [self._exchange(ctx, v) for v in ctx.variants]
         inputs = [x, ctx.occurrence] + ([] if ctx.index is None else [ctx.index])
         with self.run.collecting() as deps:
+            # what a ring allreduce of the tensor would have cost (report.summary compares)
+            self.run.add(allreduce_bytes=int(cost_model.received_bytes("allreduce", len(ctx.set_ranks), 4 * ctx.numel)))
             if ctx.index is None:
                 ex = ctx.exchanges[0]
                 self.run.timed("encode_s", lambda: ex.chain.encode(self.run, ex, x) or ex.payload, *inputs)
@@ -277,7 +280,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
                 out = verdict.reduced(self.run, ctx, tensor)   # the chain's, or the joined ranks' result
                 if ctx.index is not None:  # DQSGD: the result's norm chooses the next bits
                     deps.append(tf_schedule.observe(ctx.schedule, out))
-            with tf.control_dependencies(ctx.deps + deps + [self._count_allreduce_bytes(ctx)]):
+            with tf.control_dependencies(ctx.deps + deps):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
             # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
             # costs a dozen variable reads, which the watch does only now and then (report.SlowdownWatch)

@@ -10,9 +10,10 @@ is built, in order (``chains.run_stages``); what they build runs every step:
                            (``InvalidArgumentError``, every rank), or, mid-chain (the hierarchical
                            shard result), reports its failure for every rank to see
     TensorFlowCollectives  Horovod's TensorFlow collectives (``hvd_qsgd.adapters.tensorflow.collectives``)
-    GraphRun               what a chain calls on its runner: the collectives, the statistics (the
-                           adapter's counter variables), timing, and the residuals the adapter keeps
-                           as variables (``state.GraphResidual``)
+    GraphRun               what a chain calls on its runner: the collectives, the statistics and
+                           timing (one op a scope adds them to the adapter's variables:
+                           ``tally.Tally``), and the residuals the adapter keeps as variables
+                           (``state.GraphResidual``)
 
 Phase 2 of scatter_allgather carries the reduced chunks' lengths apart (``collectives.Phase2Part``):
 the decode op then knows every rank's slot, an empty one included, without parsing headers.
@@ -32,6 +33,7 @@ from tensorflow.python.ops import control_flow_switch_case
 from hvd_qsgd import _tf_ops as qops, codec
 from hvd_qsgd.adapters.tensorflow.collectives import Phase2Part, TensorFlowCollectives
 from hvd_qsgd.adapters.tensorflow.state import UNCHECKPOINTED_COUNTS
+from hvd_qsgd.adapters.tensorflow.tally import Tally
 from hvd_qsgd.errors import MismatchError
 from hvd_qsgd.settings import Stats
 
@@ -207,13 +209,17 @@ class GraphRun:
 
     @contextmanager
     def collecting(self):
-        """The list the operations built inside the block that nothing reads are added to."""
-        outer = getattr(self._local, "deps", None)
-        self._local.deps = deps = []
+        """The list the operations built inside the block that nothing reads are added to; at its
+        end, the op adding what the block counted and timed (``tally.Tally``), if anything."""
+        outer = getattr(self._local, "scope", None)
+        self._local.scope = deps, tally = [], Tally(self.owner._stat_variable)
         try:
             yield deps
+            op = tally.op()
+            if op is not None:
+                deps.append(op)
         finally:
-            self._local.deps = outer
+            self._local.scope = outer
 
     def switch(self, index, makes):
         """``tf.switch_case(index, makes)``, each branch's collected operations made dependencies of
@@ -230,23 +236,21 @@ class GraphRun:
             [lambda m=m: branch(m) for m in makes], None, index, "switch_case", lower_using_switch_merge=False)
 
     def depend(self, op):
-        self._local.deps.append(op)
+        self._local.scope[0].append(op)
 
     def add(self, **amounts):
-        """Count ``amounts`` in the counter variables (the fields TensorFlow keeps: ``Stats.GRAPH_FIELDS``
-        and ``state.UNCHECKPOINTED_COUNTS``)."""
-        kept = {k: v for k, v in amounts.items() if k in Stats.GRAPH_FIELDS or k in UNCHECKPOINTED_COUNTS}
-        self._local.deps.extend(self.owner._count(**kept))
+        """Count ``amounts`` (the fields TensorFlow keeps: ``Stats.GRAPH_FIELDS`` and
+        ``state.UNCHECKPOINTED_COUNTS``) in the scope's tally."""
+        self._local.scope[1].count(**{k: v for k, v in amounts.items()
+                                      if k in Stats.GRAPH_FIELDS or k in UNCHECKPOINTED_COUNTS})
 
     def exchanged(self, elements, sent, received, cross_sent=0, cross_received=0):
         """One exchange's counts (``Stats.exchanged``), those TensorFlow keeps."""
-        self.add(elements=elements, bytes_sent=sent, tensors=1, bytes_received=received)
+        self._local.scope[1].count(elements=elements, bytes_sent=sent, tensors=1, bytes_received=received)
 
     def timed(self, field, make, *after):
-        """make(), timed from once ``after`` exist until its results exist (``TensorFlowState._timed``)."""
-        result, op = self.owner._timed(field, list(after), make)
-        self.depend(op)
-        return result
+        """make(), timed into ``field`` from once ``after`` exist until its results exist."""
+        return self._local.scope[1].timed(field, after, make)
 
     @staticmethod
     def wait(handle):

@@ -12,8 +12,9 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
-from hvd_qsgd import cost_model, protocol, reduction
+from hvd_qsgd import protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
+from hvd_qsgd.adapters.tensorflow.tally import Tally
 from hvd_qsgd.settings import Stats
 
 # integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
@@ -80,18 +81,6 @@ class TensorFlowState:
                 accumulators.register(self._timing.values())
         return self._timing
 
-    def _timed(self, field, inputs, make):
-        """(make(), the op adding its time to ``field``): tf.timestamp() once ``inputs`` exist, the ops
-        make() builds, tf.timestamp() once their results exist (in a graph the control dependencies
-        order them; eagerly they run in turn)."""
-        with tf.control_dependencies([t for t in tf.nest.flatten(inputs) if t is not None]):
-            t0 = tf.timestamp()
-        with tf.control_dependencies([t0]):
-            result = make()
-        with tf.control_dependencies([t for t in tf.nest.flatten(result) if t is not None]):
-            t1 = tf.timestamp()
-        return result, self._timing_vars()[field].assign_add(t1 - t0)
-
     def _state(self, store, name, make):
         """The variable ``name`` in ``store``, created outside any traced function on first use."""
         v = store.get(name)
@@ -101,16 +90,17 @@ class TensorFlowState:
                 _initialize_in_session(tf.nest.flatten(v))
         return v
 
-    def _count(self, **amounts):
+    def _stat_variable(self, field):
+        """The variable of a statistics field: a counter (``Stats.GRAPH_FIELDS``, int64), an
+        uncheckpointed count (int64) or a time field (float64)."""
         counters = self._counter_vars()
-        if any(k in UNCHECKPOINTED_COUNTS for k in amounts):
-            counters = {**counters, **self._timing_vars()}
-        return [counters[k].assign_add(tf.cast(v, tf.int64)) for k, v in amounts.items()]
+        return counters[field] if field in counters else self._timing_vars()[field]
 
-    def _count_allreduce_bytes(self, ctx):
-        n = len(ctx.set_ranks)
-        return self._timing_vars()["allreduce_bytes"].assign_add(
-            int(cost_model.received_bytes("allreduce", n, 4 * ctx.numel)))
+    def _tally(self, **amounts):
+        """The op adding ``amounts`` to their counters (``tally.Tally``; eagerly, None: added)."""
+        tally = Tally(self._stat_variable)
+        tally.count(**amounts)
+        return tally.op()
 
     # -- learning-rate following (hvd_qsgd.error_feedback) -----------------------------------------
 
