@@ -13,7 +13,7 @@ compare with a tree that predates a mode or ``--framework``, copy this file into
 
 Each mode (none, QSGD(4) with the "auto" reduction, QSGD(4) allgather, QSGD(4) scatter_allgather,
 QSGD(4) "auto" with ``fusion=True``, with ``overlap=True``, with ``fusion_mb=64``: fusion buffers, and
-with both of the last two; ``floor-buffered`` and ``floor-allgather``: the least a fusion buffer of
+with both of the last two; with ``join=False`` (``qsgd4-nojoin``, both frameworks); ``floor-buffered`` and ``floor-allgather``: the least a fusion buffer of
 QSGD(4), or a gradient's own allgather exchange, costs with this codec and Horovod's operations, no
 compressor around it, ``benchmarks/overhead_floor.py``)
 trains a model of K parameters of ``--numel`` elements each (loss = sum of p * x) for ``--steps``
@@ -39,10 +39,11 @@ from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info,
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
          "qsgd4-buffered": "auto+buffers", "qsgd4-buffered-overlap": "auto+buffers+overlap",
-         "floor-buffered": "floor", "floor-allgather": "floor"}
-# "+<setting>": that setting on ("+buffers": fusion_mb=BUFFER_MB); "floor": benchmarks.overhead_floor
+         "qsgd4-nojoin": "auto+nojoin", "floor-buffered": "floor", "floor-allgather": "floor"}
+# "+<setting>": that setting on ("+buffers": fusion_mb=BUFFER_MB; "+nojoin": join=False);
+# "floor": benchmarks.overhead_floor
 BUFFER_MB = 64
-TF_MODES = [m for m in MODES if "+" not in (MODES[m] or "") and MODES[m] != "floor"]
+TF_MODES = [m for m in MODES if (MODES[m] or "").replace("+nojoin", "").count("+") == 0 and MODES[m] != "floor"]
 
 
 def add_arguments(p):
@@ -80,8 +81,9 @@ def compression_of(hvd, hvd_qsgd_module, mode, **more):
     if red == "floor":   # the least such an exchange costs: a reference, not hvd_qsgd's compressor
         return (overhead_floor.FloorBuffered if mode == "floor-buffered" else overhead_floor.FloorAllgather)(hvd)
     on = red.split("+")
+    join = {"join": False} if "nojoin" in on else {}   # (only then: a tree that predates the setting runs the rest)
     return hvd_qsgd_module.QSGD(4, reduction=on[0], fusion="fusion" in on, overlap="overlap" in on,
-                                fusion_mb=BUFFER_MB if "buffers" in on else 0, **more)
+                                fusion_mb=BUFFER_MB if "buffers" in on else 0, **join, **more)
 
 
 def tf_worker(args):

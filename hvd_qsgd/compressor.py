@@ -80,6 +80,11 @@ class QSGD:
                      fusion, overlap or server_error_feedback; the same on every rank (default 0: off)
     encoder:         the encoder version, 2 (default) or 1 (the payload bytes of earlier releases;
                      docs/wire-format.md, "Encoders"); receivers decode both; the same on every rank
+    join:            whether ``hvd.join()`` can be used (default True): exchanges made while ranks
+                     have joined go through Horovod's allreduce of the dequantized payloads. With
+                     join=False a rank that joins fails the other ranks' step, saying so; in
+                     exchange, a TensorFlow step holds no conditional a gradient (a faster trace
+                     and step: docs/compressor.md, "Uneven data"); the same on every rank
 
     and, by name only:
 
@@ -128,6 +133,7 @@ class QSGD:
                 + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
                 + (", fusion=True" if s.fusion else "") + (", overlap=True" if s.overlap else "")
                 + (f", fusion_mb={s.fusion_mb:g}" if s.fusion_mb else "")
+                + (", join=False" if not s.join else "")
                 + (f", encoder={s.encoder})" if s.encoder != codec.DEFAULT_ENCODER else ")"))
 
     def _policy(self, framework: str) -> FixedBits:

@@ -77,10 +77,10 @@ class QSGDReducer:
         if self.settings.error_feedback or self.settings.server_error_feedback:
             raise ValueError("hvd_qsgd.mpi.QSGDReducer keeps no error feedback: pass error_feedback=False and "
                              "server_error_feedback=False (the Horovod compressors have it)")
-        for name, off in (("fusion", False), ("overlap", False), ("fusion_mb", 0)):
-            if getattr(self.settings, name):
+        for name, off in (("fusion", False), ("overlap", False), ("fusion_mb", 0), ("join", True)):
+            if getattr(self.settings, name) != off:
                 raise ValueError(f"hvd_qsgd.mpi.QSGDReducer reduces one array a call, in call order: "
-                                 f"{name}={getattr(self.settings, name)!r} (the PyTorch compressor's) has nothing to "
+                                 f"{name}={getattr(self.settings, name)!r} (a Horovod compressor's) has nothing to "
                                  f"act on here; pass {name}={off}")
         if comm is None:
             from mpi4py import MPI

@@ -233,13 +233,21 @@ def _op_message(where):
             "(op=Average) or summed (op=Sum), other ops (Min, Max, Product, Adasum) are not supported")
 
 
+def join_off_message(where, joined):
+    """The error of an exchange that ``joined`` ranks of the set have gone to ``hvd.join()`` from,
+    made by a compressor with ``join=False`` (QsgdCheckControl says the same)."""
+    return (f"{where}: {joined} rank(s) of the set have joined (hvd.join), and the compressor was made with "
+            "join=False, which gives hvd.join() up for a faster step: pass join=True (the default) to use "
+            "hvd.join()")
+
+
 def _tag_message(where, name):
     hint = {
         "process set size": "the compressor's process set differs between ranks",
         "compressor creation order": "ranks created their compressors in different orders or used "
                                      "different compressor objects for this tensor",
         "compressor settings": "ranks use different compressor settings (bits, bucket_size, norm, "
-                               "coding, min_numel, reduction, fusion, fusion_mb, overlap or encoder)",
+                               "coding, min_numel, reduction, fusion, fusion_mb, overlap, encoder or join)",
     }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
                 "parameters without gradients on some ranks); pass named_parameters= to the "
                 "compressor so payloads are matched by name (with fusion_mb, the order places tensors "

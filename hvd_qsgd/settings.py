@@ -76,6 +76,7 @@ class Settings:
     overlap: bool = False
     encoder: int = codec.DEFAULT_ENCODER
     fusion_mb: float = 0.0
+    join: bool = True
 
     def __hash__(self) -> int:
         """The fields' hash, worked out once (settings key the exchanges' caches at every compress)."""
@@ -94,7 +95,7 @@ class Settings:
              min_numel: int = 10000, seed: int = 0, error_feedback: bool = False, checksum: bool = True,
              reduction: str = "auto", server_error_feedback: bool = False,
              link_gbps: Optional[float] = None, fusion: bool = False, overlap: bool = False,
-             encoder: int = codec.DEFAULT_ENCODER, fusion_mb: float = 0.0) -> "Settings":
+             encoder: int = codec.DEFAULT_ENCODER, fusion_mb: float = 0.0, join: bool = True) -> "Settings":
         """Settings with every parameter checked (ValueError naming the parameter).
 
         This signature is the one place the settings parameters are written out: the compressors
@@ -110,7 +111,7 @@ class Settings:
             raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
         for name, flag in (("error_feedback", error_feedback), ("checksum", checksum),
                            ("server_error_feedback", server_error_feedback), ("fusion", fusion),
-                           ("overlap", overlap)):
+                           ("overlap", overlap), ("join", join)):
             if not codec.is_bool(flag):
                 raise ValueError(f"{name} must be True or False, got {flag!r}")
         if link_gbps is not None:
@@ -123,7 +124,7 @@ class Settings:
         fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, server_error_feedback)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
-                   bool(fusion), bool(overlap), encoder, fusion_mb)
+                   bool(fusion), bool(overlap), encoder, fusion_mb, bool(join))
 
     @classmethod
     def from_arguments(cls, owner: str, args: Sequence[Any], kwargs: Dict[str, Any]) -> "Settings":
@@ -168,11 +169,12 @@ class Settings:
         return _tag(self, reduction)
 
     def _tag_text(self, reduction: Optional[str]) -> int:
-        # (fusion, overlap, encoder version 2 and fusion buffers appear only when on: without them the
-        # tags stay those of earlier releases, whose payloads encoder=1 reproduces; ranks on different
-        # encoders differ)
+        # (fusion, overlap, encoder version 2, fusion buffers and join=False appear only when on: without
+        # them the tags stay those of earlier releases, whose payloads encoder=1 reproduces; ranks on
+        # different encoders differ)
         extra = (("|fused" if self.fusion else "") + ("|overlap" if self.overlap else "")
-                 + ("|encoder2" if self.encoder == 2 else "") + (f"|buffers{self.fusion_mb!r}" if self.fusion_mb else ""))
+                 + ("|encoder2" if self.encoder == 2 else "") + (f"|buffers{self.fusion_mb!r}" if self.fusion_mb else "")
+                 + ("" if self.join else "|nojoin"))
         return protocol.small_hash(f"{self.bits}|{self.bucket_size}|{self.norm}|{self.coding}|"
                                    f"{self.min_numel}|{self.reduction}|{reduction or self.reduction}{extra}")
 

@@ -23,7 +23,7 @@ def test_defaults_follow_the_paper():
     (dict(reduction="ring"), "reduction"), (dict(bits=1, coding="elias"), "elias"),
     (dict(link_gbps=0), "link_gbps"), (dict(link_gbps=-1.0), "link_gbps"), (dict(link_gbps=float("inf")), "link_gbps"),
     (dict(link_gbps="10"), "link_gbps"), (dict(link_gbps=True), "link_gbps"), (dict(fusion=1), "fusion"),
-    (dict(overlap="yes"), "overlap"), (dict(encoder=0), "encoder"), (dict(encoder=3), "encoder"),
+    (dict(overlap="yes"), "overlap"), (dict(join=0), "join"), (dict(encoder=0), "encoder"), (dict(encoder=3), "encoder"),
     (dict(encoder="2"), "encoder"), (dict(encoder=True), "encoder"), (dict(encoder=2.0), "encoder"),
     (dict(fusion_mb=-1), "fusion_mb"), (dict(fusion_mb=True), "fusion_mb"), (dict(fusion_mb="64"), "fusion_mb"),
     (dict(fusion_mb=float("nan")), "fusion_mb"), (dict(fusion_mb=0.01), "fusion_mb=0.01 holds 2621 .* min_numel=10000"),
@@ -62,7 +62,8 @@ def test_link_gbps_overrides_the_environment(monkeypatch):
 def test_settings_tag_covers_what_ranks_must_share_and_only_that():
     base = Settings.make(4)
     for changed in (dict(bits=8), dict(bucket_size=256), dict(norm="l2"), dict(coding="elias"),
-                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1), dict(fusion_mb=64)):
+                    dict(min_numel=5000), dict(fusion=True), dict(overlap=True), dict(encoder=1), dict(fusion_mb=64),
+                    dict(join=False)):
         assert Settings.make(**{"bits": 4, **changed}).tag() != base.tag(), changed
     assert Settings.make(4, fusion_mb=64).tag() != Settings.make(4, fusion_mb=32).tag()
     both = Settings.make(4, fusion_mb=64, overlap=True)   # buffers whose collectives start once full
@@ -199,3 +200,18 @@ def test_fusion_and_overlap_are_refused_where_they_do_not_run():
             hvd_qsgd.tensorflow.QSGD(4, **{name: on})
         with pytest.raises(ValueError, match=f"{name}={on!r}"):
             hvd_qsgd.mpi.QSGDReducer(comm=object(), **{name: on})
+    # join=False (a Horovod compressor's: no hvd.join() in the job) has nothing to act on over mpi4py
+    with pytest.raises(ValueError, match="join=False .* nothing to act on"):
+        hvd_qsgd.mpi.QSGDReducer(comm=object(), join=False)
+
+
+def test_join_is_on_by_default_and_off_only_when_asked():
+    """join=True by default (hvd.join() works as without compression), so today's tag is unchanged;
+    join=False is shown, in the tag (ranks that disagree fail the settings check) and accepted by both
+    frameworks' compressors."""
+    import hvd_qsgd.tensorflow
+    assert hvd_qsgd.QSGD(4).settings.join is True and "join" not in repr(hvd_qsgd.QSGD(4))
+    off = hvd_qsgd.QSGD(4, join=False)
+    assert off.settings.join is False and "join=False" in repr(off)
+    assert hvd_qsgd.tensorflow.QSGD(4, join=False).settings.join is False
+    assert Settings.make(4, join=False).tag() != Settings.make(4).tag()

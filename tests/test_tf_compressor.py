@@ -117,6 +117,18 @@ def test_join_carries_eager_exchanges_as_horovods_joined_allreduce():
     assert ok_count(out, "join") == 2, out[-3000:]
 
 
+def test_join_off_steps_without_the_conditional_and_fails_the_step_a_join_would_take():
+    """QSGD(4, join=False): a traced step every rank takes gives the ranks' mean; when rank 1 then
+    joins, rank 0's next step fails, naming the setting (its conditional-free chain cannot carry a
+    join), and Horovod stops the joined rank. (A launch of its own: the join shuts Horovod down.)"""
+    out = step_failures_launch(("mismatch-join-off",))
+    raised = dict(raised_in(out, "mismatch-join-off"))
+    assert sorted(raised) == [0, 1], out[-3000:]
+    assert re.search(r"InvalidArgumentError: hvd_qsgd: .*1 rank\(s\) of the set have joined \(hvd.join\), and the "
+                     r"compressor was made with join=False.*pass join=True", raised[0]), raised[0]
+    assert "Horovod has been shut down" in raised[1], raised[1]
+
+
 SCATTER = ["scatter-tape", "scatter-eager", "elias", "auto"]
 
 
@@ -563,9 +575,9 @@ import horovod.tensorflow as hvd
 import hvd_qsgd.tensorflow
 hvd.init()   # one process: the step is traced, not run across ranks
 cases = []
-for red in ("allgather", "scatter_allgather"):
+for red, join in (("allgather", True), ("scatter_allgather", True), ("allgather", False)):
     vs = [tf.Variable(np.full(20000, i + 1.0, np.float32)) for i in range(4)]
-    c = hvd_qsgd.tensorflow.QSGD(4, reduction=red, error_feedback=True)
+    c = hvd_qsgd.tensorflow.QSGD(4, reduction=red, error_feedback=True, join=join)
     def step():
         with tf.GradientTape() as tape:
             loss = tf.add_n([tf.reduce_sum(v * v) for v in vs])
@@ -576,7 +588,7 @@ for red in ("allgather", "scatter_allgather"):
     library = graph.as_graph_def().library.function
     verdicts = [n.attr["_lower_using_switch_merge"].b for f in library for n in f.node_def if n.op == "Case"]
     kinds = [n.op for f in library for n in f.node_def] + [op.type for op in graph.get_operations()]
-    cases.append(dict(reduction=red, branches=len(branches), chained=chained, verdicts=verdicts,
+    cases.append(dict(reduction=red, join=join, branches=len(branches), chained=chained, verdicts=verdicts,
                       tallies=kinds.count("QsgdTally"), assign_adds=kinds.count("AssignAddVariableOp"),
                       stamps=kinds.count("Timestamp")))
 print("RESULT " + json.dumps(cases))
@@ -593,10 +605,13 @@ def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
     (``GraphRun.switch``: lowered, both branches joined the graph optimized at the first step).
     Each scope's statistics are one QsgdTally op (``tally.Tally``): one in compress and one in
     each of the verdict's two branches, a gradient; the only variable additions left are the
-    gradients' occurrence counters (before, 13 ``assign_add``s a gradient)."""
+    gradients' occurrence counters (before, 13 ``assign_add``s a gradient). With join=False there
+    is no verdict conditional: the chain alone, its statistics one op in compress and one in
+    decompress."""
     cases = snippet_cases(UNORDERED)
-    assert [c["reduction"] for c in cases] == ["allgather", "scatter_allgather"]
+    assert [(c["reduction"], c["join"]) for c in cases] == [("allgather", True), ("scatter_allgather", True),
+                                                            ("allgather", False)]
     for c in cases:
         assert c["branches"] == 4 and c["chained"] == [], c
-        assert c["verdicts"] == [False] * 4, c
-        assert c["tallies"] == 3 * 4 and c["assign_adds"] == 4, c
+        assert c["verdicts"] == ([False] * 4 if c["join"] else []), c
+        assert c["tallies"] == (3 if c["join"] else 2) * 4 and c["assign_adds"] == 4, c

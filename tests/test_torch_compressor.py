@@ -148,10 +148,12 @@ MISMATCHES = {
     "fusion-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
     "buffered-order": (2, r"MismatchError: .*disagree on the exchange key .*fusion buffers"),
     "overlap-setting": (2, r"MismatchError: .*disagree on the compressor settings"),
-    "encoder-setting": (2, r"MismatchError: .*disagree on the compressor settings: .*, overlap or encoder\)"),
+    "encoder-setting": (2, r"MismatchError: .*disagree on the compressor settings: .*, overlap, encoder or join\)"),
     # the stepping rank says why; Horovod stops the joined one
     "join-overlap": (2, r"MismatchError: .*ranks of the set have joined.*pass overlap=False to use hvd.join\(\)"
                         r"|HorovodInternalError: Horovod has been shut down"),
+    "join-off": (2, r"MismatchError: .*1 rank\(s\) of the set have joined \(hvd.join\), and the compressor was "
+                    r"made with join=False.*pass join=True|HorovodInternalError: Horovod has been shut down"),
     # a rank without the compressor: Horovod's own check of the allreduced tensors' dtypes; a rank
     # whose op is still pending when the other has stopped (its error raised, its process gone) gets
     # Horovod's shutdown error (as in TensorFlow); at least one rank names the dtypes
@@ -173,7 +175,7 @@ SHARED_MISMATCHES = ("bits", "bits-same-settings-tag", "bucket", "creation-order
 # is raised all the same): a launch of its own each, as for "no-compression"
 # (and tensors placed differently in fusion buffers: their buffer's collectives may start on one rank only)
 assert set(SHARED_MISMATCHES) | {"no-compression", "fusion-setting", "overlap-setting", "join-overlap",
-                                 "buffered-order"} == set(MISMATCHES)
+                                 "join-off", "buffered-order"} == set(MISMATCHES)
 
 
 @pytest.mark.parametrize("kind", sorted(MISMATCHES))
@@ -187,6 +189,8 @@ def test_mismatch_raises_on_every_rank(kind):
         assert re.search(pattern, "RAISED " + msg) or re.search(pattern, msg), msg
     if kind == "no-compression":
         assert any("Mismatched data types" in msg for _, msg in raised), raised
+    if kind == "join-off":   # the stepping rank names the setting
+        assert any("join=False" in msg for _, msg in raised), raised
 
 
 def test_process_set_mismatch_raises_on_every_member():

@@ -40,6 +40,9 @@ class JoinedSteps:
             verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
             if verdict is None or ex.set_rank is None:
                 raise
+            if not carrier.settings.join:
+                raise protocol.MismatchError(protocol.join_off_message(
+                    ex.where, len(ex.set_ranks) - len(verdict[0]))) from None
             if carrier.settings.overlap and carrier.reduction in OVERLAPPED:
                 raise protocol.MismatchError(
                     f"{ex.where}: ranks of the set have joined (hvd.join), and with overlap=True its payload "

@@ -526,6 +526,7 @@ REGISTER_OP("QsgdCheckControl")
     .Attr("tag_names: list(string)")
     .Attr("where: string = 'tensor'")
     .Attr("sum_join: bool = false")
+    .Attr("join: bool = true")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Scalar());
       c->set_output(1, c->Scalar());
@@ -539,6 +540,7 @@ whether ranks of the set have joined (hvd.join), in which case the vector is the
 allreduce over a smaller process set by the op's scale (Average divides by the set's size after a
 join); for Sum only where `sum_join` says the process set is Horovod's own (the caller's), so that
 no smaller set can have reduced it. `joined` is 0 or 1, the index of the exchange's conditional.
+With `join` false (the compressor's join=False), ranks that joined are an error instead.
 The kernel is marked inexpensive: it runs in the thread that finished the allreduce rather than
 waiting for a thread of the pool.
 )doc");
@@ -553,6 +555,7 @@ class QsgdCheckControlOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("tag_names", &tag_names_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("where", &where_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("sum_join", &sum_join_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("join", &join_));
     world_ = int32_t(world);
     for (int64_t r : ranks) ranks_.push_back(int32_t(r));
   }
@@ -583,6 +586,13 @@ class QsgdCheckControlOp : public OpKernel {
               "op=Average)"));
           return;
         }
+        if (st == QSGD_OK && !join_) {   // (protocol.join_off_message)
+          ctx->CtxFailure(errors::InvalidArgument(
+              where_, ": ", n - m, " rank(s) of the set have joined (hvd.join), and the compressor was made with "
+              "join=False, which gives hvd.join() up for a faster step: pass join=True (the default) to use "
+              "hvd.join()"));
+          return;
+        }
         joined = true;
       }
     }
@@ -607,7 +617,7 @@ class QsgdCheckControlOp : public OpKernel {
 
  private:
   int32_t world_ = 0;
-  bool sum_join_ = false;
+  bool sum_join_ = false, join_ = true;
   std::vector<int32_t> ranks_;
   std::vector<std::string> tag_names_;
   std::string where_;

@@ -882,6 +882,8 @@ def mismatch(kind):
         # reduce finds the payloads' fingerprints disagree and sends an empty reduced chunk
         c = hvd_qsgd.QSGD(4, reduction="scatter_allgather")
         t = tf.constant(np.ones((20000,) if rank == 0 else (200, 100), np.float32))
+    elif kind == "join-off":
+        return join_off(rank)
     else:
         raise SystemExit(f"unknown mismatch {kind}")
 
@@ -889,6 +891,24 @@ def mismatch(kind):
     def step():
         return hvd.allreduce(t, compression=c, name="t")
     return step()
+
+
+def join_off(rank):
+    """join=False gives hvd.join() up: a tf.function step that both ranks take gives their mean (a
+    constant bucket quantizes exactly), with no conditional around the chain; then rank 1 joins while
+    rank 0 steps again, and rank 0's step fails saying why (the joined rank is stopped by Horovod
+    when rank 0's process ends)."""
+    c = hvd_qsgd.QSGD(4, seed=SEED, join=False)
+
+    @tf.function
+    def step(x):
+        return hvd.allreduce(x, compression=c, name="join_off")
+    got = step(tf.constant(np.full(20000, rank + 1.0, np.float32))).numpy()
+    assert np.array_equal(got, np.full(20000, (hvd.size() + 1) / 2, np.float32)), got[:4]
+    assert int(c.stats["tensors"]) == 1 and int(c.stats["joined_exchanges"]) == 0, c.stats
+    if rank == 0:
+        step(tf.constant(np.full(20000, 1.0, np.float32)))
+    hvd.join()
 
 
 def scenario_join():

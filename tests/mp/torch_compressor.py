@@ -482,6 +482,13 @@ def mismatch(kind, n, rank):
         if rank == 0:
             optimizer_step(model, c)
         hvd.join()
+    elif kind == "join-off":
+        # join=False gives hvd.join() up: rank 1 joins at once while rank 0 steps
+        model = Net()
+        c = hvd_qsgd.QSGD(4, join=False, named_parameters=model.named_parameters())
+        if rank == 0:
+            optimizer_step(model, c)
+        hvd.join()
     elif kind == "overlap-setting":
         hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, overlap=rank == 0))
     elif kind == "encoder-setting":   # encoder version 1 on rank 0 only: payloads of one length, the tag differs

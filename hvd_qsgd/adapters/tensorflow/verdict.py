@@ -9,8 +9,10 @@ same ops run in turn)::
                   ranks' own payloads, dequantized (the joined ranks add zeros)
 
 in a ``Case`` op on ``joined`` (``GraphRun.switch``; DQSGD: each path a switch on the bits chosen in
-compress). QsgdCheckControl runs inline, in the thread that finished the control vector's allreduce,
-and gives ``joined`` as the branch index itself (no cast between them).
+compress). A compressor made with ``join=False`` gives ``hvd.join()`` up: its exchange is the chain
+alone, and QsgdCheckControl fails the step, on every stepping rank, where ranks have joined.
+QsgdCheckControl runs inline, in the thread that finished the control vector's allreduce, and gives
+``joined`` as the branch index itself (no cast between them).
 
 A join is carried through as PyTorch's runner does (``hvd_qsgd.exchange.joined``): Horovod carries
 its allreduce through a join, and no allgather or alltoall. The control vector, reduced at every
@@ -32,10 +34,14 @@ from hvd_qsgd.exchange.joined import note_joined
 def reduced(run, ctx, control):
     """The exchange ``ctx``'s result, float32 of its elements, once ``control`` (the control vector
     as Horovod's allreduce returned it) has been checked; what nothing reads (statistics, timing)
-    among the operations ``run`` collects."""
+    among the operations ``run`` collects. With ``join=False`` the chain alone, no conditional: the
+    check fails the step where ranks have joined."""
+    join = ctx.variants[0].join
     alpha, joined = qops.load().qsgd_check_control(
         tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
-        tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join)
+        tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join, join=join)
+    if not join:
+        return stepping(run, ctx, alpha)
     saved = [(ex.payload, ex.splits) for ex in ctx.exchanges]   # (the stages take them)
     return run.switch(joined, [lambda: stepping(run, ctx, alpha), lambda: joined_ranks(run, ctx, alpha, saved)])
 
