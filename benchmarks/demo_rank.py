@@ -1,6 +1,7 @@
 """One rank of the demo's shaped-link runs (``benchmarks.demo_shaped``; also of ``python -m benchmarks
-convergence --workload lm --rate R``, which puts ``--example pytorch_lm`` first): ``examples/pytorch_digits.py``
-in a rank's network namespace, started by ``benchmarks.e2e_launch`` as ``ip netns exec <namespace>
+convergence --workload lm --rate R``, which puts ``--example pytorch_lm`` first, and of ``demo_shaped
+--example tensorflow2_digits``): ``examples/pytorch_digits.py`` (or the example named) in a rank's
+network namespace, started by ``benchmarks.e2e_launch`` as ``ip netns exec <namespace>
 python -m benchmarks.demo_rank <digits flags> --rate R`` with the Gloo worker's environment.
 
 It runs the example's ``main`` with the digits flags unchanged, and reads its own ``veth0`` byte
@@ -20,6 +21,9 @@ from benchmarks import netns
 from benchmarks.common import REPO_ROOT
 
 START, END = "start", "param_checksum"  # the example's collectives around its training loop
+# the examples with those two collectives, and the Horovod module each calls them through
+HOROVOD_OF = {"pytorch_digits": "horovod.torch", "pytorch_lm": "horovod.torch",
+              "tensorflow2_digits": "horovod.tensorflow"}
 
 
 def split_rate(argv):
@@ -57,13 +61,13 @@ def main(argv=None):
     example = "pytorch_digits"
     if flags[:1] == ["--example"]:  # another example with the same two collectives (examples/pytorch_lm.py)
         example, flags = flags[1], flags[2:]
+    if example not in HOROVOD_OF:
+        raise SystemExit(f"demo_rank: no link readings for the example {example!r} (known: {', '.join(HOROVOD_OF)})")
     sys.path.insert(0, os.path.join(REPO_ROOT, "examples"))  # as `python examples/<example>.py`
     import importlib
 
-    import horovod.torch as hvd
-
     readings = {}
-    watch_loop(hvd, readings)
+    watch_loop(importlib.import_module(HOROVOD_OF[example]), readings)
     result = importlib.import_module(example).main(flags)
     path = json_path(flags)
     if result is not None and path:  # rank 0

@@ -1,7 +1,8 @@
 """The demo's shaped-link runs: ``examples/pytorch_digits.py`` on n ranks joined by rate-shaped links.
 
 ``python -m benchmarks.demo_shaped --out DIR [--np 4] [--rate 1gbit] [--runs none,fp16,qsgd8,qsgd4]
-[--hidden H] [--epochs E] [--max-steps S] [--timeout T] [--mode auto|measure|projection]``
+[--hidden H] [--epochs E] [--max-steps S] [--timeout T] [--mode auto|measure|projection]
+[--example tensorflow2_digits]`` (the last: the TensorFlow example instead, the same flags)
 writes ``DIR/<run>.json`` (the example's results, with ``link``: the bytes rank 0's link carried in
 the training loop, see ``benchmarks.demo_rank``) and ``DIR/shaped.json`` (what was done: ``kind``
 "measured", the shaping and the runs, or "projection" and why; the runs of earlier calls with the
@@ -47,6 +48,9 @@ def add_arguments(p):
     p.add_argument("--rate", default="1gbit", help="tc rate of every link (default 1gbit)")
     p.add_argument("--out", help="directory for the results (required unless --remove-stale)")
     p.add_argument("--runs", default=",".join(RUNS), help=f"comma-separated, of {', '.join(RUNS)}")
+    p.add_argument("--example", choices=("pytorch_digits", "tensorflow2_digits"), default="pytorch_digits",
+                   help="the example each rank runs (default %(default)s; tensorflow2_digits: the same MLP, flags and "
+                        "data through Horovod's TensorFlow tape)")
     p.add_argument("--hidden", type=int, default=512, help="the MLP's hidden width (default 512)")
     p.add_argument("--epochs", type=int, default=20, help="the example's --epochs (default 20)")
     p.add_argument("--max-steps", type=int, default=None, help="the example's --max-steps")
@@ -80,7 +84,7 @@ def _on_signal(signum, frame):
 
 def measure(args, runs, out):
     """Every run over one shaped topology; the record for shaped.json."""
-    record = dict(kind="measured", np=args.np, rate=args.rate, hidden=args.hidden, runs={})
+    record = dict(kind="measured", np=args.np, rate=args.rate, hidden=args.hidden, example=args.example, runs={})
     topo = netns.Topology(args.np)
     log_root = os.path.join(out, "logs")
     try:
@@ -95,7 +99,7 @@ def measure(args, runs, out):
             os.makedirs(log_dir, exist_ok=True)
             # run_job starts each rank as `python <worker_argv> --rate R`: here the example (through
             # demo_rank, which takes the --rate off) instead of the e2e benchmark's worker.
-            argv = ["-m", "benchmarks.demo_rank"] + digits_flags(args, run, json_path)
+            argv = ["-m", "benchmarks.demo_rank", "--example", args.example] + digits_flags(args, run, json_path)
             t0 = time.perf_counter()
             result = e2e_launch.run_job(topo, args.rate, args, json_path, log_dir, worker_argv=argv)
             wall = time.perf_counter() - t0
@@ -137,7 +141,7 @@ def write_record(out, record):
     if record["kind"] == "measured" and os.path.exists(path):
         with open(path) as f:
             old = json.load(f)
-        if old.get("kind") == "measured" and all(old.get(k) == record[k] for k in ("np", "rate", "hidden")):
+        if old.get("kind") == "measured" and all(old.get(k) == record[k] for k in ("np", "rate", "hidden", "example")):
             record["runs"] = {**old["runs"], **record["runs"]}
     with open(path, "w") as f:
         json.dump(record, f, indent=2)
