@@ -475,17 +475,11 @@ def mismatch(kind, n, rank):
         decompress_after_all(c, order, handles, ctxs)
     elif kind == "shapes":
         hvd.allreduce(torch.randn(20000 + 100 * rank), compression=hvd_qsgd.QSGD(4))
-    elif kind == "join-overlap":
-        # overlap=True gives up hvd.join(): rank 1 joins at once while rank 0 steps
+    elif kind in ("join-overlap", "join-off"):
+        # overlap=True, and join=False, give up hvd.join(): rank 1 joins at once while rank 0 steps
         model = Net()
-        c = hvd_qsgd.QSGD(4, overlap=True, named_parameters=model.named_parameters())
-        if rank == 0:
-            optimizer_step(model, c)
-        hvd.join()
-    elif kind == "join-off":
-        # join=False gives hvd.join() up: rank 1 joins at once while rank 0 steps
-        model = Net()
-        c = hvd_qsgd.QSGD(4, join=False, named_parameters=model.named_parameters())
+        given_up = dict(overlap=True) if kind == "join-overlap" else dict(join=False)
+        c = hvd_qsgd.QSGD(4, named_parameters=model.named_parameters(), **given_up)
         if rank == 0:
             optimizer_step(model, c)
         hvd.join()
