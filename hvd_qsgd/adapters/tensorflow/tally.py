@@ -4,11 +4,13 @@ variables by one op.
 A scope is a compress, or a branch of the exchange's verdict (``GraphRun.collecting``). Its counts
 (``elements``, ``bytes_sent``, ...) and timed intervals (``encode_s``, ``wait_s``, ``decode_s``) are
 gathered here while the scope is built, and become one ``QsgdTally`` op at its end, which the
-scope's result depends on: a compressed gradient adds three ops to the step for its statistics
-(the op, and the timestamps its intervals share), where an ``assign_add`` a field, with its cast
-and its subtraction of timestamps, made about twenty. The counts are those the variables got
-before, added when the scope's operations have run; the variables, their names and checkpoints are
-unchanged. Eagerly the op runs at the scope's end; a scope that raised adds nothing.
+scope's result depends on. A compressed gradient's statistics are then three such ops (compress,
+and each branch of the verdict) and the timestamps of its intervals, which share a stamp where one
+interval ends and the next starts (7, against 8 before); they were twelve ``assign_add``s, with
+their casts and the subtractions of timestamps (docs/performance.md, "A scope's statistics in one
+op"). The counts are those the variables got before, added when the scope's operations have run;
+the variables, their names and checkpoints are unchanged. Eagerly the op runs at the scope's end;
+a scope that raised adds nothing.
 """
 import numbers
 
