@@ -646,9 +646,9 @@ Adds what one scope of an exchange counted and timed to the compressor's statist
 one op (hvd_qsgd/adapters/tensorflow/tally.py): counter i (an int64 scalar variable) gets
 constants[i] plus each amount j with amount_into[j] == i; timer k (a float64 scalar variable) gets
 stamps[2t + 1] - stamps[2t] for each pair t with stamp_into[t] == k (the seconds between two
-tf.timestamp()s). Each variable is
-updated under its lock, as AssignAddVariableOp does, and gets a tensor of its own first where a read
-of it is still alive. The kernel is marked inexpensive (a few scalar adds).
+tf.timestamp()s). Each variable is updated under its lock, as AssignAddVariableOp does, and gets a
+tensor of its own first where a read of it is still alive. The kernel is marked inexpensive (a few
+scalar adds).
 )doc");
 
 class QsgdTallyOp : public OpKernel {
