@@ -151,8 +151,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         n = tensor.shape.num_elements()
         if n is None:
             n = tf.size(tensor)
-        counted = self._tally(raw_elements=n, raw_tensors=1)
-        with tf.control_dependencies([] if counted is None else [counted]):
+        with self.run.collecting() as counted:
+            self.run.add(raw_elements=n, raw_tensors=1)
+        with tf.control_dependencies(counted):
             if tensor.dtype.is_floating and tensor.dtype != tf.float64:
                 return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
             return tf.identity(tensor), None

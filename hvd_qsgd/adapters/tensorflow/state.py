@@ -14,7 +14,6 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from hvd_qsgd import protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
-from hvd_qsgd.adapters.tensorflow.tally import Tally
 from hvd_qsgd.settings import Stats
 
 # integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
@@ -95,12 +94,6 @@ class TensorFlowState:
         uncheckpointed count (int64) or a time field (float64)."""
         counters = self._counter_vars()
         return counters[field] if field in counters else self._timing_vars()[field]
-
-    def _tally(self, **amounts):
-        """The op adding ``amounts`` to their counters (``tally.Tally``; eagerly, None: added)."""
-        tally = Tally(self._stat_variable)
-        tally.count(**amounts)
-        return tally.op()
 
     # -- learning-rate following (hvd_qsgd.error_feedback) -----------------------------------------
 
