@@ -7,7 +7,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 export PYTHONUNBUFFERED := 1
 
-.PHONY: setup setup-plan check-newest test test-quick demo bench gpu-check gpu-check-horovod gpu-carry gpu-session clean
+.PHONY: setup setup-plan check-newest test test-quick demo bench fuzz gpu-check gpu-check-horovod gpu-carry gpu-session clean
 
 # TORCH_VERSION=... / TF_VERSION=... override the pins of scripts/versions.sh; TORCH_INDEX_URL picks
 # torch's index (https://download.pytorch.org/whl/cpu: the CPU build); CUDA_HOME the toolkit
@@ -35,6 +35,13 @@ demo: setup
 
 bench: setup
 	$(PY) -m benchmarks kernels
+
+# opt-in, not part of `make test` (which replays what this keeps): coverage-guided fuzzing of the
+# codec's C ABI, CPU and emulated CUDA, under ASan and UBSan, FUZZ_S seconds (default 600) on each of
+# the cores but one; needs clang (scripts/fuzz.sh). What covers more goes into tests/fuzz/corpus.pack
+FUZZ_S ?= 600
+fuzz: setup
+	bash scripts/fuzz.sh search $(FUZZ_S)
 
 # on a GPU machine (nvcc, compute-sanitizer, a CUDA build of torch): build, test, sanitize and time the
 # CUDA kernels; the summary and logs go to $$OUT (default gpu_check_out/)

@@ -74,6 +74,8 @@ def _check_abi(lib, symbol, path):
 
 
 BUILD_TARGET = "_build_target.json"  # written by setup.py next to the CPU library
+# another build of the CPU library to load instead of the package's: scripts/fuzz.sh's sanitized one
+CPU_LIB_ENV = "HVD_QSGD_CPU_LIB"
 
 
 def build_target(directory=_HERE):
@@ -145,7 +147,7 @@ def load():
     with _lock:
         if _cpu is not None:
             return _cpu
-        path = _find("_lib_cpu")
+        path = os.environ.get(CPU_LIB_ENV) or _find("_lib_cpu")
         if path is None:
             raise ImportError(
                 "hvd_qsgd's native codec library is not built: run `pip install -e .` (or "

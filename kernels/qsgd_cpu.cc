@@ -383,7 +383,7 @@ static const uint64_t kFeedbackChunkMax = 1 << 20;
 /* v[0:n) = x + residual (x alone when the residual is not valid), in fp32 */
 static void feedback_add(const float* x, const Feedback& fb, uint64_t n, float* v) {
   if (!fb.valid) {
-    memcpy(v, x, sizeof(float) * n);
+    if (n) memcpy(v, x, sizeof(float) * n); /* x may be null when n is 0 */
     return;
   }
   const float* r = fb.residual;

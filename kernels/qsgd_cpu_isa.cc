@@ -45,7 +45,9 @@
 #define QSGD_HAND_AVX512 1
 /* gcc 12's AVX-512 intrinsics pass an undefined vector as the unused merge source of their masked
  * builtins, which -Wmaybe-uninitialized reports at every use: a known false positive */
+#if !defined(__clang__)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 #else
 #define QSGD_HAND_AVX512 0
 #endif

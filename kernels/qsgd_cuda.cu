@@ -47,6 +47,32 @@ constexpr uint64_t kMaxBlocks = 1u << 20; /* grid-stride kernels: enough blocks 
 __host__ __device__ __forceinline__ uint64_t umin64(uint64_t a, uint64_t b) { return a < b ? a : b; }
 __host__ __device__ __forceinline__ uint64_t umax64(uint64_t a, uint64_t b) { return a > b ? a : b; }
 
+/* A decode's verdict in *status (QSGD_OK until a check fails): of the failures its kernels find, the
+ * one that docs/wire-format.md's validation order checks first, as the CPU reports it, whichever
+ * kernel or thread finds it first: a payload's header before its checksum, the checksum before the
+ * scales, the scales before the stream (whose checks run per segment, on the CPU too: any
+ * segment's first). */
+__device__ __forceinline__ int check_rank(int32_t code) {
+  switch (code) {
+    case QSGD_E_MAGIC: return 1;
+    case QSGD_E_VERSION: return 2;
+    case QSGD_E_HEADER: return 3;
+    case QSGD_E_LENGTH: return 4;
+    case QSGD_E_MISMATCH: return 5;
+    case QSGD_E_CHECKSUM: return 6;
+    case QSGD_E_SCALE: return 7;
+    default: return 8;
+  }
+}
+__device__ __forceinline__ void report(int32_t* status, int32_t code) {
+  int32_t seen = *(volatile int32_t*)status;
+  while (seen == QSGD_OK || check_rank(code) < check_rank(seen)) {
+    const int32_t was = atomicCAS(status, seen, code);
+    if (was == seen) return;
+    seen = was;
+  }
+}
+
 #define QSGD_CUDA_TRY(expr)                \
   do {                                     \
     if ((expr) != cudaSuccess) {           \
@@ -554,7 +580,7 @@ __global__ void verify_terms_kernel(const Jobs jobs,
     for (uint64_t k = t0; k < (job.len + 7) / 8; k += stride) sum += checksum_word_term(job.ptr, job.len, k);
   for (uint64_t b = t0; b < job.nb; b += stride) {
     const uint32_t u = (uint32_t)qsgd_load_le(job.ptr + QSGD_HEADER_BYTES + 4 * b, 4);
-    if ((u & 0x80000000u) && (u & 0x7FFFFFFFu) <= 0x7F800000u) atomicCAS(status, 0, QSGD_E_SCALE);
+    if ((u & 0x80000000u) && (u & 0x7FFFFFFFu) <= 0x7F800000u) report(status, QSGD_E_SCALE);
   }
   sum = warp_sum(sum);
   if ((threadIdx.x & 31) == 0 && sum) atomicAdd(&sums[blockIdx.y], (unsigned long long)sum);
@@ -567,14 +593,14 @@ __global__ void verify_final_kernel(const Jobs jobs, int count, uint64_t numel,
   if (p >= count) return;
   const PayloadJob job = jobs[p];
   if ((job.flags_now() & QSGD_FLAG_CHECKSUM) && qsgd_checksum_final(sums[p], job.len) != job.checksum_now())
-    atomicCAS(status, 0, QSGD_E_CHECKSUM);
+    report(status, QSGD_E_CHECKSUM);
   const uint64_t used_bits = (numel % 8) * (uint64_t)bits % 8;
-  if (!elias && used_bits && (job.ptr[job.len - 1] >> used_bits)) atomicCAS(status, 0, QSGD_E_PADDING);
+  if (!elias && used_bits && (job.ptr[job.len - 1] >> used_bits)) report(status, QSGD_E_PADDING);
 }
 
 /* The headers of a decode that expects their fields (d_heads: qsgd_decode_sum_cuda), before any other
  * of its kernels: thread p copies payload p's header to heads (for the host to name what differs)
- * and checks it against want (qsgd_header_against); the first failure goes to *status. */
+ * and checks it against want (qsgd_header_against); a failure goes to *status (report). */
 __global__ void expect_headers_kernel(const Jobs jobs, int count, const qsgd_header want,
                                       uint8_t* __restrict__ heads, int32_t* __restrict__ status) {
   const int p = blockIdx.x * blockDim.x + threadIdx.x;
@@ -582,7 +608,7 @@ __global__ void expect_headers_kernel(const Jobs jobs, int count, const qsgd_hea
   const uint8_t* h = jobs[p].ptr;
   for (int k = 0; k < QSGD_HEADER_BYTES; ++k) heads[(uint64_t)QSGD_HEADER_BYTES * p + k] = h[k];
   const int32_t st = qsgd_header_against(h, &want);
-  if (st != QSGD_OK) atomicCAS(status, 0, st);
+  if (st != QSGD_OK) report(status, st);
 }
 
 /* One thread per group of 8 output elements; the payloads are added in order p = 0, 1, ... The
@@ -777,7 +803,7 @@ __global__ void elias_place_kernel(const uint64_t* __restrict__ slots, uint64_t 
 }
 
 /* One thread per segment: parse the segment of every payload, in payload order, adding the decoded
- * values into acc (qsgd_math.h's qsgd_elias_parse_segment, as the CPU does); the first failure goes
+ * values into acc (qsgd_math.h's qsgd_elias_parse_segment, as the CPU does); a failure goes
  * to *status. */
 __global__ void elias_decode_kernel(const Jobs jobs, int count, uint64_t numel, uint32_t B, int bits,
                                     uint64_t seg_buckets, uint64_t nb, uint64_t nseg, float* __restrict__ acc,
@@ -793,17 +819,17 @@ __global__ void elias_decode_kernel(const Jobs jobs, int count, uint64_t numel, 
     const uint64_t streams_len = job.len - (uint64_t)(streams - job.ptr);
     const uint64_t begin = sg ? qsgd_load_le(table + 8 * (sg - 1), 8) : 0, end = qsgd_load_le(table + 8 * sg, 8);
     if (end < begin || end > streams_len) {
-      atomicCAS(status, 0, QSGD_E_STREAM);
+      report(status, QSGD_E_STREAM);
       return;
     }
     if (sg == nseg - 1 && end != streams_len) {
-      atomicCAS(status, 0, QSGD_E_LENGTH);
+      report(status, QSGD_E_LENGTH);
       return;
     }
     const int32_t st = qsgd_elias_parse_segment(streams + begin, end - begin, scales, b0, b1, numel, B, bits,
                                                 acc + b0 * B);
     if (st != QSGD_OK) {
-      atomicCAS(status, 0, st);
+      report(status, st);
       return;
     }
   }
@@ -950,7 +976,8 @@ class ChecksumSlots {
   std::mutex mu_;
   std::map<std::pair<int, cudaStream_t>, unsigned long long*> kept_;
 };
-static ChecksumSlots checksum_slots;
+/* never destroyed: the slots stay reachable until the process ends (they are the device's to free then) */
+static ChecksumSlots& checksum_slots = *new ChecksumSlots;
 
 /* The checksum of the len-byte payload at out (its header written) into its place, on stream s:
  * the words rest names (the others the fused encoder added), then the slots' sum. */
