@@ -11,6 +11,8 @@ import os
 from hvd_qsgd import _native
 
 _ops = None
+# another build of the op library to load instead of the package's: scripts/fuzz.sh's sanitized one
+TF_OPS_ENV = "HVD_QSGD_TF_OPS_LIB"
 
 
 def load():
@@ -19,7 +21,8 @@ def load():
     if _ops is None:
         import tensorflow as tf
         here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tensorflow")
-        found = sorted(glob.glob(os.path.join(here, "_qsgd_ops*.so")))
+        found = [os.environ[TF_OPS_ENV]] if os.environ.get(TF_OPS_ENV) else \
+            sorted(glob.glob(os.path.join(here, "_qsgd_ops*.so")))
         if not found:
             raise ImportError(
                 "hvd_qsgd's TensorFlow ops are not built (hvd_qsgd/tensorflow/_qsgd_ops*.so is missing): "

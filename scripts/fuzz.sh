@@ -16,6 +16,10 @@
 #                                      tests/fuzz/regressions/ with the fix).
 #   scripts/fuzz.sh library DIR        g++: the sanitized CPU library alone (DIR/_lib_cpu.so), to load
 #                                      into Python (HVD_QSGD_CPU_LIB) with the runtimes preloaded.
+#   scripts/fuzz.sh tf-ops DIR         g++: the TensorFlow op library (hvd_qsgd/tensorflow/qsgd_ops.cc
+#                                      and the codec) with AddressSanitizer alone, against the
+#                                      installed TensorFlow (DIR/_qsgd_ops.so, HVD_QSGD_TF_OPS_LIB):
+#                                      UBSan's checks make TensorFlow's headers fail to compile.
 #
 # BUILD (default build/fuzz) holds what is built. The flags are setup.py's CPU_FLAGS (no FMA
 # contraction: the shipped library's arithmetic) at -O1, with the sanitizers.
@@ -60,6 +64,17 @@ case "${1:-replay}" in
     g++ $FLAGS -std=c++17 -fopenmp $SAN -fPIC -shared $SOURCES $objs -o "$out/_lib_cpu.so"
     echo "$out/_lib_cpu.so"
     ;;
+  tf-ops)
+    out=${2:?tf-ops DIR}
+    mkdir -p "$out"
+    SAN="-fsanitize=address -fno-omit-frame-pointer -g"
+    objs=$(objects g++ "")
+    tf_flags=$($PY -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags()))" 2>/dev/null)
+    tf_link=$($PY -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_link_flags()))" 2>/dev/null)
+    g++ $FLAGS -std=c++17 -fopenmp $SAN -fPIC -shared -Wno-deprecated-declarations $tf_flags \
+      hvd_qsgd/tensorflow/qsgd_ops.cc $SOURCES $objs $tf_link -o "$out/_qsgd_ops.so"
+    echo "$out/_qsgd_ops.so"
+    ;;
   replay)
     objs=$(objects g++ "" emu)
     g++ $FLAGS -std=c++17 -fopenmp $SAN -DQSGD_FUZZ_CUDA_EMU $SOURCES $objs tests/fuzz/fuzz_codec.cc \
@@ -95,5 +110,5 @@ case "${1:-replay}" in
     [ "$status" = 0 ] || echo "a search stopped on a violated property: $(ls "$BUILD"/crash-* 2>/dev/null)" >&2
     exit "$status"
     ;;
-  *) echo "usage: scripts/fuzz.sh replay | search [SECONDS] | library DIR" >&2; exit 2 ;;
+  *) echo "usage: scripts/fuzz.sh replay | search [SECONDS] | library DIR | tf-ops DIR" >&2; exit 2 ;;
 esac

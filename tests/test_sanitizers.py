@@ -10,6 +10,9 @@
   validation of bad ones and its hypothesis fuzzing, the ISA variants, error feedback, the chunks
   of the scatter reduction, on the library's threads. That the sanitizer is live there is checked
   first: a read past a buffer stops the process with its report.
+* The TensorFlow op library built with AddressSanitizer (``HVD_QSGD_TF_OPS_LIB``; UBSan's checks do
+  not compile with TensorFlow's headers): the single-process tests of the ops and of the compressor
+  in TensorFlow pass with it, and it is the library those processes load.
 """
 import os
 import re
@@ -20,6 +23,7 @@ import pytest
 
 from tests.helpers import ROOT
 
+TF_TESTS = ["tests/test_tf_compressor.py"]
 CODEC_TESTS = ["tests/test_codec_validation.py", "tests/test_codec_format.py", "tests/test_native_abi.py",
                "tests/test_cpu_isa.py", "tests/test_error_feedback_encode.py", "tests/test_reduction.py"]
 
@@ -29,6 +33,23 @@ def _fuzz_sh(*args, timeout, env=None):
                           stderr=subprocess.STDOUT, text=True, timeout=timeout, env=env)
     assert proc.returncode == 0, proc.stdout[-6000:]
     return proc.stdout
+
+
+def _runtimes(*names):
+    """The sanitizer runtimes (and libraries) to preload into Python, as LD_PRELOAD lists them."""
+    return ":".join(subprocess.run(["g++", f"-print-file-name={name}"], stdout=subprocess.PIPE, text=True,
+                                   check=True).stdout.strip() for name in names)
+
+
+def _single_process_tests(files, env, at_least):
+    """The tests of ``files`` that start no job, run in ``env``: all pass (at least ``at_least``), and no
+    sanitizer reported anything."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
+                           "not multirank and not slow and not gpu", *files], cwd=ROOT, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=1200)
+    assert proc.returncode == 0 and "Sanitizer" not in proc.stdout, proc.stdout[-6000:]
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed and int(passed.group(1)) >= at_least, proc.stdout[-2000:]
 
 
 def _pack_count(path):
@@ -54,11 +75,9 @@ def sanitized_env(tmp_path_factory):
     """The environment in which Python loads the sanitized CPU library."""
     directory = tmp_path_factory.mktemp("sanitized")
     _fuzz_sh("library", str(directory), timeout=600, env=dict(os.environ, BUILD=str(directory / "build")))
-    runtimes = [subprocess.run(["g++", f"-print-file-name={name}"], stdout=subprocess.PIPE, text=True,
-                               check=True).stdout.strip() for name in ("libasan.so", "libubsan.so")]
-    return dict(os.environ, HVD_QSGD_CPU_LIB=str(directory / "_lib_cpu.so"), LD_PRELOAD=":".join(runtimes),
-                ASAN_OPTIONS="detect_leaks=0", UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1",
-                PYTHONPATH=ROOT)
+    return dict(os.environ, HVD_QSGD_CPU_LIB=str(directory / "_lib_cpu.so"),
+                LD_PRELOAD=_runtimes("libasan.so", "libubsan.so"), ASAN_OPTIONS="detect_leaks=0",
+                UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1", PYTHONPATH=ROOT)
 
 
 def test_the_sanitizer_is_live_in_python_a_read_past_a_buffer_stops_it(sanitized_env):
@@ -74,15 +93,25 @@ def test_the_sanitizer_is_live_in_python_a_read_past_a_buffer_stops_it(sanitized
                           stderr=subprocess.STDOUT, text=True, timeout=120)
     assert f"loaded {sanitized_env['HVD_QSGD_CPU_LIB']}" in proc.stdout, proc.stdout[-3000:]
     assert proc.returncode != 0 and "not caught" not in proc.stdout
-    assert re.search(r"AddressSanitizer: heap-buffer-overflow .*\n(.*\n)*READ of size", proc.stdout), proc.stdout[-3000:]
+    assert re.search(r"AddressSanitizer: heap-buffer-overflow .*\n(.*\n)*READ of size", proc.stdout), \
+        proc.stdout[-3000:]
 
 
 def test_the_codec_tests_pass_against_the_sanitized_library(sanitized_env):
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "-m",
-                           "not multirank and not slow and not gpu", *CODEC_TESTS], cwd=ROOT,
-                          env=sanitized_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stdout[-6000:]
-    assert "Sanitizer" not in proc.stdout, proc.stdout[-6000:]
-    passed = re.search(r"(\d+) passed", proc.stdout)
-    assert passed and int(passed.group(1)) > 300, proc.stdout[-2000:]
+    _single_process_tests(CODEC_TESTS, sanitized_env, at_least=300)
+
+
+def test_the_tensorflow_ops_pass_their_tests_built_with_address_sanitizer(tmp_path):
+    _fuzz_sh("tf-ops", str(tmp_path), timeout=600, env=dict(os.environ, BUILD=str(tmp_path / "build")))
+    ops = str(tmp_path / "_qsgd_ops.so")
+    # libstdc++ with the runtime: ASan finds C++'s throw only in a library loaded before it
+    env = dict(os.environ, HVD_QSGD_TF_OPS_LIB=ops, LD_PRELOAD=_runtimes("libasan.so", "libstdc++.so.6"),
+               ASAN_OPTIONS="detect_leaks=0", PYTHONPATH=ROOT, TF_CPP_MIN_LOG_LEVEL="2")
+    code = ("from hvd_qsgd import _tf_ops\n"
+            "_tf_ops.load()\n"
+            "maps = open('/proc/self/maps').read()\n"
+            "print('ops mapped', %r in maps, 'asan mapped', 'libasan' in maps)\n" % ops)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, timeout=300)
+    assert "ops mapped True asan mapped True" in proc.stdout, proc.stdout[-3000:]
+    _single_process_tests(TF_TESTS, env, at_least=9)
