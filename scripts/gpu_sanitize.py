@@ -1,13 +1,68 @@
 """Drive every CUDA kernel of the codec once per configuration, small sizes, for compute-sanitizer
 (``scripts/gpu_check.sh`` runs it under memcheck and racecheck). Each result is also compared with the
-CPU library, so a run that the sanitizer passes is a correct run too. Exits non-zero on a mismatch."""
+CPU library, so a run that the sanitizer passes is a correct run too. Then the payloads the fuzzing
+kept (tests/fuzz/corpus.pack: malformed ones among them) go through the device's decoder, which must
+give the CPU's verdict and values (``check_kept_payloads``). Exits non-zero on a mismatch."""
+import os
 import sys
 from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from hvd_qsgd import codec, cuda, cuda_headers
+from hvd_qsgd import _native, codec, cuda, cuda_headers
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# an Elias stream's checks run per segment in parallel, on the CPU too: any of them may be found first
+STREAM_CHECKS = {_native.E_STREAM, _native.E_PADDING, _native.E_LENGTH}
+
+
+def kept_payloads(limit=None):
+    """The kept fuzzing inputs of the device's decoder (tests/fuzz/fuzz_codec.cc's mode 3) as it reads
+    them: resealed where the input asks, cut at the declared length; those whose header parses, of 1
+    to 65,536 elements. At most ``limit``."""
+    sys.path.insert(0, os.path.join(ROOT, "tests", "fuzz"))
+    try:
+        import pack
+    finally:
+        sys.path.pop(0)
+    lib, out = _native.load(), []
+    for data in pack.records(os.path.join(ROOT, "tests", "fuzz", "corpus.pack")):
+        if not data or data[0] & 0x7F != 3:
+            continue
+        p = np.frombuffer(data[1:], np.uint8).copy()
+        if data[0] & 0x80 and p.size >= codec.HEADER_BYTES and p[9] & 1:
+            p[48:56] = np.frombuffer(int(lib.qsgd_checksum_cpu(_native.address(p), p.size)).to_bytes(8, "little"),
+                                     np.uint8)
+        try:
+            h = codec.read_header(p)
+        except codec.PayloadError:
+            continue
+        if 1 <= h.numel <= 1 << 16:
+            out.append(p[: h.payload_len].copy())
+        if limit is not None and len(out) >= limit:
+            break
+    return out
+
+
+def check_kept_payloads(to_device, limit=None):
+    """Every kept payload decoded by the device (``to_device``: a host uint8 tensor's device copy): a
+    payload the CPU refuses raises PayloadError with the CPU's status (among an Elias stream's checks:
+    one of them), one it accepts gives its values. Returns how many were checked."""
+    payloads = kept_payloads(limit)
+    for k, p in enumerate(payloads):
+        want = int(_native.load().qsgd_validate_cpu(_native.address(p), p.size))
+        try:
+            got = cuda.decode_sum([to_device(torch.from_numpy(p))]).cpu().numpy()
+            status = _native.OK
+        except codec.PayloadError as e:
+            got, status = None, e.status
+        if status != want and not (status in STREAM_CHECKS and want in STREAM_CHECKS):
+            sys.exit(f"kept payload {k}: the device says {_native.status_string(status) if status else 'valid'}, "
+                     f"the CPU {_native.status_string(want) if want else 'valid'}")
+        if got is not None and not np.array_equal(got, codec.decode_sum([p]), equal_nan=True):
+            sys.exit(f"kept payload {k}: the device's values differ from the CPU's")
+    return len(payloads)
 
 
 def main():
@@ -93,7 +148,10 @@ def main():
     except codec.PayloadError:
         pass
     torch.cuda.synchronize()
-    print(f"sanitizer driver: {cases} configurations, every result equal to the CPU library")
+    kept = check_kept_payloads(lambda t: t.cuda())
+    torch.cuda.synchronize()
+    print(f"sanitizer driver: {cases} configurations and {kept} kept fuzzing payloads, every result and verdict "
+          "equal to the CPU library's")
 
 
 if __name__ == "__main__":

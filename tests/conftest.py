@@ -56,7 +56,7 @@ MARKERS = {
         {"slow"},                                                                            # 25-60 s a launch
     "test_dropin::test_tf_compressor_built_in_the_step_is_one_compressor_across_traces": {"slow"},  # 60-120 s
     "test_readme_quickstarts::test_the_quickstart_block_runs_as_written_on_two_ranks": {"slow"},  # 25 s + 13 s launches
-    "test_sanitizers": {"slow"},                                  # builds the codec sanitized: 40-90 s a test
+    "test_sanitizers": {"slow"},                                  # builds the codec sanitized: 80-95 s a test
 }
 # (module, parameter, value): the parametrized cases that run on a CUDA device
 GPU_PARAMS = {("test_cuda", "backend", "gpu"), ("test_cuda", "device", "gpu")}

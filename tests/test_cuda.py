@@ -920,3 +920,19 @@ def test_adapter_device_path_emulated_equals_its_host_path_under_horovodrun(emul
                  env={emulated_cuda.ENV: emulated_lib_path})
     for name in [*CONFIGS, CORRUPT]:
         assert out.count(f"<stdout>:OK {name}\n") == 3, f"{name}:\n{out[-4000:]}"
+
+
+def test_the_device_decoder_gives_the_cpus_verdict_on_the_kept_fuzzing_payloads(emulated_lib):
+    """scripts/gpu_sanitize.py's last check (make gpu-check runs it under compute-sanitizer on a GPU), here
+    on the emulated device: the payloads the fuzzing kept, malformed ones among them, each get the CPU's
+    verdict from the device's decoder, and the CPU's values where valid."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gpu_sanitize", os.path.join(emulated_cuda.ROOT, "scripts",
+                                                                               "gpu_sanitize.py"))
+    gpu_sanitize = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_sanitize)
+    payloads = gpu_sanitize.kept_payloads()
+    refused = sum(1 for p in payloads if _native.load().qsgd_validate_cpu(_native.address(p), p.size) != 0)
+    assert len(payloads) > 100 and 0 < refused < len(payloads)
+    with emulated_cuda.on_host(emulated_lib):
+        assert gpu_sanitize.check_kept_payloads(lambda t: t) == len(payloads)

@@ -20,9 +20,11 @@
 //   3 DEVICE    (built with QSGD_FUZZ_CUDA_EMU: kernels/qsgd_cuda.cu compiled for the host against
 //     PAYLOAD   tests/cuda_emu, its 'device' memory host memory, so the sanitizers see the kernels'
 //               reads) a payload as in 0: the CUDA decoder gives the CPU's verdict and values, with
-//               the header read on the host and with the header only expected (d_heads).
+//               the header read on the host and with the header only expected (d_heads); so do the
+//               scatter reduction's steps on it (fixed coding: decode_chunks, and reduce_chunk with
+//               and without error feedback, whose bytes and residual are the CPU's).
 //   4 DEVICE    settings and elements as in 1: the CUDA encoders (fixed, fixed with error
-//     ENCODE    feedback, Elias) give the CPU encoder's bytes and residuals.
+//     ENCODE    feedback, Elias, the scatter reduction's chunks) give the CPU's bytes and residuals.
 //
 // A violated property calls abort() (the sanitizers' report and the input are kept by libFuzzer).
 // Built two ways (scripts/fuzz.sh): with clang's libFuzzer for the search, and with g++ and a small
@@ -529,6 +531,9 @@ bool stream_check(int32_t code) {
   return code == QSGD_E_STREAM || code == QSGD_E_PADDING || code == QSGD_E_LENGTH;
 }
 
+void device_chunk_steps(const std::vector<uint8_t>& dev, const qsgd_header& h, int32_t valid,
+                        const std::vector<float>& cpu);
+
 void fuzz_device_payload(const uint8_t* data, size_t size, bool reseal) {
   std::vector<uint8_t> p = payload_bytes(data, size, reseal);
   qsgd_header h{};
@@ -559,6 +564,44 @@ void fuzz_device_payload(const uint8_t* data, size_t size, bool reseal) {
       CHECK(untouched(out));
     }
   }
+  if (h.coding == QSGD_CODING_FIXED) device_chunk_steps(dev, h, valid, cpu);
+}
+
+// The scatter reduction's steps on a received chunk (fixed coding): the device's verdict, and where
+// the payload is valid the CPU's values, re-encoded bytes and residual.
+void device_chunk_steps(const std::vector<uint8_t>& dev, const qsgd_header& h, int32_t valid,
+                        const std::vector<float>& cpu) {
+  const uint64_t numel = h.numel, len = dev.size();
+  const uint8_t* one[1] = {dev.data()};
+  const uint64_t lens[1] = {len};
+  int32_t status = 1;
+  std::vector<float> out = sentinels(numel);
+  const int32_t d = qsgd_decode_chunks_cuda(one, &h, 1, 1.0f, out.data(), numel, h.bucket_size, &status, nullptr,
+                                            nullptr);
+  const int32_t verdict = device_verdict(d, status);
+  if (!(stream_check(verdict) && stream_check(valid))) CHECK_EQ(verdict, valid);
+  if (verdict == QSGD_OK)
+    for (uint64_t i = 0; i < numel; ++i) CHECK(out[i] == cpu[i] || same_value(out[i], cpu[i]));
+
+  const qsgd_config cfg{h.bits, h.coding, h.norm, h.dtype, h.bucket_size, h.flags, 0x5eedULL, h.fingerprint};
+  const uint64_t cap = qsgd_fixed_nbytes(numel, h.bits, h.bucket_size);
+  for (int feedback = 0; feedback < 2; ++feedback) {
+    std::vector<float> r_cpu(cpu.rbegin(), cpu.rend()), r_dev(r_cpu), s_cpu(numel), s_dev(numel);
+    std::vector<uint8_t> q_cpu(cap), q_dev(cap);
+    uint64_t n_cpu = 0, n_dev = 0;
+    const int32_t c = feedback ? qsgd_reduce_chunk_ef_cpu(one, lens, 1, &cfg, 2, s_cpu.data(), numel, q_cpu.data(),
+                                                          cap, &n_cpu, r_cpu.data(), numel)
+                               : qsgd_reduce_chunk_cpu(one, lens, 1, &cfg, 2, s_cpu.data(), numel, q_cpu.data(), cap,
+                                                       &n_cpu);
+    status = 1;
+    const int32_t g = qsgd_reduce_chunk_cuda(one, &h, 1, &cfg, 2, s_dev.data(), numel, q_dev.data(), cap, &n_dev,
+                                             feedback ? r_dev.data() : nullptr, numel, &status, nullptr, nullptr);
+    const int32_t v = device_verdict(g, status);
+    if (!(stream_check(v) && stream_check(c))) CHECK_EQ(v, c);
+    if (c != QSGD_OK) continue;
+    CHECK(n_cpu == n_dev && q_cpu == q_dev);
+    for (uint64_t i = 0; i < numel; ++i) CHECK(same_value(r_dev[i], r_cpu[i]));
+  }
 }
 
 void fuzz_device_encode(const uint8_t* data, size_t size) {
@@ -580,6 +623,16 @@ void fuzz_device_encode(const uint8_t* data, size_t size) {
   CHECK_EQ(st, cpu.status);
   if (st != QSGD_OK) return;
   CHECK(std::memcmp(out.data(), cpu.bytes.data(), cpu.bytes.size()) == 0);
+
+  // the scatter reduction's chunks: the CPU's bytes and lengths
+  const int32_t nchunks = 1 + ((in.shape >> 4) & 7);
+  const uint64_t cap = qsgd_chunks_max_nbytes(numel, c.bits, c.bucket_size, c.coding, nchunks);
+  std::vector<uint8_t> chunks_cpu(cap), chunks_dev(cap);
+  std::vector<uint64_t> lens_cpu(nchunks), lens_dev(nchunks);
+  CHECK_EQ(qsgd_encode_chunks_cpu(x.data(), numel, &c, nchunks, chunks_cpu.data(), cap, lens_cpu.data()), QSGD_OK);
+  CHECK_EQ(qsgd_encode_chunks_cuda(x.data(), numel, &c, nchunks, chunks_dev.data(), cap, lens_dev.data(), nullptr),
+           QSGD_OK);
+  CHECK(lens_cpu == lens_dev && chunks_cpu == chunks_dev);
 
   // error feedback with a residual of the input's own elements, reversed: the CPU's bytes and residual
   std::vector<float> r_cpu(x.rbegin(), x.rend()), r_dev(r_cpu);
