@@ -486,6 +486,8 @@ void fuzz_control(const uint8_t* data, size_t size) {
       for (int64_t i = 0; i < len; ++i) r[i] += v[i];
     }
   }
+  // the ranks' own sum, as Horovod's Sum gives it: over the whole set, or over all but its last rank
+  const bool exact = (how & 1) && !(how & 4) && in.n < 8;
   for (int64_t i = 0; i < len && in.n >= 8; ++i) {
     const double d = in.take<double>();
     if (how & 1) {
@@ -501,15 +503,36 @@ void fuzz_control(const uint8_t* data, size_t size) {
   if (st == QSGD_OK) CHECK(alpha > 0 && std::isfinite(alpha));  // 1/n, 1, or a scaled op's scale
   if (st == QSGD_E_CTRL_TAG) CHECK(detail >= 0 && detail < QSGD_CONTROL_TAGS);
 
+  if (exact && !(how & 2)) {  // every rank of the set, summed: accepted, a Sum's scale
+    CHECK_EQ(st, QSGD_OK);
+    CHECK(alpha == 1.0);
+  }
   std::vector<int32_t> ranks(world, -1);
   int32_t m = -1;
-  if (qsgd_control_participants(r.data(), len, world, ranks.data(), &m) == QSGD_OK) {
+  const int32_t found = qsgd_control_participants(r.data(), len, world, ranks.data(), &m);
+  if (exact) {  // the participants are the ranks that summed
+    const int32_t summed = how & 2 ? n - 1 : n;
+    if (summed > 0) {
+      CHECK_EQ(found, QSGD_OK);
+      CHECK_EQ(m, summed);
+      for (int32_t k = 0; k < m; ++k) CHECK_EQ(ranks[k], set[k]);
+    }
+  }
+  if (found == QSGD_OK) {
     CHECK(m >= 1 && m <= world);
     for (int32_t k = 0; k < m; ++k) CHECK(ranks[k] >= 0 && ranks[k] < world && (k == 0 || ranks[k] > ranks[k - 1]));
   }
   std::vector<int32_t> present(n, -1);
   int32_t pm = -1, certain = -1;
-  if (qsgd_control_joined(r.data(), len, world, set.data(), n, present.data(), &pm, &certain) == QSGD_OK) {
+  const int32_t joined = qsgd_control_joined(r.data(), len, world, set.data(), n, present.data(), &pm, &certain);
+  if (exact && (how & 2) && n > 1) {  // the set's last rank joined: refused as a step, told as a join
+    CHECK(st != QSGD_OK);
+    CHECK_EQ(joined, QSGD_OK);
+    CHECK_EQ(pm, n - 1);
+    CHECK_EQ(certain, 0);  // a Sum: only a presence allreduce tells it from a smaller process set
+    for (int32_t k = 0; k < pm; ++k) CHECK_EQ(present[k], k);
+  }
+  if (joined == QSGD_OK) {
     CHECK(pm >= 1 && pm < n && (certain == 0 || certain == 1));
     for (int32_t k = 0; k < pm; ++k)
       CHECK(present[k] >= 0 && present[k] < n && (k == 0 || present[k] > present[k - 1]));
