@@ -69,8 +69,8 @@ case "${1:-replay}" in
     mkdir -p "$out"
     SAN="-fsanitize=address -fno-omit-frame-pointer -g"
     objs=$(objects g++ "")
-    tf_flags=$($PY -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_compile_flags()))" 2>/dev/null)
-    tf_link=$($PY -c "import tensorflow as tf; print(' '.join(tf.sysconfig.get_link_flags()))" 2>/dev/null)
+    { read -r tf_flags; read -r tf_link; } < <($PY -c "import tensorflow as tf
+print(' '.join(tf.sysconfig.get_compile_flags())); print(' '.join(tf.sysconfig.get_link_flags()))" 2>/dev/null)
     g++ $FLAGS -std=c++17 -fopenmp $SAN -fPIC -shared -Wno-deprecated-declarations $tf_flags \
       hvd_qsgd/tensorflow/qsgd_ops.cc $SOURCES $objs $tf_link -o "$out/_qsgd_ops.so"
     echo "$out/_qsgd_ops.so"

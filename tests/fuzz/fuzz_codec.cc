@@ -114,6 +114,11 @@ void use_variant(const char* name) { CHECK(qsgd_set_cpu_isa(name) == QSGD_OK); }
 
 // ---- 0: a payload from another rank -------------------------------------------------------------
 
+// The settings a reducing rank re-encodes a received chunk with: the payload's own, a fixed seed.
+qsgd_config reducing_config(const qsgd_header& h) {
+  return qsgd_config{h.bits, h.coding, h.norm, h.dtype, h.bucket_size, h.flags, 0x5eedULL, h.fingerprint};
+}
+
 // The input's bytes; resealed: with the checksum field recomputed where the flags ask for one.
 std::vector<uint8_t> payload_bytes(const uint8_t* data, size_t size, bool reseal) {
   std::vector<uint8_t> p(data, data + size);
@@ -175,7 +180,7 @@ void fuzz_payload(const uint8_t* data, size_t size, bool reseal) {
     if (parsed == QSGD_OK && numel > 0) {
       std::vector<float> chunk = sentinels(numel);
       CHECK(qsgd_decode_chunks_cpu(one, lens, 1, 1.0f, chunk.data(), numel, h.bucket_size) != QSGD_OK);
-      qsgd_config cfg{h.bits, h.coding, h.norm, h.dtype, h.bucket_size, h.flags, 0x5eedULL, h.fingerprint};
+      qsgd_config cfg = reducing_config(h);
       std::vector<float> scratch(numel);
       std::vector<uint8_t> out(len + QSGD_HEADER_BYTES);
       uint64_t out_len = 0;
@@ -209,7 +214,7 @@ void fuzz_payload(const uint8_t* data, size_t size, bool reseal) {
   CHECK(qsgd_decode_chunks_cpu(chunks, lens, 1, 1.0f, chunk.data(), numel, h.bucket_size) == QSGD_OK);
   for (uint64_t i = 0; i < numel; ++i) CHECK(chunk[i] == sum1[i] || same_value(chunk[i], sum1[i]));
 
-  qsgd_config cfg{h.bits, h.coding, h.norm, h.dtype, h.bucket_size, h.flags, 0x5eedULL, h.fingerprint};
+  qsgd_config cfg = reducing_config(h);
   const uint64_t cap = h.coding == QSGD_CODING_FIXED ? qsgd_fixed_nbytes(numel, h.bits, h.bucket_size)
                                                      : qsgd_elias_max_nbytes(numel, h.bits, h.bucket_size);
   std::vector<float> scratch(numel);
@@ -419,44 +424,34 @@ void fuzz_encode(const uint8_t* data, size_t size) {
     }
   }
 
-  // the chunks of the scatter reduction: chunk j is the plain encoding of its elements, its own seed
+  // the chunks of the scatter reduction: chunk j is the plain encoding of its elements with its own
+  // seed; with error feedback, its payload and residual are those of its elements and residual
   {
     const int32_t nchunks = 1 + ((shape >> 4) & 7);
-    const uint64_t cap = qsgd_chunks_max_nbytes(numel, c.bits, c.bucket_size, c.coding, nchunks);
-    std::vector<uint8_t> out(cap + 64);
-    std::vector<uint64_t> lens_j(nchunks);
-    const int32_t st = qsgd_encode_chunks_cpu(x.data(), numel, &c, nchunks, out.data(), out.size(), lens_j.data());
-    CHECK(st == QSGD_OK);
-    uint64_t pos = 0;
-    for (int32_t j = 0; j < nchunks; ++j) {
-      uint64_t begin = 0, end = 0;
-      CHECK(qsgd_chunk_range(numel, c.bucket_size, nchunks, j, &begin, &end) == QSGD_OK);
-      qsgd_config cj = c;
-      cj.seed = qsgd_chunk_seed(c.seed, j, 0);
-      std::vector<float> part(x.begin() + begin, x.begin() + end);
-      Encoded e = encode(part, cj);
-      CHECK(e.status == QSGD_OK && lens_j[j] == e.bytes.size());
-      CHECK(std::memcmp(out.data() + pos, e.bytes.data(), e.bytes.size()) == 0);
-      pos += lens_j[j];
-    }
-
-    // with error feedback: chunk j's payload and residual are those of its elements and residual
+    const uint64_t cap = qsgd_chunks_max_nbytes(numel, c.bits, c.bucket_size, c.coding, nchunks) + 64;
+    std::vector<uint8_t> plain(cap), fed(cap);
+    std::vector<uint64_t> plain_lens(nchunks), fed_lens(nchunks);
     std::vector<float> residual(r0);
-    const int32_t ef = qsgd_encode_chunks_ef_cpu(x.data(), numel, &c, nchunks, residual.data(), 1, out.data(),
-                                                 out.size(), lens_j.data());
-    CHECK_EQ(ef, QSGD_OK);
-    pos = 0;
+    CHECK_EQ(qsgd_encode_chunks_cpu(x.data(), numel, &c, nchunks, plain.data(), cap, plain_lens.data()), QSGD_OK);
+    CHECK_EQ(qsgd_encode_chunks_ef_cpu(x.data(), numel, &c, nchunks, residual.data(), 1, fed.data(), cap,
+                                       fed_lens.data()),
+             QSGD_OK);
+    uint64_t plain_at = 0, fed_at = 0;
     for (int32_t j = 0; j < nchunks; ++j) {
       uint64_t begin = 0, end = 0;
       CHECK(qsgd_chunk_range(numel, c.bucket_size, nchunks, j, &begin, &end) == QSGD_OK);
       qsgd_config cj = c;
       cj.seed = qsgd_chunk_seed(c.seed, j, 0);
-      const WithFeedback w = composed_feedback(std::vector<float>(x.begin() + begin, x.begin() + end),
-                                               std::vector<float>(r0.begin() + begin, r0.begin() + end), cj);
-      CHECK(w.q.status == QSGD_OK && lens_j[j] == w.q.bytes.size());
-      CHECK(std::memcmp(out.data() + pos, w.q.bytes.data(), w.q.bytes.size()) == 0);
+      const std::vector<float> part(x.begin() + begin, x.begin() + end);
+      const Encoded e = encode(part, cj);
+      CHECK(e.status == QSGD_OK && plain_lens[j] == e.bytes.size());
+      CHECK(std::memcmp(plain.data() + plain_at, e.bytes.data(), e.bytes.size()) == 0);
+      plain_at += plain_lens[j];
+      const WithFeedback w = composed_feedback(part, std::vector<float>(r0.begin() + begin, r0.begin() + end), cj);
+      CHECK(w.q.status == QSGD_OK && fed_lens[j] == w.q.bytes.size());
+      CHECK(std::memcmp(fed.data() + fed_at, w.q.bytes.data(), w.q.bytes.size()) == 0);
       for (uint64_t i = begin; i < end; ++i) CHECK(same_value(residual[i], w.residual[i - begin]));
-      pos += lens_j[j];
+      fed_at += fed_lens[j];
     }
   }
 }
@@ -606,7 +601,7 @@ void device_chunk_steps(const std::vector<uint8_t>& dev, const qsgd_header& h, i
   if (verdict == QSGD_OK)
     for (uint64_t i = 0; i < numel; ++i) CHECK(out[i] == cpu[i] || same_value(out[i], cpu[i]));
 
-  const qsgd_config cfg{h.bits, h.coding, h.norm, h.dtype, h.bucket_size, h.flags, 0x5eedULL, h.fingerprint};
+  const qsgd_config cfg = reducing_config(h);
   const uint64_t cap = qsgd_fixed_nbytes(numel, h.bits, h.bucket_size);
   for (int feedback = 0; feedback < 2; ++feedback) {
     std::vector<float> r_cpu(cpu.rbegin(), cpu.rend()), r_dev(r_cpu), s_cpu(numel), s_dev(numel);
