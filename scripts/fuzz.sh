@@ -33,8 +33,9 @@ SOURCES="kernels/qsgd_cpu.cc kernels/qsgd_elias_cpu.cc kernels/qsgd_control.cc k
 VARIANTS="baseline:x86-64 sse4:x86-64-v2 avx2:x86-64-v3 avx512:x86-64-v4"
 [ "$(uname -m)" = x86_64 ] || VARIANTS="generic:"
 export UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
-# the emulated warps are fibers (swapcontext), whose stacks ASan's fake stacks do not follow
-export ASAN_OPTIONS=detect_stack_use_after_return=0
+# a use of a stack frame after its return is caught too: the emulated warps' fibers announce their
+# switches to ASan (tests/cuda_emu), whose swapcontext warning is then only a caution
+export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_stack_use_after_return=1}
 
 # objects CXX EXTRA [emu]: the ISA variants' objects and, with emu, the emulated CUDA library's,
 # compiled in parallel; prints their paths

@@ -24,6 +24,18 @@
 
 #include <ucontext.h>
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define QSGD_EMU_ASAN 1
+#endif
+#endif
+#if defined(__SANITIZE_ADDRESS__) && !defined(QSGD_EMU_ASAN)
+#define QSGD_EMU_ASAN 1
+#endif
+#ifdef QSGD_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -55,6 +67,25 @@ inline thread_local uint64_t slots[32];
 constexpr unsigned kLanes = 32;
 constexpr size_t kLaneStack = 256 * 1024;
 
+/* Under AddressSanitizer every switch between fibers is announced, so that it follows the stack in
+ * use (its fake stacks, which catch a use of a stack frame after its return, included): leaving
+ * names the stack switched to and keeps the leaving fiber's fake stack in *save (nullptr: the fiber
+ * ends); arriving restores the fake stack kept (nullptr: a new fiber) and can tell the stack left. */
+inline void fiber_leave(void** save, const void* to_bottom, size_t to_size) {
+#ifdef QSGD_EMU_ASAN
+  __sanitizer_start_switch_fiber(save, to_bottom, to_size);
+#else
+  (void)save, (void)to_bottom, (void)to_size;
+#endif
+}
+inline void fiber_arrive(void* saved, const void** from_bottom, size_t* from_size) {
+#ifdef QSGD_EMU_ASAN
+  __sanitizer_finish_switch_fiber(saved, from_bottom, from_size);
+#else
+  (void)saved, (void)from_bottom, (void)from_size;
+#endif
+}
+
 /* The lanes of the launch running on this thread: the scheduler's context, each lane's, and the
  * shuffle barrier (arrived lanes, and its generation, which moves on when the 32nd arrives). */
 struct Lanes {
@@ -65,16 +96,23 @@ struct Lanes {
   unsigned current = 0, arrived = 0;
   uint64_t generation = 0;
   std::function<void(unsigned)> body;
+  /* the fibers' announcements (fiber_leave): the scheduler's stack and its fake stack kept */
+  const void* scheduler_bottom = nullptr;
+  size_t scheduler_size = 0;
+  void* scheduler_fake = nullptr;
 };
 inline thread_local Lanes* lanes = nullptr;
 inline thread_local std::vector<std::unique_ptr<char[]>> stacks; /* kept from launch to launch */
+inline thread_local void* lane_fake[kLanes];                      /* so are the lanes' fake stacks */
 
 /* Back to the scheduler; on return this lane's thread and block indices are its own again. */
 inline void yield_lane() {
   Lanes& l = *lanes;
   const unsigned me = l.current;
   l.tid[me] = tid, l.bid[me] = bid;
+  fiber_leave(&lane_fake[me], l.scheduler_bottom, l.scheduler_size);
   swapcontext(&l.ctx[me], &l.scheduler);
+  fiber_arrive(lane_fake[me], nullptr, nullptr);
   tid = l.tid[me], bid = l.bid[me];
 }
 
@@ -91,8 +129,11 @@ inline void lanes_barrier() {
 }
 
 inline void lane_entry(int lane) {
-  lanes->body((unsigned)lane);
-  lanes->done[lane] = true;
+  Lanes& l = *lanes;
+  fiber_arrive(lane_fake[lane], &l.scheduler_bottom, &l.scheduler_size);
+  l.body((unsigned)lane);
+  l.done[lane] = true;
+  fiber_leave(&lane_fake[lane], l.scheduler_bottom, l.scheduler_size); /* back through uc_link */
 }
 
 template <class... P>
@@ -130,7 +171,9 @@ struct Launch {
       for (unsigned lane = 0; lane < kLanes; ++lane) {
         if (l.done[lane]) continue;
         l.current = lane;
+        fiber_leave(&l.scheduler_fake, stacks[lane].get(), kLaneStack);
         swapcontext(&l.scheduler, &l.ctx[lane]);
+        fiber_arrive(l.scheduler_fake, nullptr, nullptr);
         left += !l.done[lane];
       }
     }
