@@ -11,7 +11,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from hvd_qsgd import codec, report, step_built
+from hvd_qsgd import codec, errors, report, step_built
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
@@ -170,11 +170,15 @@ class QSGD:
             adapter = self._by_type[type(tensor)] = self._adapter(_framework(tensor))
         return adapter
 
-    def compress(self, tensor: Any) -> Tuple[Any, Any]:
+    def compress(self, tensor: Any = errors.NOT_GIVEN) -> Tuple[Any, Any]:
+        if tensor is errors.NOT_GIVEN:   # (the class given as the compression: ``self`` is the tensor)
+            raise errors.class_given()
         self._calls += 1
         return self._adapter_of(tensor).compress(tensor)
 
-    def decompress(self, tensor: Any, ctx: Any) -> Any:
+    def decompress(self, tensor: Any, ctx: Any = errors.NOT_GIVEN) -> Any:
+        if ctx is errors.NOT_GIVEN:
+            raise errors.class_given()
         if ctx is None:
             return tensor
         return self._adapter_of(tensor).decompress(tensor, ctx)

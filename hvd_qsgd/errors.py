@@ -31,3 +31,15 @@ class EncodeError(Error, RuntimeError):
     def __init__(self, message: str, status: int):
         super().__init__(message)
         self.status = status
+
+
+# the default of ``compress``'s tensor: Horovod calls ``compression.compress(tensor)``, which a class
+# passed as the compression (``compression=hvd_qsgd.QSGD``, where Horovod's own ``hvd.Compression.fp16``
+# is an object) receives as ``self``, with no tensor
+NOT_GIVEN = object()
+
+
+def class_given() -> TypeError:
+    """The error of a compressor class handed to Horovod where a compressor made from it belongs."""
+    return TypeError("hvd_qsgd: the compression given is a class (compression=hvd_qsgd.QSGD, say), not a "
+                     "compressor: make one from it with its settings, e.g. compression=hvd_qsgd.QSGD(4) (4 bits)")

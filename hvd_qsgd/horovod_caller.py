@@ -16,7 +16,9 @@ frames, Horovod's and nothing else's:
 * then, while the frames are Horovod's modules (``horovod.*``, at most ``DEPTH`` of them), the first
   ``process_set`` argument of a collective (or ``self.process_set`` of Horovod's optimizer) is the set
   of the exchange, and ``self._parameter_names[p]`` of Horovod's PyTorch optimizer is the name of
-  the parameter ``p`` whose gradient is compressed;
+  the parameter ``p`` whose gradient is compressed; a gradient its ``synchronize()`` hands over (one
+  no hook handed over: a parameter without a gradient this step) is ``late``: those come in the
+  order of a Python set, which differs between ranks;
 * a call from anywhere else (a user calling ``compress`` directly) learns nothing: the compressor
   uses what it was given (``process_set=``, ``named_parameters=``) or the global set.
 
@@ -41,6 +43,7 @@ class Caller(NamedTuple):
     name: Optional[str]       # the parameter's name in Horovod's PyTorch optimizer, or None
     where: str                # the Horovod function that called ("horovod.torch.optimizer._allreduce_grad_async")
     parameter: Any = None     # the parameter whose gradient it is, where ``name`` was learned
+    late: bool = False        # handed over by the optimizer's ``synchronize()``, not by its gradient hook
 
 
 NOT_LEARNED = Caller(None, None, "")
@@ -55,6 +58,9 @@ def _module(frame) -> str:
 PASSED_OVER, OTHER = object(), object()
 # the frame of Horovod's PyTorch optimizer that compresses a gradient (``p``, named by ``self``)
 OPTIMIZER_HOOK = "horovod.torch.optimizer._allreduce_grad_async"
+# the optimizer's method that hands over, after the backward pass, the gradients no hook handed over
+# (parameters without a gradient this step), in the order of a Python set: it differs between ranks
+OPTIMIZER_SYNCHRONIZE = "synchronize"
 _KINDS: dict = {}
 KINDS_KEPT = 4096
 # process-set types by type (``_is_process_set``'s duck test, once per type)
@@ -106,8 +112,10 @@ def horovod_caller(ours: int = 0) -> Caller:
                 parameter = local["p"]
                 name = names.get(parameter)
                 if name is not None:
-                    return Caller(process_set, name, kind, parameter)
-    process_set, name, where, parameter = None, None, "", None
+                    back = frame.f_back
+                    late = back is not None and back.f_code.co_name == OPTIMIZER_SYNCHRONIZE
+                    return Caller(process_set, name, kind, parameter, late)
+    process_set, name, where, parameter, late = None, None, "", None, False
     for _ in range(DEPTH):
         if frame is None or kind is OTHER or kind is PASSED_OVER:
             break
@@ -125,6 +133,8 @@ def horovod_caller(ours: int = 0) -> Caller:
                 parameter = local["p"]
                 name = names.get(parameter)
                 where = where or kind
+                late = kind == OPTIMIZER_HOOK and frame.f_back is not None and (
+                    frame.f_back.f_code.co_name == OPTIMIZER_SYNCHRONIZE)
         if process_set is not None and name is not None:  # all there is to learn (f_locals costs)
             break
         frame = frame.f_back
@@ -132,7 +142,7 @@ def horovod_caller(ours: int = 0) -> Caller:
             kind = kinds.get(frame.f_code) or _kind(frame)
     if process_set is None and name is None:
         return NOT_LEARNED
-    return Caller(process_set, name, where, None if name is None else parameter)
+    return Caller(process_set, name, where, None if name is None else parameter, late and name is not None)
 
 
 def _describe(process_set: Any, ranks) -> str:

@@ -287,6 +287,13 @@ def occurrence_seeding(base):
 
 # what every rank's payload of an exchange must say as this rank expects
 GATHERED_FIELDS = ("bits", "bucket_size", "norm", "coding", "numel", "dtype", "fingerprint")
+_SETTINGS_HINT = "every rank must use the same compressor settings for the same tensor"
+# a payload of another tensor: the same name on another shape or dtype, or, where payloads are
+# placed by order, tensors handed over in different orders
+_TENSOR_HINT = ("the ranks handed different tensors to this exchange: the same tensor must have the same shape and "
+                "dtype on every rank, and with fusion=True or fusion_mb, where tensors take their places in the "
+                "order they reach the compressor, every rank must hand them over in the same order")
+_GATHERED_HINTS = {"numel": _TENSOR_HINT, "dtype": _TENSOR_HINT, "fingerprint": _TENSOR_HINT}
 _gathered_fields = operator.attrgetter(*GATHERED_FIELDS)
 
 
@@ -301,7 +308,7 @@ def check_gathered(headers, expect, where):
         if any(v != getattr(expect, field) for v in values):
             by_rank = ", ".join(f"rank {i}: {v}" for i, v in enumerate(values))
             raise MismatchError(f"{where}: the ranks' payloads disagree on {field} ({by_rank}); "
-                                "every rank must use the same compressor settings for the same tensor")
+                                + _GATHERED_HINTS.get(field, _SETTINGS_HINT))
 
 
 def check_payloads(payloads, expect, where):

@@ -6,8 +6,12 @@ tests/mp/dropin_tf.py), under real horovodrun jobs, one launch per rank count an
   (``hvd_qsgd.horovod_caller``). Over the even/odd process sets, and with ranks whose unused
   branches differ, both reductions, the same parameters are updated as uncompressed and the replicas
   are identical within each set. A compressor given another set, or other names, than the
-  optimizer's fails the step on every rank, naming both. Residuals checkpointed by position, loaded
-  into a compressor that now takes the optimizer's names, restart from zero, said once on the log.
+  optimizer's fails the step on every rank, naming both; so does one with error feedback handed to
+  two models whose parameters have the same names (their residuals would mix). Residuals
+  checkpointed by position, loaded into a compressor that now takes the optimizer's names, restart
+  from zero, said once on the log. Layers frozen after the first step, whose gradients Horovod hands
+  over in an order that differs between ranks, work with fusion and fusion buffers. A compressed
+  ``hvd.allreduce`` in the autograd graph gives the uncompressed gradient.
 * TensorFlow: the compressor built inside the ``tf.function`` step and retraced is one compressor
   (``hvd_qsgd.step_built``), step by step identical to the one built outside; the tape over a
   process set takes Horovod's set.
@@ -20,8 +24,8 @@ from tests.helpers import launch_once, raised_in
 
 ENV = (("HOROVOD_DYNAMIC_PROCESS_SETS", "1"),)
 TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter",
-         "positional-checkpoint"]
-DISAGREE = ["disagree-set", "disagree-names"]
+         "positional-checkpoint", "late-fusion", "differentiable"]
+DISAGREE = ["disagree-set", "disagree-names", "disagree-shared"]
 
 
 def torch_launch(np_):
@@ -51,6 +55,9 @@ def test_a_compressor_told_another_set_or_other_names_than_the_optimizer_fails_o
                         r"horovod\.torch\.optimizer\._allreduce_grad_async reduces over process set \d+ \(ranks \[",
         "disagree-names": r"MismatchError: hvd_qsgd: tensor '[\w.]+': the compressor's named_parameters call this gradient 'other\.fc\d\.\w+', "
                           r"Horovod's optimizer 'fc\d\.\w+'",
+        "disagree-shared": r"MismatchError: hvd_qsgd: tensor 'generator\.fc\d\.\w+': two parameters named 'generator\.fc\d\.\w+' "
+                           r"\(of two models, or of two optimizers\) hand their gradients to one compressor, which keeps "
+                           r"error-feedback residuals by parameter name",
     }
     for s, pattern in patterns.items():
         raised = raised_in(out, s)

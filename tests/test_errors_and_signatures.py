@@ -54,3 +54,23 @@ def test_unknown_or_repeated_settings_are_type_errors_naming_the_compressor():
         hvd_qsgd.DynamicQSGD(3.0, bits=4)
     with pytest.raises(ValueError, match="bits must be an integer"):
         hvd_qsgd.QSGD(bits=9)
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_compressor_class_given_as_the_compression_says_to_make_one(framework):
+    """``compression=hvd_qsgd.QSGD`` (the class, where Horovod's own ``hvd.Compression.fp16`` is an
+    object): Horovod's ``compression.compress(tensor)`` and ``decompress(tensor, ctx)`` say what to do,
+    for every compressor class of the package, where they were a missing-argument TypeError."""
+    if framework == "torch":
+        import torch
+        from hvd_qsgd.adapters.torch import TorchCompressor as adapter
+        tensor = torch.zeros(3)
+    else:
+        tf = pytest.importorskip("tensorflow")
+        from hvd_qsgd.adapters.tensorflow.compressor import TensorFlowCompressor as adapter
+        tensor = tf.zeros(3)
+    for cls in (hvd_qsgd.QSGD, hvd_qsgd.DynamicQSGD, hvd_qsgd.BlockSign, adapter):
+        for call in (lambda: cls.compress(tensor), lambda: cls.decompress(tensor, object())):
+            with pytest.raises(TypeError, match=r"the compression given is a class .*not a compressor: make one "
+                                                r"from it with its settings, e\.g\. compression=hvd_qsgd\.QSGD\(4\)"):
+                call()

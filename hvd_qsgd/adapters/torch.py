@@ -6,7 +6,9 @@
                     (``hvd_qsgd.protocol``) for Horovod's allreduce
     decompress(r):  the runner's result once r, the reduced control vector, checked: the reduction's
                     remaining stages (``hvd_qsgd.exchange.chains``), as a tensor of g's shape, dtype
-                    and device
+                    and device; where g requires a gradient (``hvd.allreduce`` in a model's forward
+                    pass), differentiable as Horovod's allreduce is: its gradient is the allreduce of
+                    the result's, uncompressed, with the same scale and process set
 
 Every rank decodes the same bytes in the same order with the same kernel, so every rank ends with a
 bit-identical gradient; E[decode(p_r)] = g_r, so the result is an unbiased estimate of the average.
@@ -36,7 +38,7 @@ import torch
 import horovod.torch as hvd
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, threads
+from hvd_qsgd import backends, errors, threads
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.adapters.torch_places import TensorPlaces
@@ -62,7 +64,7 @@ class TorchCompressor(Compressor):
         self.runner = ExchangeRunner(HorovodTorchCollectives(), self._creation_index, settings, self.policy,
                                      owner=repr(self))
         self._learning_rate = None   # residual key -> learning rate now, or None
-        self._places = TensorPlaces(process_set)   # where each tensor's exchanges go
+        self._places = TensorPlaces(process_set, _state_by_name(settings, self.policy))   # where exchanges go
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -87,7 +89,9 @@ class TorchCompressor(Compressor):
 
     # -- Compressor interface -----------------------------------------------------------------
 
-    def compress(self, tensor: torch.Tensor) -> Tuple[torch.Tensor, Optional[Exchange]]:
+    def compress(self, tensor: torch.Tensor = errors.NOT_GIVEN) -> Tuple[torch.Tensor, Optional[Exchange]]:
+        if tensor is errors.NOT_GIVEN:   # (the class given as the compression: ``self`` is the tensor)
+            raise errors.class_given()
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
         numel = tensor.numel()
@@ -116,8 +120,10 @@ class TorchCompressor(Compressor):
         shape, dtype = tensor.shape, tensor.dtype
         place = self._places.of(tensor, shape, dtype, device, caller, world, rank)
         ex = self.runner.open(place.param, numel, SOURCE_DTYPES[dtype], shape, device.type, place.ps, place.set_ranks,
-                              rank, world, ranks_per_node=place.per_node, place=place)
-        ex.origin, ex.fault = (shape, dtype, device), place.fault or ex.fault
+                              rank, world, ranks_per_node=place.per_node, place=place, alone=place.alone)
+        # (the tensor, where the result must carry its gradient back to it)
+        graph_input = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
+        ex.origin, ex.fault = (shape, dtype, device, graph_input), place.fault or ex.fault
         # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
         # a decompress (no collective started here moves the handle numbers of unnamed ones)
         ex.defer = caller.name is not None
@@ -135,20 +141,24 @@ class TorchCompressor(Compressor):
             return a if a.ndim == 1 else a.reshape(-1)   # (NumPy's reshape of a view: no dispatch)
         return tensor.detach().reshape(-1).cpu().float().contiguous().numpy()
 
-    def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange]) -> torch.Tensor:
+    def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange] = errors.NOT_GIVEN) -> torch.Tensor:
         if ex is None:
             return tensor
+        if ex is errors.NOT_GIVEN:
+            raise errors.class_given()
         reduced = tensor.numpy() if tensor.is_cpu and not tensor.requires_grad else tensor.detach().cpu().numpy()
         out = self.runner.finish(ex, reduced)
-        shape, dtype, device = ex.origin
+        shape, dtype, device, graph_input = ex.origin
         if isinstance(out, np.ndarray):  # the host's float32 result
             out = torch.from_numpy(out.reshape(shape))
-            if dtype is torch.float32 and device.type == "cpu":
+            if dtype is torch.float32 and device.type == "cpu" and graph_input is None:
                 return out
         else:
             out = out.view(shape)
         if out.dtype != dtype or out.device != device:
             out = out.to(device=device, dtype=dtype)
+        if graph_input is not None:
+            out = _ReducedWithGradient.apply(graph_input, out, ex.alpha, ex.group)
         return out
 
     # -- error feedback (the store: hvd_qsgd.state.ResidualStore, kept by the runner) ----------
@@ -225,7 +235,7 @@ class TorchCompressor(Compressor):
         they would route the next gradients of those parameters to numbered exchanges and shift the
         residual positions. The exchange counters (``exchange_counters``) are kept."""
         self.runner.reset(residuals)
-        self._places.reset()
+        self._places.reset(holders=residuals)
 
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the
@@ -235,6 +245,29 @@ class TorchCompressor(Compressor):
     def load_exchange_counters(self, counters):
         """Set the counters of ``exchange_counters()`` (e.g. those of another rank)."""
         self.names.load_counters(counters)
+
+
+class _ReducedWithGradient(torch.autograd.Function):
+    """A compressed allreduce's result (``reduced``) as a function of its input (``tensor``), as
+    Horovod's ``HorovodAllreduce`` is: the gradient is the allreduce of the result's gradient over the
+    same process set, scaled alike (``alpha``: 1/n for Average), uncompressed as Horovod's own."""
+
+    @staticmethod
+    def forward(ctx, tensor, reduced, alpha, process_set):
+        ctx.alpha, ctx.process_set = alpha, process_set
+        return reduced
+
+    @staticmethod
+    def backward(ctx, grad):
+        return hvd.allreduce(grad, op=hvd.Sum, prescale_factor=ctx.alpha, process_set=ctx.process_set), None, None, None
+
+
+def _state_by_name(settings, policy):
+    """What a compressor keeps per parameter name, in words, or None (``TensorPlaces``)."""
+    kept = ((["error-feedback residuals"] if settings.error_feedback else [])
+            + (["server error-feedback residuals"] if settings.server_error_feedback else [])
+            + (["bit-width schedules"] if policy.observes else []))
+    return " and ".join(kept) or None
 
 
 def _checkpointed(v):

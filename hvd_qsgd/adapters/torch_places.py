@@ -8,9 +8,15 @@ from (Horovod's name and process set for the gradient, the bound name, shape, dt
 size and rank). A place whose process set or names disagree, or whose node layout cannot be read, is
 that exchange's fault (raised on every rank through the control vector) and is not kept, so each
 exchange of that tensor works it out again and raises it.
+
+A compressor that keeps state by parameter name (error-feedback residuals, DQSGD's schedules) can
+serve one parameter of each name: a second, live parameter of a name it holds (a second model, or
+optimizer, of the same layer names handed the same compressor object, which Horovod's stateless
+compressors allow) would mix the two parameters' states, so its exchanges fail, on every rank.
 """
 import logging
 import threading
+import weakref
 
 import horovod.torch as hvd
 
@@ -28,10 +34,11 @@ class Place:
     ranks per node, or the fault that keeps it from being kept. Known by its identity (the runner's
     ``hvd_qsgd.exchange.openings`` finds the tensor's opening by it)."""
 
-    __slots__ = ("ps", "set_ranks", "param", "per_node", "fault")
+    __slots__ = ("ps", "set_ranks", "param", "per_node", "fault", "alone")
 
-    def __init__(self, ps, set_ranks, param, per_node, fault):
+    def __init__(self, ps, set_ranks, param, per_node, fault, alone=False):
         self.ps, self.set_ranks, self.param, self.per_node, self.fault = ps, set_ranks, param, per_node, fault
+        self.alone = alone
 
 
 class TensorPlaces:
@@ -39,8 +46,10 @@ class TensorPlaces:
     the bound (name, parameter) pairs, the process set given, Horovod's ranks per node (read once,
     again after ``reset``). Thread-safe."""
 
-    def __init__(self, given_process_set):
+    def __init__(self, given_process_set, state_by_name=None):
         self._given = given_process_set   # None: Horovod's call says
+        self._state_by_name = state_by_name   # what the compressor keeps by parameter name, or None
+        self._holders = {}                    # name -> weak reference to the parameter that holds it
         self._lock = threading.Lock()
         self.params = None            # the bound (name, parameter) pairs, or None
         self._by_parameter = {}       # id(parameter) -> (name, parameter)
@@ -62,10 +71,13 @@ class TensorPlaces:
         with self._lock:
             self._positional_residuals, self._kept = flag, {}
 
-    def reset(self):
-        """Forget what was learned (an elastic reset: ranks and nodes may have changed)."""
+    def reset(self, holders=False):
+        """Forget what was learned (an elastic reset: ranks and nodes may have changed), and with
+        ``holders`` which parameter holds each name (the state kept by name was forgotten)."""
         with self._lock:
             self._by_grad, self._kept, self._per_node = {}, {}, None
+            if holders:
+                self._holders = {}
 
     def of(self, tensor, shape, dtype, device, caller, world, rank):
         """The place of ``tensor``'s exchange (its shape, dtype and device as read), called by Horovod as
@@ -74,7 +86,7 @@ class TensorPlaces:
         if self.params is not None:
             with self._lock:
                 named = self.bound_name(tensor, caller.parameter)
-        key = (caller.name, id(caller.process_set), named, shape, dtype, device, world, rank)
+        key = (caller.name, id(caller.process_set), named, shape, dtype, device, world, rank, caller.late)
         place = self._kept.get(key)
         if place is None:
             place = self._work_out(caller, named, world)
@@ -83,7 +95,28 @@ class TensorPlaces:
                     if len(self._kept) >= KEPT:
                         self._kept = {}
                     self._kept[key] = place
+        if self._state_by_name is not None and caller.parameter is not None:
+            fault = self._held_by_another(caller)
+            if fault is not None:   # (this exchange's own place, not kept)
+                return Place(place.ps, place.set_ranks, place.param, place.per_node, place.fault or fault, place.alone)
         return place
+
+    def _held_by_another(self, caller):
+        """The fault of a gradient of a parameter named as another live parameter that this
+        compressor keeps state for (see the module docstring), or None; the first holds the name."""
+        name, parameter = caller.name, caller.parameter
+        with self._lock:
+            ref = self._holders.get(name)
+            holder = None if ref is None else ref()
+            if holder is None:   # (a parameter no longer alive leaves its name: a model replaced)
+                self._holders[name] = weakref.ref(parameter)
+                return None
+        if holder is parameter:
+            return None
+        return protocol.MismatchError(
+            f"two parameters named {name!r} (of two models, or of two optimizers) hand their gradients to one "
+            f"compressor, which keeps {self._state_by_name} by parameter name, and theirs would mix: give each "
+            "DistributedOptimizer its own compressor (a hvd_qsgd.QSGD(...) each)")
 
     def bound_name(self, tensor, parameter=None):
         """The name ``bind`` gave the parameter whose .grad is ``tensor`` (``parameter``, where Horovod's
@@ -124,4 +157,5 @@ class TensorPlaces:
                 per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
             except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
                 per_node, fault = 0, fault or e
-        return Place(ps, process_set_ranks(ps, world), param, per_node, fault)
+        # (a gradient Horovod's synchronize() hands over comes in an order that differs between ranks)
+        return Place(ps, process_set_ranks(ps, world), param, per_node, fault, alone=caller.late)

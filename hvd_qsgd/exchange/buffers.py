@@ -67,10 +67,11 @@ class FusionBuffers:
 
     @staticmethod
     def takes(ex):
-        """Whether a fusion buffer carries ``ex``: the setting is on, the rank is in the set and the
-        tensor fits in a buffer."""
+        """Whether a fusion buffer carries ``ex``: the setting is on, the rank is in the set, the
+        tensor fits in a buffer and does not go alone (``ExchangeRunner.open``)."""
         s = ex.settings
-        return bool(s.fusion_mb) and ex.set_rank is not None and ex.expect.numel <= s.fusion_elements()
+        return (bool(s.fusion_mb) and ex.set_rank is not None and ex.expect.numel <= s.fusion_elements()
+                and not ex.alone)
 
     def add(self, run, ex):
         """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)

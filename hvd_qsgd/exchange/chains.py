@@ -27,7 +27,8 @@ class Exchange:
               "set_rank", "world", "global_rank", "step_seed", "lr", "fault", "handle", "payload", "splits",
               "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "started", "origin",
               "layout", "nodes", "cross", "fused", "members", "lock", "pending", "gathered", "scale", "cut", "offsets",
-              "offset", "source", "per_node", "device_type", "group_key", "direct", "defer", "control_base")
+              "offset", "source", "per_node", "device_type", "group_key", "direct", "defer", "control_base", "alone",
+              "alpha")
     COUNTERS = ("sent", "received", "cross_sent", "cross_received")
 
     def __init__(self, **fields):

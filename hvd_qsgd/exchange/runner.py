@@ -101,19 +101,21 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
     # -- compress -----------------------------------------------------------------------------
 
     def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
-             where=None, ranks_per_node=None, place=None):
+             where=None, ranks_per_node=None, place=None, alone=False):
         """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
         "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
         ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's.
         ``place``: an object the caller keeps for this tensor while these arguments hold for it (its
-        opening is then found by it, ``hvd_qsgd.exchange.openings``)."""
+        opening is then found by it, ``hvd_qsgd.exchange.openings``). ``alone``: the tensor goes in no
+        fused exchange or fusion buffer, which place tensors in the order they come: a gradient that
+        Horovod's optimizer hands over in an order that differs between ranks (its ``synchronize()``)."""
         route = route or self.names.route(param)
         s = self.policy.settings_for(route.residual_key)
         if where is None:
             where = (named_where(route.param) if route.param is not None else
                      f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
         opening = self.openings.of(self, route, where, s, numel, dtype, shape, device_type, group, set_ranks,
-                                   global_rank, world, ranks_per_node, place)
+                                   global_rank, world, ranks_per_node, place, alone)
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
         return Exchange.of(opening.fields, route=route, where=where)
@@ -173,7 +175,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             self.buffers.add(self, ex)
             ex.started = NO_STAGES
             return
-        if ex.settings.fusion and ex.reduction == "allgather":  # its fused exchange carries it
+        if ex.settings.fusion and ex.reduction == "allgather" and not ex.alone:  # its fused exchange carries it
             self.fusion.add(ex, self.start)
             return
         if (ex.settings.overlap or ex.direct) and ex.reduction in OVERLAPPED:
@@ -304,7 +306,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             raise
         carrier = fused or ex   # the exchange whose collectives carry ex's payload
         try:
-            alpha = self._check_control(ex, reduced_control, carrier)
+            alpha = ex.alpha = self._check_control(ex, reduced_control, carrier)
         except protocol.MismatchError as e:
             self.driver.forget(carrier)
             if fused is not None:  # every rank raises here: the step's open fused exchanges are dropped

@@ -11,7 +11,15 @@ compressor is given no names and takes the optimizer's.
 Each runs the step with ``hvd.Compression.none`` first (the reference) and then with QSGD, for SGD
 with momentum and for Adam: the same parameters must be updated as in the reference, and the
 replicas must be identical within each set. ``disagree-set`` and ``disagree-names``: a compressor
-given another set, or other names, than the optimizer's raises on every rank (``RAISED ...``).
+given another set, or other names, than the optimizer's raises on every rank (``RAISED ...``), and so
+does ``disagree-shared``: one compressor with error feedback handed to the optimizers of two models
+whose parameters have the same names (after a generator and a discriminator of other names shared
+it, which works).
+``late-fusion``: layers frozen after the first step (fine-tuning), with ``fusion=True`` and with
+``fusion_mb``: Horovod's ``synchronize`` hands their gradients over in the order of a Python set,
+made here to differ between ranks; they go alone, and the step works as uncompressed.
+``differentiable``: ``hvd.allreduce(x, compression=...)`` of a tensor in the autograd graph carries
+the gradient back as Horovod's own allreduce does (the same gradient as uncompressed).
 
 Every rank prints ``OK <scenario>`` when its checks pass.
 """
@@ -116,7 +124,29 @@ def scenario(name, kind, reduction):
     print(f"OK {name}", flush=True)
 
 
+def shared_state():
+    """One compressor with error feedback for two models: of other names, each keeps its residuals;
+    of the same names, their residuals would mix, and the first step raises."""
+    shared = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+    models = {}
+    for label in ("generator", "discriminator"):
+        torch.manual_seed(0)
+        models[label] = torch.nn.Sequential()
+        models[label].add_module(label, Net())
+    results = [run(shared, "sgd", hvd.global_process_set, False, steps=2, model=m) for m in models.values()]
+    for label, got in zip(models, results):
+        check_replicas(got, hvd.global_process_set, f"shared-{label}")
+    assert len(shared.state_dict()["torch"]["residuals"]) == 2 * len(results[0]), shared.state_dict()["torch"]
+    torch.manual_seed(0)
+    twin = torch.nn.Sequential()
+    twin.add_module("generator", Net())
+    run(shared, "sgd", hvd.global_process_set, False, steps=1, model=twin)
+
+
 def disagreement(kind):
+    if kind == "shared":
+        shared_state()
+        return
     even, odd, mine = sets()
     try:
         torch.manual_seed(0)
@@ -130,6 +160,93 @@ def disagreement(kind):
     finally:
         hvd.remove_process_set(odd)
         hvd.remove_process_set(even)
+
+
+class Heads(torch.nn.Module):
+    """A trunk and three heads of one shape in a row: ``freeze`` stops the heads' gradients."""
+
+    def __init__(self, spread):
+        super().__init__()
+        self.trunk = torch.nn.Linear(D_IN, H)
+        # (allocations between the heads, which differ between ranks, move their ids and so their
+        # order in a Python set)
+        self.spread = [torch.empty(1 + 37 * spread) for _ in range(spread)]
+        self.heads = torch.nn.ModuleList([torch.nn.Linear(H, H) for _ in range(3)])
+        self.out = torch.nn.Linear(H, D_OUT)
+
+    def forward(self, x):
+        x = F.relu(self.trunk(x))
+        for head in self.heads:
+            x = F.relu(head(x))
+        return self.out(x)
+
+
+def late_order(opt, model):
+    """The order in which Horovod's ``synchronize`` hands over the frozen heads' gradients: its own
+    set difference, ``_requires_update - completed``, made the same way."""
+    frozen = {p for p in model.heads.parameters()}
+    completed = {p for p in model.parameters() if p not in frozen}
+    return [opt._parameter_names[p] for p in opt._requires_update - completed]
+
+
+def late_model(compression, label):
+    """A model and its optimizer whose frozen heads' gradients the ranks' sets order differently."""
+    for attempt in range(64):
+        torch.manual_seed(0)
+        model = Heads(spread=(hvd.rank() * 7 + attempt) % 13)
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), compression=compression)
+        orders = hvd.allgather_object(late_order(opt, model), name=f"late.{label}.{attempt}")
+        if any(o != orders[0] for o in orders):
+            return model, opt
+    raise AssertionError(f"no model in 64 whose late gradients come in different orders: {orders}")
+
+
+def late_fusion():
+    """Heads frozen after the first step; their gradients come late, in an order that differs
+    between ranks (checked), and fusion and fusion buffers still give the uncompressed updates."""
+    x, y = data()
+    for label, compression in (("none", hvd.Compression.none),
+                               ("fusion", hvd_qsgd.QSGD(4, min_numel=1, fusion=True)),
+                               ("fusion_mb", hvd_qsgd.QSGD(4, min_numel=1, fusion_mb=1))):
+        model, opt = late_model(compression, label)
+        before = {k: v.detach().clone() for k, v in model.named_parameters()}
+        for step in range(3):
+            if step == 1:
+                model.heads.requires_grad_(False)
+            opt.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+        got = {k: (before[k], v.detach().clone()) for k, v in model.named_parameters()}
+        check_replicas(got, hvd.global_process_set, f"late-{label}")
+        if label == "none":
+            ref = updated(got)
+        assert updated(got) == ref, (label, updated(got), ref)
+        if label != "none":   # every gradient of every step went through the compressor
+            assert compression.stats["tensors"] == 3 * len(got), (label, compression.stats)
+    print("OK late-fusion", flush=True)
+
+
+def differentiable():
+    """The gradient through a compressed ``hvd.allreduce`` is Horovod's: its allreduce of the result's
+    gradient, with the same op, scale factors and process set."""
+    calls = [dict(), dict(op=hvd.Sum), dict(op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)]
+    for reduction in ("allgather", "scatter_allgather"):
+        for i, kwargs in enumerate(calls):
+            grads, values = [], []
+            for compression in (hvd.Compression.none, hvd_qsgd.QSGD(8, min_numel=1, reduction=reduction)):
+                g = torch.Generator().manual_seed(100 + hvd.rank())
+                w = torch.randn(3000, generator=g).requires_grad_()
+                upstream = torch.randn(3000, generator=g)
+                y = hvd.allreduce(w * 2, compression=compression, name=f"differentiable.{reduction}.{i}", **kwargs)
+                assert y.requires_grad, (reduction, kwargs)
+                (y * upstream).sum().backward()
+                grads.append(w.grad)
+                values.append(y.detach())
+            assert torch.allclose(grads[1], grads[0], rtol=1e-6, atol=1e-6), (reduction, kwargs)
+            # (the values are QSGD's: within 8-bit quantization of the exact ones)
+            assert (values[1] - values[0]).norm() < 0.05 * values[0].norm(), (reduction, kwargs)
+    print("OK differentiable", flush=True)
 
 
 def positional_checkpoint():
@@ -169,6 +286,12 @@ def main():
             sys.exit(1)
         if s == "positional-checkpoint":
             positional_checkpoint()
+            continue
+        if s == "late-fusion":
+            late_fusion()
+            continue
+        if s == "differentiable":
+            differentiable()
             continue
         kind, reduction = s.rsplit("-", 1)
         scenario(s, kind, {"allgather": "allgather", "scatter": "scatter_allgather"}[reduction])

@@ -44,7 +44,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, cost_model, protocol, report, step_built
+from hvd_qsgd import _tf_ops as qops, codec, cost_model, errors, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
 from hvd_qsgd.adapters.tensorflow import verdict
@@ -121,7 +121,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
     # -- Compressor interface -----------------------------------------------------------------
 
     @tf.autograph.experimental.do_not_convert
-    def compress(self, tensor):
+    def compress(self, tensor=errors.NOT_GIVEN):
+        if tensor is errors.NOT_GIVEN:   # (the class given as the compression: ``self`` is the tensor)
+            raise errors.class_given()
         if isinstance(tensor, tf.IndexedSlices):
             return tensor, None
         tensor = tf.convert_to_tensor(tensor)
@@ -271,9 +273,11 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         return v.exchange_reduction(len(ctx.set_ranks), ctx.numel, ctx.per_node, "cpu")
 
     @tf.autograph.experimental.do_not_convert
-    def decompress(self, tensor, ctx):
+    def decompress(self, tensor, ctx=errors.NOT_GIVEN):
         if ctx is None:
             return tensor
+        if ctx is errors.NOT_GIVEN:
+            raise errors.class_given()
         if isinstance(ctx, _Raw):
             return tf.cast(tensor, ctx.dtype)
         try:
