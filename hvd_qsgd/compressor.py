@@ -243,6 +243,12 @@ class QSGD:
         for fw, sub in state.items():
             self._adapter(fw).load_state_dict(sub)
 
+    @property
+    def variables(self) -> list:
+        """TensorFlow: the compressor's ``tf.Variable``s, for a ``tf.train.Checkpoint`` (those made so
+        far: its exchanges make theirs as the training step is first traced)."""
+        return self._adapter("tensorflow").variables
+
 
 QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)
 

@@ -24,6 +24,10 @@ frames, Horovod's and nothing else's:
 
 A compressor given a process set or names checks them against what Horovod says, and a
 disagreement is an error on every rank that calls (``hvd_qsgd.adapters``).
+
+``traced_variable()`` finds, for TensorFlow, the variable whose gradient is compressed where
+Horovod's tape or Keras optimizer reduces a list of gradients (``allreduce_grads(grads, vars)``),
+through the frames of TensorFlow's ``tf.cond`` between them; it runs as a step is traced.
 """
 import sys
 from typing import Any, NamedTuple, Optional, Tuple
@@ -165,3 +169,32 @@ def exchange_process_set(caller: Caller, given: Any, global_set: Any, world_size
                                         f"reduces over {_describe(caller.process_set, theirs)}: give the compressor "
                                         "the same set, or none (it takes Horovod's)")
     return caller.process_set, None
+
+
+# Horovod's TensorFlow function that reduces a list of gradients of a list of variables (as written,
+# or as autograph converts it), each gradient in a comprehension over ``enumerate(grads)``
+_TF_GRADIENTS = ("allreduce_grads", "tf__allreduce_grads")
+TRACED_DEPTH = 96   # frames looked at: TensorFlow's tf.cond and autograph between Horovod's calls
+
+
+def traced_variable() -> Any:
+    """The variable whose gradient the calling compress is handed by Horovod's ``allreduce_grads``
+    (``vars[i]``, where the gradient is ``grads[i]`` of the comprehension that hands it over), or
+    None where another call compresses."""
+    frame, each = sys._getframe(1), None
+    for _ in range(TRACED_DEPTH):
+        if frame is None:
+            return None
+        if _module(frame) == "horovod.tensorflow":
+            local = frame.f_locals
+            if each is None and "i" in local and "grad" in local:
+                each = local   # (the comprehension's, or the function's own where it is inlined)
+            if frame.f_code.co_name in _TF_GRADIENTS:
+                variables, grads = local.get("vars"), local.get("grads")
+                i, grad = (None, None) if each is None else (each["i"], each["grad"])
+                if isinstance(i, int) and isinstance(variables, (list, tuple)) and isinstance(grads, (list, tuple)) \
+                        and 0 <= i < min(len(variables), len(grads)) and grads[i] is grad:
+                    return variables[i]
+                return None
+        frame = frame.f_back
+    return None

@@ -207,6 +207,16 @@ class Settings:
     def as_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
+    def check_checkpoint(self, state: Dict[str, Any], who: str) -> None:
+        """Refuse a compressor's checkpoint (``state``) made with other codec settings: its residuals
+        hold what another quantizer dropped. A checkpoint that names no settings is taken."""
+        mine = self.as_dict()
+        theirs = state.get("settings", mine)
+        changed = [k for k in ("bits", "bucket_size", "norm", "coding") if theirs.get(k) != mine[k]]
+        if changed:
+            raise ValueError(f"{who}: the checkpoint was made with different settings "
+                             f"({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+
 
 @functools.lru_cache(maxsize=1024)
 def _tag(settings: Settings, reduction: Optional[str]) -> int:

@@ -23,9 +23,16 @@ Residuals. ``ResidualStore`` keeps, per key, the residual e of worker error feed
 rate it was made at, and the server residual of scatter_allgather's reducing rank; the rules it
 applies are ``hvd_qsgd.error_feedback``'s. The values are whatever the adapter stores (torch
 tensors, NumPy arrays, ``tf.Variable``s); the adapter supplies conversions for checkpoints.
+
+Holders. State kept by key (residuals, DQSGD's schedules) belongs to one tensor source per key: a
+PyTorch parameter (keyed by its name) or a TensorFlow variable (keyed by its place in a traced
+function). ``StateHolders`` remembers which, so that a second, live source under the same key (two
+models of the same names handed one compressor, which Horovod's stateless compressors allow) is an
+error instead of two sources' states mixed.
 """
 import functools
 import threading
+import weakref
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
 
 from hvd_qsgd import error_feedback, protocol
@@ -157,6 +164,39 @@ class ExchangeNames:
             self.seq, self.occurrences = seq, occurrences
 
 
+def state_by_key(settings: Any, observes: bool) -> Optional[str]:
+    """What a compressor of ``settings`` keeps by key, in words, or None; ``observes``: its bits
+    policy keeps a schedule per key (DQSGD)."""
+    kept = ((["error-feedback residuals"] if settings.error_feedback else [])
+            + (["server error-feedback residuals"] if settings.server_error_feedback else [])
+            + (["bit-width schedules"] if observes else []))
+    return " and ".join(kept) or None
+
+
+class StateHolders:
+    """The source (a parameter, a variable) that holds each key of a compressor's state (see the
+    module docstring). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._held: Dict[Hashable, Any] = {}
+        self._lock = threading.Lock()
+
+    def other(self, key: Hashable, source: Any) -> Any:
+        """The live source other than ``source`` that holds ``key``, or None: then ``source`` holds
+        it (a source no longer alive, a model replaced, leaves its keys)."""
+        with self._lock:
+            ref = self._held.get(key)
+            held = None if ref is None else ref()
+            if held is None:
+                self._held[key] = weakref.ref(source)
+                return None
+        return None if held is source else held
+
+    def clear(self) -> None:
+        with self._lock:
+            self._held = {}
+
+
 def element_count(array: Any) -> int:
     """The elements of a NumPy array, a tensor or a variable."""
     numel = getattr(array, "numel", None)
@@ -166,6 +206,19 @@ def element_count(array: Any) -> int:
 def numbered_key(n: int) -> int:
     """The control vector's exchange key of numbered exchange n (even; parameter keys are odd)."""
     return (2 * n) % protocol.TAG_RANGE ** 2
+
+
+def traced_label(state_key: str) -> str:
+    """The name label of a traced exchange (TensorFlow), from its state key ``<function>:<position>``:
+    ``f<function>.<position>``, the same in every trace of the function, so that a rank that traces
+    it again (a batch of another shape on that rank alone) still meets the others' collectives.
+    Characters a TensorFlow op name cannot hold become "_"."""
+    return "f" + "".join(c if c.isascii() and (c.isalnum() or c in "_.") else "_" for c in state_key.replace(":", "."))
+
+
+def traced_key(state_key: str) -> int:
+    """The control vector's exchange key of a traced exchange (even, as numbered ones are)."""
+    return 2 * protocol.small_hash(f"traced|{state_key}", protocol.TAG_RANGE ** 2 // 2)
 
 
 class ResidualStore:

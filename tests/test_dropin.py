@@ -14,7 +14,10 @@ tests/mp/dropin_tf.py), under real horovodrun jobs, one launch per rank count an
   ``hvd.allreduce`` in the autograd graph gives the uncompressed gradient.
 * TensorFlow: the compressor built inside the ``tf.function`` step and retraced is one compressor
   (``hvd_qsgd.step_built``), step by step identical to the one built outside; the tape over a
-  process set takes Horovod's set.
+  process set takes Horovod's set; a compressed ``hvd.allreduce`` under a gradient tape gives the
+  uncompressed gradient; a step traced again on one rank alone (a smaller batch there) still meets
+  the other ranks' exchanges; a compressor with error feedback handed to the steps of two models
+  raises rather than mix their residuals.
 """
 import re
 
@@ -33,7 +36,8 @@ def torch_launch(np_):
 
 
 def tf_launch():
-    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set", "v1-init-first"), timeout=300, env=ENV)
+    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set", "v1-init-first", "differentiable",
+                                   "one-rank-retrace", "shared-state"), timeout=300, env=ENV)
 
 
 def ok_count(out, scenario):
@@ -79,3 +83,18 @@ def test_tf_tape_over_a_process_set_needs_no_compressor_arguments():
 def test_tf_v1_session_that_ran_its_initializer_before_the_tape_was_built():
     out = tf_launch()
     assert ok_count(out, "v1-init-first") == 3, out[-4000:]
+
+
+def test_tf_compressed_allreduce_under_a_tape_gives_horovods_gradient():
+    out = tf_launch()
+    assert ok_count(out, "differentiable") == 3, out[-4000:]
+
+
+def test_tf_a_step_traced_again_on_one_rank_alone_meets_the_other_ranks_exchanges():
+    out = tf_launch()
+    assert ok_count(out, "one-rank-retrace") == 3, out[-4000:]
+
+
+def test_tf_a_compressor_with_error_feedback_handed_to_two_models_refuses_to_mix_their_residuals():
+    out = tf_launch()
+    assert ok_count(out, "shared-state") == 3, out[-4000:]

@@ -47,6 +47,7 @@ from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.horovod_caller import horovod_caller
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index
+from hvd_qsgd.state import state_by_key
 
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -64,7 +65,7 @@ class TorchCompressor(Compressor):
         self.runner = ExchangeRunner(HorovodTorchCollectives(), self._creation_index, settings, self.policy,
                                      owner=repr(self))
         self._learning_rate = None   # residual key -> learning rate now, or None
-        self._places = TensorPlaces(process_set, _state_by_name(settings, self.policy))   # where exchanges go
+        self._places = TensorPlaces(process_set, state_by_key(settings, self.policy.observes))   # where exchanges go
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -206,12 +207,7 @@ class TorchCompressor(Compressor):
         return state
 
     def load_state_dict(self, state):
-        mine = self.settings.as_dict()
-        theirs = state.get("settings", mine)
-        changed = [k for k in ("bits", "bucket_size", "norm", "coding") if theirs.get(k) != mine[k]]
-        if changed:
-            raise ValueError(f"hvd_qsgd.torch.QSGD.load_state_dict: the checkpoint was made with different "
-                             f"settings ({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+        self.settings.check_checkpoint(state, "hvd_qsgd.torch.QSGD.load_state_dict")
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}
@@ -260,14 +256,6 @@ class _ReducedWithGradient(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return hvd.allreduce(grad, op=hvd.Sum, prescale_factor=ctx.alpha, process_set=ctx.process_set), None, None, None
-
-
-def _state_by_name(settings, policy):
-    """What a compressor keeps per parameter name, in words, or None (``TensorPlaces``)."""
-    kept = ((["error-feedback residuals"] if settings.error_feedback else [])
-            + (["server error-feedback residuals"] if settings.server_error_feedback else [])
-            + (["bit-width schedules"] if policy.observes else []))
-    return " and ".join(kept) or None
 
 
 def _checkpointed(v):

@@ -10,13 +10,13 @@ that exchange's fault (raised on every rank through the control vector) and is n
 exchange of that tensor works it out again and raises it.
 
 A compressor that keeps state by parameter name (error-feedback residuals, DQSGD's schedules) can
-serve one parameter of each name: a second, live parameter of a name it holds (a second model, or
-optimizer, of the same layer names handed the same compressor object, which Horovod's stateless
-compressors allow) would mix the two parameters' states, so its exchanges fail, on every rank.
+serve one parameter of each name (``hvd_qsgd.state.StateHolders``): a second, live parameter of a
+name it holds (a second model, or optimizer, of the same layer names handed the same compressor
+object, which Horovod's stateless compressors allow) would mix the two parameters' states, so its
+exchanges fail, on every rank.
 """
 import logging
 import threading
-import weakref
 
 import horovod.torch as hvd
 
@@ -24,6 +24,7 @@ from hvd_qsgd import protocol
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node
 from hvd_qsgd.horovod_caller import exchange_process_set
 from hvd_qsgd.settings import set_ranks as process_set_ranks
+from hvd_qsgd.state import StateHolders
 
 KEPT = 4096   # places kept at most (then the store starts again)
 log = logging.getLogger("hvd_qsgd")
@@ -49,7 +50,7 @@ class TensorPlaces:
     def __init__(self, given_process_set, state_by_name=None):
         self._given = given_process_set   # None: Horovod's call says
         self._state_by_name = state_by_name   # what the compressor keeps by parameter name, or None
-        self._holders = {}                    # name -> weak reference to the parameter that holds it
+        self._holders = StateHolders()        # the parameter that holds each name
         self._lock = threading.Lock()
         self.params = None            # the bound (name, parameter) pairs, or None
         self._by_parameter = {}       # id(parameter) -> (name, parameter)
@@ -77,7 +78,7 @@ class TensorPlaces:
         with self._lock:
             self._by_grad, self._kept, self._per_node = {}, {}, None
             if holders:
-                self._holders = {}
+                self._holders.clear()
 
     def of(self, tensor, shape, dtype, device, caller, world, rank):
         """The place of ``tensor``'s exchange (its shape, dtype and device as read), called by Horovod as
@@ -104,14 +105,8 @@ class TensorPlaces:
     def _held_by_another(self, caller):
         """The fault of a gradient of a parameter named as another live parameter that this
         compressor keeps state for (see the module docstring), or None; the first holds the name."""
-        name, parameter = caller.name, caller.parameter
-        with self._lock:
-            ref = self._holders.get(name)
-            holder = None if ref is None else ref()
-            if holder is None:   # (a parameter no longer alive leaves its name: a model replaced)
-                self._holders[name] = weakref.ref(parameter)
-                return None
-        if holder is parameter:
+        name = caller.name
+        if self._holders.other(name, caller.parameter) is None:
             return None
         return protocol.MismatchError(
             f"two parameters named {name!r} (of two models, or of two optimizers) hand their gradients to one "

@@ -18,9 +18,22 @@ rank, hands the odd rank its own gradient back, as Horovod does.
 ``v1-init-first``: a ``tf.compat.v1`` session that ran its initializer before the tape (and so the
 compressor's variables) was built, as Horovod's graph-mode tests do: the step runs, exact.
 
+``one-rank-retrace``: one rank's batch is smaller at one step (an uneven last shard), so that rank
+alone traces the step again: the exchanges of its new trace meet the other ranks' (they hung),
+and the replicas stay identical, with and without error feedback, both reductions.
+
+``shared-state``: one compressor with error feedback handed to the steps of two models, traced
+functions of the same name: the second step's trace raises, on every rank, rather than mix the two
+models' residuals; the steps of one model, traced again for another batch size, take it.
+
+``differentiable``: ``hvd.allreduce(x, compression=...)`` under a gradient tape, eagerly and in a
+``tf.function``, carries the gradient back as Horovod's own allreduce does (the same gradient as
+uncompressed, for Average, Sum and scale factors).
+
 Every rank prints ``OK <scenario>`` when its checks pass.
 """
 import itertools
+import re
 import sys
 
 import numpy as np
@@ -179,11 +192,90 @@ def scenario_v1_init_first():
     print("OK v1-init-first", flush=True)
 
 
+def scenario_one_rank_retrace():
+    compressors = {"allgather": lambda: hvd_qsgd.QSGD(8, min_numel=1, reduction="allgather"),
+                   "scatter-ef": lambda: hvd_qsgd.QSGD(4, min_numel=1, reduction="scatter_allgather",
+                                                       error_feedback=True)}
+    for label, make in compressors.items():
+        v = tf.Variable(np.random.default_rng(0).standard_normal((30, 40)).astype(np.float32) * 0.1)
+        compression = make()
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(tf.tanh(x @ v) ** 2)
+            g = hvd.DistributedGradientTape(tape, compression=compression).gradient(loss, [v])[0]
+            v.assign_sub(0.01 * g)
+
+        for i in range(4):
+            rows = 8 if (i == 2 and hvd.rank() == 1) else 16
+            step(tf.constant(np.random.default_rng(10 * i + hvd.rank()).standard_normal((rows, 30)), tf.float32))
+        traces = hvd.allgather(tf.constant([step.experimental_get_tracing_count()])).numpy()
+        assert traces[1] == 2 and all(t == 1 for r, t in enumerate(traces) if r != 1), (label, traces)
+        every = hvd.allgather(v[None]).numpy()
+        assert all(np.array_equal(every[0], w) for w in every), label
+    print("OK one-rank-retrace", flush=True)
+
+
+def scenario_shared_state():
+    shared = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+
+    def model():
+        v = tf.Variable(tf.ones([30, 40]))
+
+        @tf.function
+        def step(x):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum((x @ v) ** 2)
+            v.assign_sub(1e-4 * hvd.DistributedGradientTape(tape, compression=shared).gradient(loss, [v])[0])
+        return step
+
+    first, second = model(), model()
+    first(tf.ones([4, 30]))
+    first(tf.ones([6, 30]))   # (traced again, for the same variable)
+    try:
+        second(tf.ones([4, 30]))
+    except ValueError as e:
+        message = " ".join(str(e).split())
+        assert re.search(r"hvd_qsgd: the gradients of two variables \(\S+, \S+\) reach one compressor at the same "
+                         r"place \(step:0\) of traced functions named alike, and it keeps error-feedback residuals by "
+                         r"that place, where theirs would mix: give each model's training step \(or tape\) its own "
+                         r"compressor", message), message
+    else:
+        raise AssertionError("a second model's step shared the first one's residuals")
+    print("OK shared-state", flush=True)
+
+
+def scenario_differentiable():
+    calls = [dict(), dict(op=hvd.Sum), dict(op=hvd.Average, prescale_factor=0.5, postscale_factor=3.0)]
+    for mode, (i, kwargs) in itertools.product(("eager", "function"), enumerate(calls)):
+        grads, values = [], []
+        for compression in (hvd.Compression.none, hvd_qsgd.QSGD(8, min_numel=1)):
+            rng = np.random.default_rng(100 + hvd.rank())
+            w = tf.Variable(rng.standard_normal(3000, dtype=np.float32))
+            upstream = tf.constant(rng.standard_normal(3000, dtype=np.float32))
+
+            def step():
+                with tf.GradientTape() as tape:
+                    y = hvd.allreduce(w * 2, compression=compression, name=f"differentiable.{mode}.{i}", **kwargs)
+                    loss = tf.reduce_sum(y * upstream)
+                return y, tape.gradient(loss, w)
+            y, grad = (tf.function(step) if mode == "function" else step)()
+            assert grad is not None, (mode, kwargs)
+            grads.append(grad.numpy())
+            values.append(y.numpy())
+        np.testing.assert_allclose(grads[1], grads[0], rtol=1e-6, atol=1e-6, err_msg=f"{mode} {kwargs}")
+        # (the values are QSGD's: within 8-bit quantization of the exact ones)
+        assert np.linalg.norm(values[1] - values[0]) < 0.05 * np.linalg.norm(values[0]), (mode, kwargs)
+    print("OK differentiable", flush=True)
+
+
 def main():
     hvd.init()
     for s in sys.argv[1:]:
         {"step-built": scenario_step_built, "process-set": scenario_process_set,
-         "v1-init-first": scenario_v1_init_first}[s]()
+         "v1-init-first": scenario_v1_init_first, "differentiable": scenario_differentiable,
+         "one-rank-retrace": scenario_one_rank_retrace, "shared-state": scenario_shared_state}[s]()
 
 
 if __name__ == "__main__":

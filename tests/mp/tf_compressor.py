@@ -444,7 +444,9 @@ def scenario_keras3_pqasgd():
 def scenario_error_feedback():
     """With error_feedback, after one step each compressed tensor's residual variable holds
     g - decode(encode(g)) for this rank's own gradient g and payload; the statistics and residuals
-    round-trip through state_dict."""
+    round-trip through state_dict. A new compressor (a resumed run) that loads them before its first
+    step starts from them: its first step's residual is (g + e) - decode(encode(g + e)); one of other
+    bits refuses them."""
     rank = hvd.rank()
     vs = make_vars()
     c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
@@ -474,6 +476,33 @@ def scenario_error_feedback():
     adapter.load_state_dict(state)
     assert all(np.array_equal(e.numpy(), state["residuals"][k]) for k, e in adapter.residuals.residuals.items())
     assert state["stats"]["tensors"] == 2 and c.stats["tensors"] == 2
+
+    try:
+        hvd_qsgd.QSGD(4, seed=SEED, error_feedback=True).load_state_dict({"tensorflow": state})
+        raise AssertionError("a checkpoint of 2 bits was loaded by a compressor of 4")
+    except ValueError as e:
+        assert "checkpoint was made with different settings (bits=2, bucket_size=128)" in str(e), e
+    resumed = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
+    resumed.load_state_dict({"tensorflow": state})
+    loaded = dict(resumed._adapters["tensorflow"].residuals.residuals)
+    assert sorted(loaded) == sorted(state["residuals"]), (sorted(loaded), sorted(state["residuals"]))
+    assert all(any(v is e for v in resumed.variables) for e in loaded.values())
+
+    @tf.function
+    def reduced_grads(x, y):   # (the same function name: the same state keys)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(vs, x, y)
+        return hvd.DistributedGradientTape(tape, compression=resumed).gradient(loss, vs)
+
+    mine = local_grads(vs, rank)
+    reduced_grads(*batch(rank))
+    names = [name for name, _ in resumed._adapters["tensorflow"].traced_exchanges[-2:]]
+    for g, name, (k, e) in zip([m for m in mine if m.size >= 10000], names, loaded.items()):
+        assert resumed._adapters["tensorflow"].residuals.residuals[k] is e, k
+        x = g.reshape(-1) + state["residuals"][k]
+        p = codec.encode(x, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed",
+                         codec.tensor_fingerprint("", g.shape, "float32"))
+        assert np.allclose(e.numpy(), x - codec.decode(p), rtol=1e-6, atol=1e-7), name
 
 
 def scenario_error_feedback_lr():

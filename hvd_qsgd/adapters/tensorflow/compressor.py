@@ -10,16 +10,17 @@ so that they run in ``tf.function`` steps, ``tf.compat.v1`` graphs and eagerly::
                     the chain's stages, the first collective after alpha (control dependency);
                     where ranks have called hvd.join(), Horovod's Sum of the stepping ranks'
                     dequantized payloads instead (``hvd_qsgd.adapters.tensorflow.verdict``)
-                    return cast(alpha * the reduced tensor, g.dtype)
+                    return cast(alpha * the reduced tensor, g.dtype)   (``verdict.with_gradient``)
 
 Each exchange resolves its reduction with ``settings.exchange_reduction(n, numel)``; the resolved
 reduction is part of the control vector's settings tag, so ranks that resolve differently fail the
 check instead of hanging, as a rank never waits on a collective another rank did not start.
 
-Exchanges are numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``; under
-``tf.function`` that is while tracing), the same on every rank that runs the same program. The
-variables of a traced exchange (``hvd_qsgd.adapters.tensorflow.state``) are keyed by the enclosing
-function's name and the position within its trace, so a retrace reuses what the first trace made:
+Exchanges are numbered in the order ``compress`` is called (``hvd_qsgd_<k>_s<seq>``, under
+``tf.function`` while tracing: their seeds' and variables' names). A traced exchange is keyed by the
+enclosing function's name and its position within the trace: its collectives travel as
+``hvd_qsgd_<k>_f<function>.<position>`` (one rank's retrace, a smaller batch there, meets the
+others'), and a retrace reuses the variables the first trace made (``adapters.tensorflow.state``):
 an int64 occurrence counter (the payload seed is ``protocol.payload_seed(seed, rank, exchange,
 occurrence)``, computed by the op), the error-feedback residual ``e <- (g + e) - decode(own
 payload(s))``, and the statistics counters (``bytes_sent``: this rank's payload bytes put on the wire
@@ -55,7 +56,7 @@ from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
                                set_ranks as process_set_ranks)
-from hvd_qsgd.state import ExchangeNames, ResidualStore, numbered_key
+from hvd_qsgd.state import ExchangeNames, ResidualStore, StateHolders, numbered_key, traced_key, traced_label
 
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
 
@@ -75,7 +76,7 @@ class _Tensor:
 
     __slots__ = ("name", "where", "shape", "dtype", "numel", "set_ranks", "set_rank", "fingerprint", "occurrence",
                  "seed", "slot", "per_node", "index", "schedule", "key", "process_set", "variants", "exchanges",
-                 "deps", "sum_join")
+                 "deps", "sum_join", "graph_input", "alpha", "wire")
 
 
 class TensorFlowCompressor(TensorFlowState, Compressor):
@@ -102,17 +103,15 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
                             "TensorFlow adapter knows (FixedBits, ScheduledBits)")
         self._creation_index = next_creation_index() if creation_index is None else creation_index
         self._given_process_set = process_set   # None: Horovod's call says (hvd_qsgd.horovod_caller)
-        self._lock = threading.Lock()
-        self._learning_rate = None
+        self._lock, self._learning_rate = threading.Lock(), None
         self.names = ExchangeNames(self._creation_index, "_")   # seq: every compress; slots: eager exchanges
         self._positions = weakref.WeakKeyDictionary()   # traced function graph -> exchanges so far
         self.traced_exchanges = []                      # (exchange name, function) of every trace
-        self._counters = None
-        self._timing = None
+        self._counters = self._timing = None
         self._slowdown = report.SlowdownWatch(self.settings.link_bps())
         self.residuals = ResidualStore()                # tf.Variables by state key (rates: tf.Variables too)
         self._schedules = {}                            # DQSGD: schedule variables by state key
-        self._occurrences = {}
+        self._occurrences, self._holders = {}, StateHolders()   # (the variable that holds each state key)
         self.run = GraphRun(self)                       # what the chains call (hvd_qsgd.adapters.tensorflow.graph)
 
     def __repr__(self):
@@ -161,8 +160,8 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
             return tf.identity(tensor), None
 
     def _open(self, tensor, ps, seq, state_key, set_ranks, set_rank):
-        """The context of exchange ``seq``: its name (eager: a slot), messages, and occurrence (the
-        payload seed's counter: a variable per traced exchange)."""
+        """The context of exchange ``seq``: its names (``wire``: its collectives'), messages, and
+        occurrence (the payload seed's counter: a variable per traced exchange)."""
         s = self.settings
         ctx = _Tensor()
         ctx.process_set = ps
@@ -170,8 +169,9 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         ctx.slot = self.names.take_slot() if eager else None
         label = f"s{seq}" if ctx.slot is None else f"n{ctx.slot}"
         ctx.name = self.names.name(label)
+        ctx.wire = ctx.name if eager else self.names.name(traced_label(state_key))
         ctx.where = f"hvd_qsgd: compressed tensor {label} (shape {tuple(tensor.shape.as_list())})"
-        ctx.shape, ctx.dtype = tensor.shape, tensor.dtype
+        ctx.shape, ctx.dtype, ctx.graph_input = tensor.shape, tensor.dtype, verdict.taped(tensor)
         ctx.numel, ctx.set_ranks = tensor.shape.num_elements(), set_ranks
         ctx.per_node = horovod_ranks_per_node(hvd) if len(set_ranks) == hvd.size() else None
         ctx.fingerprint = codec.tensor_fingerprint("", tensor.shape.as_list(), SOURCE_DTYPES[tensor.dtype])
@@ -230,7 +230,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
                 for ex in ctx.exchanges:
                     ex.payload, ex.splits, ex.own_len = encoded
         ctx.deps = deps
-        key = numbered_key(seq if ctx.slot is None else ctx.slot)
+        key = traced_key(ctx.key) if ctx.slot is None else numbered_key(ctx.slot)
         vectors = [protocol.control_vector(world, grank, set_rank, protocol.exchange_tags(
             len(ctx.set_ranks), self._creation_index, ex.settings.tag(ex.tag_reduction()), key))
             for ex in ctx.exchanges]
@@ -239,14 +239,14 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
         # optimized, reduced once for every step, and a rank's hvd.join() would go unseen
         index = tf.zeros([], tf.int32) if ctx.index is None else tf.cast(ctx.index, tf.int32)
         control = qops.load().qsgd_control_vector(tf.constant(np.stack(vectors), dtype=tf.float64), index,
-                                                  where=ctx.where, name=f"{ctx.name}_control")
+                                                  where=ctx.where, name=f"{ctx.wire}_control")
         return control, ctx
 
     def _exchange(self, ctx, v):
         """The exchange of the tensor ``ctx`` with settings v: its chain, over TensorFlow ops."""
         red, n = self._reduction(ctx, v), len(ctx.set_ranks)
         dtype = SOURCE_DTYPES[ctx.dtype]
-        ex = Exchange(route=SimpleNamespace(exchange=ctx.name), where=ctx.where, settings=v,
+        ex = Exchange(route=SimpleNamespace(exchange=ctx.wire), where=ctx.where, settings=v,
                       expect=expectation(v, ctx.numel, dtype, ctx.fingerprint),
                       reduction=red, chain=CHAINS[red], group=ctx.process_set, set_ranks=ctx.set_ranks,
                       set_rank=ctx.set_rank, world=hvd.size(), global_rank=hvd.rank(), origin=ctx,
@@ -287,6 +287,7 @@ class TensorFlowCompressor(TensorFlowState, Compressor):
                     deps.append(tf_schedule.observe(ctx.schedule, out))
             with tf.control_dependencies(ctx.deps + deps):
                 result = tf.cast(tf.reshape(out, ctx.shape), ctx.dtype)
+            result = verdict.with_gradient(ctx, result)
             # in a graph the counters are tensors (summary() reports instead); eagerly, reading them
             # costs a dozen variable reads, which the watch does only now and then (report.SlowdownWatch)
             if tf.executing_eagerly():

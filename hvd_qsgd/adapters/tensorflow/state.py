@@ -14,7 +14,9 @@ from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGra
 
 from hvd_qsgd import protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
+from hvd_qsgd.horovod_caller import traced_variable
 from hvd_qsgd.settings import Stats
+from hvd_qsgd.state import state_by_key
 
 # integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
 UNCHECKPOINTED_COUNTS = ("allreduce_bytes", "joined_exchanges")
@@ -42,7 +44,23 @@ class TensorFlowState:
             position = self._positions.get(g, 0)
             self._positions[g] = position + 1
             self.traced_exchanges.append((self.names.name(f"s{seq}"), getattr(g, "name", "graph")))
-            return seq, f"{getattr(g, 'name', 'graph')}:{position}"
+            key = f"{getattr(g, 'name', 'graph')}:{position}"
+        self._check_holder(key)
+        return seq, key
+
+    def _check_holder(self, key):
+        """A state key is held by the variable whose gradient its exchange first carried: another
+        live variable there (a second model's, in a function of the same name, or through Horovod's
+        eager tape, whose function is one for every tape) would mix their states, and is refused as
+        the step is traced, on every rank alike."""
+        kept = state_by_key(self.settings, self.policy.observes)
+        variable = None if kept is None else traced_variable()
+        held = None if variable is None else self._holders.other(key, variable)
+        if held is not None:
+            raise ValueError(
+                f"hvd_qsgd: the gradients of two variables ({held.name}, {variable.name}) reach one compressor at the "
+                f"same place ({key}) of traced functions named alike, and it keeps {kept} by that place, where theirs "
+                "would mix: give each model's training step (or tape) its own compressor (a hvd_qsgd.QSGD(...) each)")
 
     def _server_residual(self, ctx, v):
         """This rank's server residual of the exchange ``ctx`` (its chunk's elements, zero at first)."""
@@ -168,24 +186,25 @@ class TensorFlowState:
         return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
 
     def state_dict(self):
-        """Statistics and residuals as NumPy values (eager execution)."""
+        """Statistics, residuals as NumPy values (eager execution), and the settings."""
         return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
                                                                   rate=lambda v: float(v.numpy()),
-                                                                  server=lambda v: v.numpy())}
+                                                                  server=lambda v: v.numpy()),
+                "settings": self.settings.as_dict()}
 
     def load_state_dict(self, state):
+        """Load ``state_dict()``'s (refused where made with other codec settings). A residual of an
+        exchange not traced yet (a new process, before its first step) is made now, from the
+        checkpoint, and the trace finds it (a trace that hands over another tensor there says so)."""
+        self.settings.check_checkpoint(state, "hvd_qsgd.tensorflow.QSGD.load_state_dict")
         for k, v in state.get("stats", {}).items():
             if k in Stats.GRAPH_FIELDS:
                 self._counter_vars()[k].assign(int(v))
-        for k, v in state.get("residuals", {}).items():
-            if k in self.residuals.residuals:
-                self.residuals.residuals[k].assign(v)
-        for k, v in state.get("residual_lr", {}).items():
-            if k in self.residuals.rates:
-                self.residuals.rates[k].assign(v)
-        for k, v in state.get("server_residuals", {}).items():
-            if k in self.residuals.server:
-                self.residuals.server[k].assign(v)
+        for field, store in (("residuals", self.residuals.residuals), ("residual_lr", self.residuals.rates),
+                             ("server_residuals", self.residuals.server)):
+            for k, v in state.get(field, {}).items():
+                value = tf.convert_to_tensor(v, tf.float32)
+                self._state(store, k, lambda: state_variable(value, name=f"{self.names.prefix}_{field}")).assign(value)
 
     # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
 

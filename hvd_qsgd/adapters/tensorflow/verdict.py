@@ -22,9 +22,13 @@ op's scale (Average divides by the set's size after a join); for Sum, by where t
 from (``sum_join``): Horovod's own call (``horovod_caller``) reduces over the set it names, so a Sum
 that misses ranks of it is a join. Outside Horovod's calls such a Sum fails the step, naming both
 causes. A traced exchange cannot wait a while for a presence allreduce as PyTorch's runner does.
+
+Where a gradient tape records the compressed tensor (``hvd.allreduce`` in a model's forward pass),
+the result is differentiable as Horovod's allreduce is (``with_gradient``).
 """
 import tensorflow as tf
 import horovod.tensorflow as hvd
+from tensorflow.python.eager import record   # (whether a gradient tape is recording: ``recorded``)
 
 from hvd_qsgd import _tf_ops as qops, protocol
 from hvd_qsgd.exchange.chains import run_stages
@@ -40,10 +44,35 @@ def reduced(run, ctx, control):
     alpha, joined = qops.load().qsgd_check_control(
         tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
         tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join, join=join)
+    ctx.alpha = alpha
     if not join:
         return stepping(run, ctx, alpha)
     saved = [(ex.payload, ex.splits) for ex in ctx.exchanges]   # (the stages take them)
     return run.switch(joined, [lambda: stepping(run, ctx, alpha), lambda: joined_ranks(run, ctx, alpha, saved)])
+
+
+def taped(tensor):
+    """``tensor``, where a gradient tape may record what is computed now (``hvd.allreduce`` in a
+    model's forward pass; not Horovod's allreduce of the gradients, which runs after the tape has
+    stopped), so that the result can carry a gradient back to it; else None."""
+    return tensor if record.could_possibly_record() else None
+
+
+def with_gradient(ctx, result):
+    """The exchange's ``result``, where a tape may record it (``taped``) with Horovod's gradient of
+    its allreduce: the allreduce of the result's gradient over the same process set, scaled alike
+    (alpha: 1/n for Average), uncompressed as Horovod's own is."""
+    if ctx.graph_input is None:
+        return result
+    alpha, process_set = ctx.alpha, ctx.process_set
+
+    @tf.custom_gradient
+    def reduced(x):
+        def gradient(upstream):
+            summed = hvd.allreduce(upstream, op=hvd.Sum, process_set=process_set)
+            return summed * tf.cast(alpha, summed.dtype)
+        return tf.identity(result), gradient
+    return reduced(ctx.graph_input)
 
 
 def stepping(run, ctx, alpha):
@@ -65,7 +94,7 @@ def joined_ranks(run, ctx, alpha, saved):
         mine = own(ctx.exchanges[0], *saved[0])
     else:
         mine = run.switch(ctx.index, [lambda ex=ex, p=p: own(ex, *p) for ex, p in zip(ctx.exchanges, saved)])
-    summed = run.collectives.allreduce(mine, f"{ctx.name}.joined", ctx.process_set)
+    summed = run.collectives.allreduce(mine, f"{ctx.wire}.joined", ctx.process_set)
     run.add(raw_elements=ctx.numel, raw_tensors=1, joined_exchanges=1)
     run.depend(tf.py_function(lambda: (note_joined(ctx.where), 0)[1], [], tf.int32))
     return summed * alpha
