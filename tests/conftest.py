@@ -54,7 +54,7 @@ MARKERS = {
     "test_keras_dropin::test_fit_through_the_dropin_with_every_callback": {"slow"},          # 30-70 s a launch
     "test_dropin::test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_compressor_arguments":
         {"slow"},                                                                            # 25-60 s a launch
-    "test_dropin::test_tf_compressor_built_in_the_step_is_one_compressor_across_traces": {"slow"},  # 60-120 s
+    "test_dropin::test_tf_pipeline": {"slow"},                  # 60-120 s, its first case: the launch
     "test_readme_quickstarts::test_the_quickstart_block_runs_as_written_on_two_ranks": {"slow"},  # 25 s + 13 s launches
     "test_sanitizers": {"slow"},                                  # builds the codec sanitized: 80-95 s a test
 }

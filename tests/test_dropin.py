@@ -36,8 +36,7 @@ def torch_launch(np_):
 
 
 def tf_launch():
-    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", "step-built", "process-set", "v1-init-first", "differentiable",
-                                   "one-rank-retrace", "shared-state"), timeout=300, env=ENV)
+    return launch_once(3, "gloo", ("tests/mp/dropin_tf.py", *TF), timeout=300, env=ENV)
 
 
 def ok_count(out, scenario):
@@ -52,7 +51,7 @@ def test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_co
 
 
 @pytest.mark.parametrize("np_", [2, 4])
-def test_a_compressor_told_another_set_or_other_names_than_the_optimizer_fails_on_every_rank(np_):
+def test_a_compressor_told_another_set_or_names_than_the_optimizer_or_shared_by_two_models_fails_on_every_rank(np_):
     out = torch_launch(np_)
     patterns = {
         "disagree-set": r"MismatchError: hvd_qsgd: tensor '[\w.]+': the compressor was given the global process set \[[0-9, ]+\], but "
@@ -70,31 +69,19 @@ def test_a_compressor_told_another_set_or_other_names_than_the_optimizer_fails_o
             assert re.search(pattern, msg), msg
 
 
-def test_tf_compressor_built_in_the_step_is_one_compressor_across_traces():
+# the TensorFlow scenarios (tests/mp/dropin_tf.py), one launch for all, and what each shows
+TF = {
+    "step-built": "the compressor built in the tf.function step is one compressor across traces",
+    "process-set": "the tape over a process set needs no compressor arguments",
+    "v1-init-first": "a v1 session that ran its initializer before the tape was built steps, exact",
+    "differentiable": "a compressed hvd.allreduce under a tape gives Horovod's gradient",
+    "one-rank-retrace": "a step traced again on one rank alone meets the other ranks' exchanges",
+    "shared-state": "a compressor with error feedback handed to two models refuses to mix their residuals",
+}
+
+
+@pytest.mark.parametrize("scenario", list(TF), ids=list(TF))
+def test_tf_pipeline(scenario):
+    """Each of ``TF``: every rank of the 3-rank launch prints its OK."""
     out = tf_launch()
-    assert ok_count(out, "step-built") == 3, out[-4000:]
-
-
-def test_tf_tape_over_a_process_set_needs_no_compressor_arguments():
-    out = tf_launch()
-    assert ok_count(out, "process-set") == 3, out[-4000:]
-
-
-def test_tf_v1_session_that_ran_its_initializer_before_the_tape_was_built():
-    out = tf_launch()
-    assert ok_count(out, "v1-init-first") == 3, out[-4000:]
-
-
-def test_tf_compressed_allreduce_under_a_tape_gives_horovods_gradient():
-    out = tf_launch()
-    assert ok_count(out, "differentiable") == 3, out[-4000:]
-
-
-def test_tf_a_step_traced_again_on_one_rank_alone_meets_the_other_ranks_exchanges():
-    out = tf_launch()
-    assert ok_count(out, "one-rank-retrace") == 3, out[-4000:]
-
-
-def test_tf_a_compressor_with_error_feedback_handed_to_two_models_refuses_to_mix_their_residuals():
-    out = tf_launch()
-    assert ok_count(out, "shared-state") == 3, out[-4000:]
+    assert ok_count(out, scenario) == 3, f"{scenario} ({TF[scenario]}):\n{out[-4000:]}"
