@@ -34,7 +34,7 @@ def _framework_of(kind: type) -> str:
                     "it compresses PyTorch tensors (and TensorFlow tensors where supported)")
 
 
-class QSGD:
+class QSGD(errors.NotCopied):
     """QSGD gradient compression for Horovod (Alistarh et al., NeurIPS 2017).
 
     ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.QSGD(4))``.

@@ -43,3 +43,18 @@ def class_given() -> TypeError:
     """The error of a compressor class handed to Horovod where a compressor made from it belongs."""
     return TypeError("hvd_qsgd: the compression given is a class (compression=hvd_qsgd.QSGD, say), not a "
                      "compressor: make one from it with its settings, e.g. compression=hvd_qsgd.QSGD(4) (4 bits)")
+
+
+class NotCopied:
+    """A compressor is neither copied nor pickled (``copy.deepcopy`` of a model's optimizer, a
+    ``torch.save`` of the whole optimizer): it holds exchanges in progress, locks and framework
+    state. Its settings and ``state_dict()`` make another."""
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"{type(self).__name__}: a compressor is not copied or pickled (it holds exchanges in "
+                        "progress and framework state): make another with the same settings, "
+                        "hvd_qsgd.QSGD(**compressor.settings.as_dict()), and give it compressor.state_dict() "
+                        "through load_state_dict()")
+
+    def __deepcopy__(self, memo):
+        self.__reduce_ex__(None)

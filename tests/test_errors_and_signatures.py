@@ -74,3 +74,25 @@ def test_a_compressor_class_given_as_the_compression_says_to_make_one(framework)
             with pytest.raises(TypeError, match=r"the compression given is a class .*not a compressor: make one "
                                                 r"from it with its settings, e\.g\. compression=hvd_qsgd\.QSGD\(4\)"):
                 call()
+
+
+@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+def test_a_compressor_is_not_copied_or_pickled_and_says_how_to_make_another(framework):
+    """``copy.deepcopy`` or ``pickle`` of a compressor (an optimizer that holds it, copied or saved
+    whole) says what to do instead, where it failed on a lock; what it says to do works."""
+    import copy
+    import pickle
+    if framework == "torch":
+        from hvd_qsgd.adapters.torch import TorchCompressor as adapter
+    else:
+        pytest.importorskip("tensorflow")
+        from hvd_qsgd.adapters.tensorflow.compressor import TensorFlowCompressor as adapter
+    front = hvd_qsgd.QSGD(4, error_feedback=True, bucket_size=256)
+    for compressor in (front, adapter(4, error_feedback=True), hvd_qsgd.BlockSign(), hvd_qsgd.DynamicQSGD()):
+        for copying in (copy.deepcopy, copy.copy, pickle.dumps):
+            with pytest.raises(TypeError, match=r"a compressor is not copied or pickled .*make another with the same "
+                                                r"settings, hvd_qsgd\.QSGD\(\*\*compressor\.settings\.as_dict\(\)\)"):
+                copying(compressor)
+    another = hvd_qsgd.QSGD(**front.settings.as_dict())
+    assert another.settings == front.settings
+    another.load_state_dict(front.state_dict())

@@ -52,7 +52,7 @@ from hvd_qsgd.state import state_by_key
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class TorchCompressor(Compressor):
+class TorchCompressor(errors.NotCopied, Compressor):
     """QSGD compression for ``horovod.torch``: the parameters of ``hvd_qsgd.QSGD`` (the settings, as
     ``hvd_qsgd.settings.Settings.make``, then ``named_parameters`` and ``process_set`` by name), or
     ``settings=`` and a bits ``policy=`` (``hvd_qsgd.policy``; default: fixed bits)."""

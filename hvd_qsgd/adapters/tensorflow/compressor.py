@@ -79,7 +79,7 @@ class _Tensor:
                  "deps", "sum_join", "graph_input", "alpha", "wire")
 
 
-class TensorFlowCompressor(TensorFlowState, Compressor):
+class TensorFlowCompressor(errors.NotCopied, TensorFlowState, Compressor):
     """QSGD compression for ``horovod.tensorflow`` (see ``hvd_qsgd.QSGD`` for the parameters).
 
     Hashable by identity: Horovod caches traced functions by compressor."""
