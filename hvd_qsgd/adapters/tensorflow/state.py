@@ -50,9 +50,9 @@ class TensorFlowState:
 
     def _check_holder(self, key):
         """A state key is held by the variable whose gradient its exchange first carried: another
-        live variable there (a second model's, in a function of the same name, or through Horovod's
-        eager tape, whose function is one for every tape) would mix their states, and is refused as
-        the step is traced, on every rank alike."""
+        live variable there (a second model's, in a step function of the same name) would mix their
+        states, and is refused as the step is traced, on every rank alike. (Horovod's eager tape
+        traces its reducing function once for every model of the same shapes: not seen here.)"""
         kept = state_by_key(self.settings, self.policy.observes)
         variable = None if kept is None else traced_variable()
         held = None if variable is None else self._holders.other(key, variable)

@@ -28,7 +28,7 @@ the result is differentiable as Horovod's allreduce is (``with_gradient``).
 """
 import tensorflow as tf
 import horovod.tensorflow as hvd
-from tensorflow.python.eager import record   # (whether a gradient tape is recording: ``recorded``)
+from tensorflow.python.eager import record   # (whether a gradient tape is recording: ``taped``)
 
 from hvd_qsgd import _tf_ops as qops, protocol
 from hvd_qsgd.exchange.chains import run_stages
