@@ -245,9 +245,15 @@ def _tag_message(where, name):
     hint = {
         "process set size": "the compressor's process set differs between ranks",
         "compressor creation order": "ranks created their compressors in different orders or used "
-                                     "different compressor objects for this tensor",
+                                     "different compressor objects for this tensor (compressors are "
+                                     "numbered in the order each rank makes them: one for a process set is "
+                                     "made on every rank, in the same order, members of the set or not, as "
+                                     "Horovod's process sets are added)",
         "compressor settings": "ranks use different compressor settings (bits, bucket_size, norm, "
-                               "coding, min_numel, reduction, fusion, fusion_mb, overlap, encoder or join)",
+                               "coding, min_numel, reduction, fusion, fusion_mb, overlap, encoder or join), "
+                               "or their environment resolves them differently (HVD_QSGD_RANKS_PER_NODE: the "
+                               "node layout; HVD_QSGD_BANDWIDTH_GBITS, HVD_QSGD_INTRA_GBITS, "
+                               "HVD_QSGD_LATENCY_US: the links reduction=\"auto\" weighs)",
     }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
                 "parameters without gradients on some ranks); pass named_parameters= to the "
                 "compressor so payloads are matched by name (with fusion_mb, the order places tensors "

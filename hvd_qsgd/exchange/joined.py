@@ -33,7 +33,9 @@ class JoinedSteps:
         presence allreduce (that of ``carrier``, the exchange whose collectives carry ex's payload) must
         say the same (``protocol.joined_verdict`` tells a join from a reduction over a smaller process
         set)."""
-        fault = None if ex.fault is None else f"{ex.where}: {ex.fault}"
+        fault = None if ex.fault is None else str(ex.fault)
+        if fault is not None and not fault.startswith(ex.where):   # (a fault may name the tensor itself)
+            fault = f"{ex.where}: {fault}"
         try:
             return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
         except protocol.MismatchError as e:

@@ -132,7 +132,7 @@ def layouts_differ():
     try:
         hvd.allreduce(torch.randn(20000), compression=c, name="differ")
     except protocol.MismatchError as e:
-        print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
+        print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:600]}", flush=True)
         return False
     raise AssertionError("ranks with different layouts did not raise")
 
