@@ -199,11 +199,13 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def state_dict(self):
         """Error-feedback residuals (by parameter name or step position) as tensors where the
-        residuals are (on the host, or the exchange's device), statistics, settings, and the bits
-        policy's state (DQSGD: ``schedules``)."""
+        residuals are (on the host, or the exchange's device), statistics, settings, the exchange
+        counters that seed the next payloads (``exchange_counters``: a resumed run draws the streams
+        an uninterrupted one would), and the bits policy's state (DQSGD: ``schedules``)."""
         with self._lock:
             state = self.residuals.state_dict(residual=_checkpointed, server=_checkpointed)
-        state.update(stats=self.stats, settings=self.settings.as_dict(), **self.policy.state_dict())
+        state.update(stats=self.stats, settings=self.settings.as_dict(), counters=self.exchange_counters(),
+                     **self.policy.state_dict())
         return state
 
     def load_state_dict(self, state):
@@ -216,6 +218,8 @@ class TorchCompressor(errors.NotCopied, Compressor):
             r.server = {k: np.array(torch.as_tensor(v).float().cpu().numpy(), dtype=np.float32)
                         for k, v in state.get("server_residuals", {}).items()}
         self._places.positional(positional)
+        if "counters" in state:  # (checkpoints of earlier releases have none: the counters stay)
+            self.names.load_counters(state["counters"])
         self.runner.stats.load(state.get("stats", {}))
         self.policy.load_state_dict(state)
 

@@ -446,7 +446,8 @@ def scenario_error_feedback():
     g - decode(encode(g)) for this rank's own gradient g and payload; the statistics and residuals
     round-trip through state_dict. A new compressor (a resumed run) that loads them before its first
     step starts from them: its first step's residual is (g + e) - decode(encode(g + e)); one of other
-    bits refuses them."""
+    bits refuses them. The checkpoint's occurrence counters seed the resumed step's payloads as the
+    next step's would have been."""
     rank = hvd.rank()
     vs = make_vars()
     c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
@@ -500,7 +501,9 @@ def scenario_error_feedback():
     for g, name, (k, e) in zip([m for m in mine if m.size >= 10000], names, loaded.items()):
         assert resumed._adapters["tensorflow"].residuals.residuals[k] is e, k
         x = g.reshape(-1) + state["residuals"][k]
-        p = codec.encode(x, 2, 128, "max", protocol.payload_seed(SEED, rank, name, 0), "fixed",
+        occurrence = state["counters"]["occurrences"][k]   # the stream the next step would have drawn
+        assert occurrence == 1, state["counters"]
+        p = codec.encode(x, 2, 128, "max", protocol.payload_seed(SEED, rank, name, occurrence), "fixed",
                          codec.tensor_fingerprint("", g.shape, "float32"))
         assert np.allclose(e.numpy(), x - codec.decode(p), rtol=1e-6, atol=1e-7), name
 

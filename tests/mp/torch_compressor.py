@@ -147,6 +147,33 @@ def optimizer_step(model, compressor, passes=1, **kwargs):
     return opt
 
 
+def check_resume(rank):
+    """A checkpoint holds the counters that seed the next payloads: a compressor that loads it draws
+    the streams it drew after the save, so a resumed run is the uninterrupted run, bit for bit. A
+    checkpoint without them (earlier releases) leaves the counters where they are."""
+    model = Net()
+    c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True, named_parameters=model.named_parameters())
+    opt = optimizer_step(model, c)
+    saved = c.state_dict()
+    compressed = [n for n, p in model.named_parameters() if p.numel() >= 10000]
+    assert saved["torch"]["counters"]["occurrences"] == {n: 1 for n in compressed}, saved["torch"]["counters"]
+
+    def step():
+        opt.zero_grad()
+        x, y = batch(rank, 1)
+        nn.functional.cross_entropy(model(x), y).backward()
+        opt.synchronize()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if n in compressed}
+
+    after_save = step()
+    c.load_state_dict(saved)
+    resumed = step()
+    assert all(torch.equal(resumed[n], after_save[n]) for n in compressed), "resumed run drew other streams"
+    c.load_state_dict({"torch": {k: v for k, v in saved["torch"].items() if k != "counters"}})
+    moved_on = step()
+    assert not any(torch.equal(moved_on[n], after_save[n]) for n in compressed), "counters did not move on"
+
+
 def check_optimizer(model, compressor, bits, bucket, passes=1, scale=None, **kwargs):
     """After one synchronized step every gradient equals its reference, on every rank. The exchanges
     are named by parameter: the names given to the compressor, or those Horovod's optimizer holds
@@ -280,6 +307,7 @@ def scenario(s):
         restored = c2.state_dict()["torch"]
         assert all(torch.equal(restored["residuals"][k], v) for k, v in residuals.items())
         assert restored["stats"] == state["torch"]["stats"] and c2.stats == c.stats
+        check_resume(rank)
     elif s == "process-set":
         ps = hvd.ProcessSet([1, n - 1])
         hvd.add_process_set(ps)  # needs HOROVOD_DYNAMIC_PROCESS_SETS=1

@@ -186,16 +186,22 @@ class TensorFlowState:
         return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
 
     def state_dict(self):
-        """Statistics, residuals as NumPy values (eager execution), and the settings."""
+        """Statistics, residuals as NumPy values (eager execution), the settings, and the occurrence
+        counters that seed the traced exchanges' next payloads (``counters``: a resumed run draws the
+        streams an uninterrupted one would)."""
+        with self._lock:
+            occurrences = dict(self._occurrences)
         return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
                                                                   rate=lambda v: float(v.numpy()),
                                                                   server=lambda v: v.numpy()),
-                "settings": self.settings.as_dict()}
+                "settings": self.settings.as_dict(),
+                "counters": {"occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}}
 
     def load_state_dict(self, state):
-        """Load ``state_dict()``'s (refused where made with other codec settings). A residual of an
-        exchange not traced yet (a new process, before its first step) is made now, from the
-        checkpoint, and the trace finds it (a trace that hands over another tensor there says so)."""
+        """Load ``state_dict()``'s (refused where made with other codec settings). A residual or
+        occurrence counter of an exchange not traced yet (a new process, before its first step) is
+        made now, from the checkpoint, and the trace finds it (a trace that hands over another tensor
+        there says so)."""
         self.settings.check_checkpoint(state, "hvd_qsgd.tensorflow.QSGD.load_state_dict")
         for k, v in state.get("stats", {}).items():
             if k in Stats.GRAPH_FIELDS:
@@ -205,6 +211,9 @@ class TensorFlowState:
             for k, v in state.get(field, {}).items():
                 value = tf.convert_to_tensor(v, tf.float32)
                 self._state(store, k, lambda: state_variable(value, name=f"{self.names.prefix}_{field}")).assign(value)
+        for k, v in state.get("counters", {}).get("occurrences", {}).items():  # (none in earlier releases)
+            self._state(self._occurrences, k, lambda: state_variable(
+                0, dtype=tf.int64, name=f"{self.names.prefix}_occurrence")).assign(int(v))
 
     # -- elastic training (hvd_qsgd.tensorflow.elastic; eager execution) -------------------------
 
