@@ -157,7 +157,7 @@ def check_control(reduced, world_size, set_ranks, where, fault_message=None, pre
     if st == _native.E_CTRL_MEMBERS:
         raise MismatchError(_membership_message(r, world_size, set_ranks, where))
     if st == _native.E_CTRL_TAG:
-        raise MismatchError(_tag_message(where, TAG_NAMES[detail]))
+        raise MismatchError(f"{where}: ranks disagree on the {tag_explanation(TAG_NAMES[detail])}")
     raise MismatchError(f"{where}: {_native.status_string(st)}")
 
 
@@ -241,7 +241,9 @@ def join_off_message(where, joined):
             "hvd.join()")
 
 
-def _tag_message(where, name):
+def tag_explanation(name):
+    """What a disagreement on the control vector's tag ``name`` means, and what to do: "<name>: <hint>"
+    (the TensorFlow control op says it too)."""
     hint = {
         "process set size": "the compressor's process set differs between ranks",
         "compressor creation order": "ranks created their compressors in different orders or used "
@@ -258,7 +260,7 @@ def _tag_message(where, name):
                 "parameters without gradients on some ranks); pass named_parameters= to the "
                 "compressor so payloads are matched by name (with fusion_mb, the order places tensors "
                 "in the fusion buffers, and must be the same on every rank)")
-    return f"{where}: ranks disagree on the {name}: {hint}"
+    return f"{name}: {hint}"
 
 
 def exchange_seed(seed, set_rank, exchange):

@@ -83,7 +83,8 @@ def test_keras3_tape_and_fit_equal_single_process_decode_on_every_rank(np_, cont
 
 
 @pytest.mark.parametrize("kind,pattern", [
-    ("bits", r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor settings"),
+    ("bits", r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor settings: ranks use different "
+             r"compressor settings \(bits, bucket_size"),
     # the swap mismatches both exchanges; TensorFlow decodes them concurrently, so either one
     # reports first: rank 0 traced (20000, 30000), rank 1 (30000, 20000)
     ("order", r"InvalidArgumentError: hvd_qsgd: .*payloads disagree on numel "
@@ -393,7 +394,8 @@ def vec(g, settings_tag=7):
 def verdict(r, sum_join):
     try:
         alpha, joined = o.qsgd_check_control(tf.constant(r), world=world, set_ranks=ranks,
-                                             tag_names=list(protocol.TAG_NAMES), where="hvd_qsgd: compressed tensor w",
+                                             tag_names=[protocol.tag_explanation(n) for n in protocol.TAG_NAMES],
+                                             where="hvd_qsgd: compressed tensor w",
                                              sum_join=sum_join)
         return [float(alpha.numpy()), bool(joined.numpy())]
     except tf.errors.InvalidArgumentError as e:
@@ -451,6 +453,7 @@ def test_the_control_check_op_tells_a_join_from_a_smaller_set_as_the_pytorch_run
     tf_error, tf_error_too, python = v["0 and 2, settings differ"]
     assert "ranks disagree on the compressor settings" in tf_error and tf_error == tf_error_too, v
     assert "ranks disagree on the compressor settings" in python, v
+    assert python.split(": ranks disagree", 1)[1] in tf_error, (python, tf_error)   # the same hint
 
 
 ENCODER = r'''

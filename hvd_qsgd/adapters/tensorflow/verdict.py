@@ -35,6 +35,10 @@ from hvd_qsgd.exchange.chains import run_stages
 from hvd_qsgd.exchange.joined import note_joined
 
 
+# what the control op says of a disagreement on each tag of the control vector (the runner's words)
+TAG_EXPLANATIONS = [protocol.tag_explanation(name) for name in protocol.TAG_NAMES]
+
+
 def reduced(run, ctx, control):
     """The exchange ``ctx``'s result, float32 of its elements, once ``control`` (the control vector
     as Horovod's allreduce returned it) has been checked; what nothing reads (statistics, timing)
@@ -42,8 +46,8 @@ def reduced(run, ctx, control):
     check fails the step where ranks have joined."""
     join = ctx.variants[0].join
     alpha, joined = qops.load().qsgd_check_control(
-        tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks,
-        tag_names=list(protocol.TAG_NAMES), where=ctx.where, sum_join=ctx.sum_join, join=join)
+        tf.cast(control, tf.float64), world=hvd.size(), set_ranks=ctx.set_ranks, tag_names=TAG_EXPLANATIONS,
+        where=ctx.where, sum_join=ctx.sum_join, join=join)
     ctx.alpha = alpha
     if not join:
         return stepping(run, ctx, alpha)
