@@ -31,11 +31,14 @@ models of the same names handed one compressor, which Horovod's stateless compre
 error instead of two sources' states mixed.
 """
 import functools
+import logging
 import threading
 import weakref
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
 
 from hvd_qsgd import error_feedback, protocol
+
+log = logging.getLogger("hvd_qsgd")
 
 
 class Route(NamedTuple):
@@ -162,6 +165,35 @@ class ExchangeNames:
         occurrences = {str(k): int(v) for k, v in counters["occurrences"].items()}
         with self._lock:
             self.seq, self.occurrences = seq, occurrences
+
+
+def checkpoint_origin(hvd: Any) -> Dict[str, Optional[int]]:
+    """The rank and job size a checkpoint is made on (``state_dict``'s ``rank`` and ``size``; None
+    before Horovod is initialised)."""
+    try:
+        return {"rank": int(hvd.rank()), "size": int(hvd.size())}
+    except ValueError:
+        return {"rank": None, "size": None}
+
+
+def residuals_belong_here(state: Dict[str, Any], hvd: Any, who: str) -> bool:
+    """Whether a checkpoint's error-feedback residuals (worker and server) are this rank's own.
+
+    A residual is the part of one rank's own gradients that quantization has not yet delivered,
+    owed to the average over the ranks of its job: it is that rank's and that job's. Another rank's
+    (rank 0's checkpoint loaded on every rank, as Horovod's examples resume) would pay rank 0's debt
+    on every rank, and one of a job of another size would pay it at another share; this rank's start
+    from zero then, the state of a new job (as after an elastic reset), and it says so. Everything
+    else in the checkpoint (counters, statistics, schedules) is the same on every rank and loads. A
+    checkpoint that names no rank (earlier releases) loads them."""
+    saved, here = (state.get("rank"), state.get("size")), tuple(checkpoint_origin(hvd).values())
+    if saved[0] is None or here[0] is None or saved == here:
+        return True
+    log.warning("%s: the checkpoint was made on rank %s of %s, this is rank %s of %s: its error-feedback "
+                "residuals are that rank's (the part of its own gradients not yet delivered), so this rank's start "
+                "from zero; to resume each rank's, save and load a checkpoint per rank (e.g. "
+                "f'compressor-{hvd.rank()}.pt')", who, saved[0], saved[1], here[0], here[1])
+    return False
 
 
 def state_by_key(settings: Any, observes: bool) -> Optional[str]:

@@ -47,7 +47,7 @@ from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.horovod_caller import horovod_caller
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index
-from hvd_qsgd.state import state_by_key
+from hvd_qsgd.state import checkpoint_origin, residuals_belong_here, state_by_key
 
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -199,17 +199,21 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def state_dict(self):
         """Error-feedback residuals (by parameter name or step position) as tensors where the
-        residuals are (on the host, or the exchange's device), statistics, settings, the exchange
-        counters that seed the next payloads (``exchange_counters``: a resumed run draws the streams
-        an uninterrupted one would), and the bits policy's state (DQSGD: ``schedules``)."""
+        residuals are (on the host, or the exchange's device), statistics, settings, the rank and job
+        size that made it (residuals are that rank's: ``hvd_qsgd.state.residuals_belong_here``), the
+        exchange counters that seed the next payloads (``exchange_counters``: a resumed run draws the
+        streams an uninterrupted one would), and the bits policy's state (DQSGD: ``schedules``)."""
         with self._lock:
             state = self.residuals.state_dict(residual=_checkpointed, server=_checkpointed)
         state.update(stats=self.stats, settings=self.settings.as_dict(), counters=self.exchange_counters(),
-                     **self.policy.state_dict())
+                     **checkpoint_origin(hvd), **self.policy.state_dict())
         return state
 
     def load_state_dict(self, state):
-        self.settings.check_checkpoint(state, "hvd_qsgd.torch.QSGD.load_state_dict")
+        who = "hvd_qsgd.torch.QSGD.load_state_dict"
+        self.settings.check_checkpoint(state, who)
+        if not residuals_belong_here(state, hvd, who):
+            state = {k: v for k, v in state.items() if k not in ("residuals", "residual_lr", "server_residuals")}
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}

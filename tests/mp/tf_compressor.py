@@ -447,7 +447,8 @@ def scenario_error_feedback():
     round-trip through state_dict. A new compressor (a resumed run) that loads them before its first
     step starts from them: its first step's residual is (g + e) - decode(encode(g + e)); one of other
     bits refuses them. The checkpoint's occurrence counters seed the resumed step's payloads as the
-    next step's would have been."""
+    next step's would have been. Rank 0's checkpoint loaded on every rank loads its residuals on rank
+    0 alone."""
     rank = hvd.rank()
     vs = make_vars()
     c = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
@@ -506,6 +507,15 @@ def scenario_error_feedback():
         p = codec.encode(x, 2, 128, "max", protocol.payload_seed(SEED, rank, name, occurrence), "fixed",
                          codec.tensor_fingerprint("", g.shape, "float32"))
         assert np.allclose(e.numpy(), x - codec.decode(p), rtol=1e-6, atol=1e-7), name
+    # rank 0's checkpoint on every rank: the residuals are rank 0's, the other ranks' start from zero
+    # (no residual made from it); the counters load everywhere
+    assert (state["rank"], state["size"]) == (rank, hvd.size()), state
+    root = hvd.broadcast_object(state, root_rank=0)
+    other = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
+    other.load_state_dict({"tensorflow": root})
+    adapter = other._adapters["tensorflow"]
+    assert adapter.exchange_counters()["occurrences"] == root["counters"]["occurrences"], adapter.exchange_counters()
+    assert sorted(adapter.residuals.residuals) == (sorted(root["residuals"]) if rank == 0 else []), rank
 
 
 def scenario_error_feedback_lr():

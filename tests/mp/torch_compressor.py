@@ -11,8 +11,10 @@ gradient is gathered, re-encoded with the documented payload seed
 ``codec.decode_sum(payloads, scale)``; the synchronized gradient must equal it exactly.
 """
 import argparse
+import contextlib
 import copy
 import itertools
+import logging
 import math
 import sys
 
@@ -147,6 +149,22 @@ def optimizer_step(model, compressor, passes=1, **kwargs):
     return opt
 
 
+@contextlib.contextmanager
+def logged():
+    """The messages logged on the ``hvd_qsgd`` logger inside the block."""
+    messages = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            messages.append(record.getMessage())
+    handler = Keep()
+    logging.getLogger("hvd_qsgd").addHandler(handler)
+    try:
+        yield messages
+    finally:
+        logging.getLogger("hvd_qsgd").removeHandler(handler)
+
+
 def check_resume(rank):
     """A checkpoint holds the counters that seed the next payloads: a compressor that loads it draws
     the streams it drew after the save, so a resumed run is the uninterrupted run, bit for bit. A
@@ -172,6 +190,19 @@ def check_resume(rank):
     c.load_state_dict({"torch": {k: v for k, v in saved["torch"].items() if k != "counters"}})
     moved_on = step()
     assert not any(torch.equal(moved_on[n], after_save[n]) for n in compressed), "counters did not move on"
+    # rank 0's checkpoint loaded on every rank (Horovod's examples save on rank 0): its residuals are
+    # rank 0's, so the other ranks' start from zero, saying so; the counters load everywhere
+    assert (saved["torch"]["rank"], saved["torch"]["size"]) == (rank, hvd.size())
+    root = hvd.broadcast_object(saved, root_rank=0, name="check_resume")
+    with logged() as messages:
+        c.load_state_dict(root)
+    now = c.state_dict()["torch"]
+    assert now["counters"] == root["torch"]["counters"], (now["counters"], root["torch"]["counters"])
+    if rank == 0:
+        assert messages == [] and now["residuals"].keys() == root["torch"]["residuals"].keys()
+    else:
+        assert now["residuals"] == {} and now["residual_lr"] == {}, now
+        assert len(messages) == 1 and f"made on rank 0 of {hvd.size()}, this is rank {rank}" in messages[0], messages
 
 
 def check_optimizer(model, compressor, bits, bucket, passes=1, scale=None, **kwargs):
@@ -742,7 +773,6 @@ def check_overlap(rank):
 def check_report(n):
     """Time in stats grows with work, summary() agrees with the counters, and the two warnings fire
     once where they should and nowhere else."""
-    import logging
     from hvd_qsgd import report
     records = []
 

@@ -8,6 +8,7 @@ following; checkpoints (``variables``, ``state_dict``); and what elastic trainin
 and ``_creation_index``. The names of an exchange's variables, its state key, come from
 ``_next_exchange``.
 """
+import horovod.tensorflow as hvd
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
@@ -16,7 +17,7 @@ from hvd_qsgd import protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
 from hvd_qsgd.horovod_caller import traced_variable
 from hvd_qsgd.settings import Stats
-from hvd_qsgd.state import state_by_key
+from hvd_qsgd.state import checkpoint_origin, residuals_belong_here, state_by_key
 
 # integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
 UNCHECKPOINTED_COUNTS = ("allreduce_bytes", "joined_exchanges")
@@ -186,15 +187,16 @@ class TensorFlowState:
         return {k: tf_schedule.as_dict(v) for k, v in self._schedules.items()}
 
     def state_dict(self):
-        """Statistics, residuals as NumPy values (eager execution), the settings, and the occurrence
-        counters that seed the traced exchanges' next payloads (``counters``: a resumed run draws the
-        streams an uninterrupted one would)."""
+        """Statistics, residuals as NumPy values (eager execution), the settings, the rank and job
+        size that made it (residuals are that rank's: ``hvd_qsgd.state.residuals_belong_here``), and
+        the occurrence counters that seed the traced exchanges' next payloads (``counters``: a resumed
+        run draws the streams an uninterrupted one would)."""
         with self._lock:
             occurrences = dict(self._occurrences)
         return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
                                                                   rate=lambda v: float(v.numpy()),
                                                                   server=lambda v: v.numpy()),
-                "settings": self.settings.as_dict(),
+                "settings": self.settings.as_dict(), **checkpoint_origin(hvd),
                 "counters": {"occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}}
 
     def load_state_dict(self, state):
@@ -202,7 +204,13 @@ class TensorFlowState:
         occurrence counter of an exchange not traced yet (a new process, before its first step) is
         made now, from the checkpoint, and the trace finds it (a trace that hands over another tensor
         there says so)."""
-        self.settings.check_checkpoint(state, "hvd_qsgd.tensorflow.QSGD.load_state_dict")
+        who = "hvd_qsgd.tensorflow.QSGD.load_state_dict"
+        self.settings.check_checkpoint(state, who)
+        if not residuals_belong_here(state, hvd, who):   # (another rank's: this rank's start from zero)
+            state = {k: v for k, v in state.items() if k not in ("residuals", "residual_lr", "server_residuals")}
+            for v in (*self.residuals.residuals.values(), *self.residuals.rates.values(),
+                      *self.residuals.server.values()):
+                v.assign(tf.zeros_like(v))
         for k, v in state.get("stats", {}).items():
             if k in Stats.GRAPH_FIELDS:
                 self._counter_vars()[k].assign(int(v))
