@@ -280,8 +280,8 @@ def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 
 def _at_exit() -> None:
-    if not _horovod_initialized():
-        return
+    if not _horovod_initialized() or getattr(sys, "last_value", None) is not None:
+        return   # (not a Horovod job; or the process ends on an unhandled error: the warning is not its cause)
     for c in list(_live):
         c._never_called.at_exit(c._calls, repr(c))
 

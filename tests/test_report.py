@@ -117,3 +117,28 @@ def test_never_called_warns_after_steps_without_calls_and_not_otherwise(caplog):
     assert sum("idle has not been called in 3 optimizer steps" in m for m in messages) == 1
     assert sum("late was created in this Horovod job but never called" in m for m in messages) == 1
     assert not any("used" in m or "called was" in m for m in messages)
+
+
+AT_EXIT = r'''
+import sys
+import horovod.torch as hvd
+import hvd_qsgd
+hvd.init()
+compression = hvd_qsgd.QSGD(4)
+if sys.argv[1] == "fails":
+    raise RuntimeError("the job's own error, before any exchange")
+'''
+
+
+@pytest.mark.parametrize("ending", ["returns", "fails"])
+def test_the_at_exit_warning_is_for_a_process_that_ends_well(ending):
+    """A compressor never called warns as its Horovod process exits, but not when the process ends
+    on an unhandled error: the job failed before its first exchange, and the warning would point at
+    the wrong cause."""
+    import sys
+    from tests.helpers import run_bounded
+    code, out = run_bounded([sys.executable, "-c", AT_EXIT, ending], timeout=120)
+    assert code == (0 if ending == "returns" else 1), out[-2000:]
+    warned = "was created in this Horovod job but never called" in out
+    assert warned == (ending == "returns"), out[-2000:]
+    assert ("the job's own error" in out) == (ending == "fails"), out[-2000:]
