@@ -220,6 +220,7 @@ class QSGD(errors.NotCopied):
         ``torch.optim.Optimizer``, the one wrapped by Horovod, or a Keras optimizer), or a function
         of the residual's key (parameter name or position) returning the learning rate now applied
         to that tensor's update. Returns self."""
+        _check_learning_rate_source(optimizer)
         with self._lock:
             self._learning_rate = optimizer
             adapters = list(self._adapters.values())
@@ -248,6 +249,21 @@ class QSGD(errors.NotCopied):
         """TensorFlow: the compressor's ``tf.Variable``s, for a ``tf.train.Checkpoint`` (those made so
         far: its exchanges make theirs as the training step is first traced)."""
         return self._adapter("tensorflow").variables
+
+
+def _check_learning_rate_source(source: Any) -> None:
+    """Refuse, when it is given, what ``follow_learning_rate`` cannot read a learning rate from (it
+    would fail at the first exchange, inside Horovod's hook, or call a model with a parameter name)."""
+    if source is None or hasattr(source, "param_groups") or hasattr(source, "learning_rate"):
+        return
+    model = hasattr(source, "parameters") or hasattr(source, "trainable_variables")
+    if callable(source) and not model:
+        return
+    hint = (": pass the optimizer it schedules" if hasattr(source, "optimizer") else
+            ": pass its optimizer" if model else "")
+    raise TypeError(f"follow_learning_rate: expected the optimizer (a torch.optim.Optimizer or a Keras optimizer) "
+                    f"or a function of the residual's key returning the learning rate, got "
+                    f"{type(source).__module__}.{type(source).__name__}{hint}")
 
 
 QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)

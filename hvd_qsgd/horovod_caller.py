@@ -48,6 +48,7 @@ class Caller(NamedTuple):
     where: str                # the Horovod function that called ("horovod.torch.optimizer._allreduce_grad_async")
     parameter: Any = None     # the parameter whose gradient it is, where ``name`` was learned
     late: bool = False        # handed over by the optimizer's ``synchronize()``, not by its gradient hook
+    optimizer: Any = None     # Horovod's optimizer that hands the gradient over (it applies the update)
 
 
 NOT_LEARNED = Caller(None, None, "")
@@ -118,8 +119,8 @@ def horovod_caller(ours: int = 0) -> Caller:
                 if name is not None:
                     back = frame.f_back
                     late = back is not None and back.f_code.co_name == OPTIMIZER_SYNCHRONIZE
-                    return Caller(process_set, name, kind, parameter, late)
-    process_set, name, where, parameter, late = None, None, "", None, False
+                    return Caller(process_set, name, kind, parameter, late, owner)
+    process_set, name, where, parameter, late, optimizer = None, None, "", None, False, None
     for _ in range(DEPTH):
         if frame is None or kind is OTHER or kind is PASSED_OVER:
             break
@@ -134,7 +135,7 @@ def horovod_caller(ours: int = 0) -> Caller:
         if name is None and owner is not None and "p" in local:
             names = getattr(owner, "_parameter_names", None)
             if isinstance(names, dict):
-                parameter = local["p"]
+                parameter, optimizer = local["p"], owner
                 name = names.get(parameter)
                 where = where or kind
                 late = kind == OPTIMIZER_HOOK and frame.f_back is not None and (
@@ -146,7 +147,9 @@ def horovod_caller(ours: int = 0) -> Caller:
             kind = kinds.get(frame.f_code) or _kind(frame)
     if process_set is None and name is None:
         return NOT_LEARNED
-    return Caller(process_set, name, where, None if name is None else parameter, late and name is not None)
+    if name is None:
+        return Caller(process_set, None, where)
+    return Caller(process_set, name, where, parameter, late, optimizer)
 
 
 def _describe(process_set: Any, ranks) -> str:

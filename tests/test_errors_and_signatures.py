@@ -96,3 +96,19 @@ def test_a_compressor_is_not_copied_or_pickled_and_says_how_to_make_another(fram
     another = hvd_qsgd.QSGD(**front.settings.as_dict())
     assert another.settings == front.settings
     another.load_state_dict(front.state_dict())
+
+
+def test_follow_learning_rate_refuses_what_it_cannot_read_a_rate_from_when_given():
+    """A scheduler, a model or a number is refused at the call, saying what to pass (it used to fail
+    at the first exchange, inside Horovod's hook, or call the model with a parameter name); an
+    optimizer, a function of the key and None are taken."""
+    import torch
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    c = hvd_qsgd.QSGD(4, error_feedback=True)
+    for wrong, hint in ((torch.optim.lr_scheduler.StepLR(optimizer, 2), "StepLR: pass the optimizer it schedules"),
+                        (model, "Linear: pass its optimizer"), (0.1, "builtins.float")):
+        with pytest.raises(TypeError, match=f"follow_learning_rate: expected the optimizer .* got .*{hint}"):
+            c.follow_learning_rate(wrong)
+    for right in (optimizer, lambda key: 0.1, None):
+        assert c.follow_learning_rate(right) is c

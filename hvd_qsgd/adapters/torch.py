@@ -100,7 +100,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
             self.runner.stats.add(raw_elements=numel, raw_tensors=1)
             return tensor, None
         device = tensor.device
-        ex = self._open(tensor, numel, device)
+        ex, stepping = self._open(tensor, numel, device)
         try:
             if ex.fault is not None:  # the compressor's set or names disagree with Horovod's call
                 raise ex.fault
@@ -108,7 +108,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
             if ex.device_type not in ("cpu", "cuda"):
                 raise ValueError(f"the tensor is on device {str(device)!r}: hvd_qsgd encodes tensors on "
                                  "the CPU or a CUDA device (move it there, or pass it uncompressed)")
-            self.runner.encode(ex, self._backend_input(tensor, ex), self._current_lr(ex.route.residual_key))
+            self.runner.encode(ex, self._backend_input(tensor, ex), self._current_lr(ex.route.residual_key, stepping))
         except Exception as e:  # reported through the control vector, raised on every rank
             ex.fault = e
         self.runner.start(ex)
@@ -116,7 +116,8 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def _open(self, tensor, numel, device):
         """The exchange of ``tensor`` (of ``numel`` elements on ``device``): its process set and name
-        from Horovod's call and the compressor's (``hvd_qsgd.adapters.torch_places``)."""
+        from Horovod's call and the compressor's (``hvd_qsgd.adapters.torch_places``); and Horovod's
+        optimizer that hands it over, which applies the update (or None)."""
         caller, world, rank = horovod_caller(ours=2), hvd.size(), hvd.rank()   # (this one and ``compress``)
         shape, dtype = tensor.shape, tensor.dtype
         place = self._places.of(tensor, shape, dtype, device, caller, world, rank)
@@ -128,7 +129,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
         # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
         # a decompress (no collective started here moves the handle numbers of unnamed ones)
         ex.defer = caller.name is not None
-        return ex
+        return ex, caller.optimizer
 
     @staticmethod
     def _backend_input(tensor, ex):
@@ -166,8 +167,10 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def follow_learning_rate(self, optimizer):
         """See ``hvd_qsgd.QSGD.follow_learning_rate``."""
-        if optimizer is None or callable(optimizer) and not hasattr(optimizer, "param_groups"):
-            source = optimizer
+        if optimizer is None:
+            source = None
+        elif callable(optimizer) and not hasattr(optimizer, "param_groups"):
+            source = lambda key, stepping: optimizer(key)   # noqa: E731  (a function of the key)
         elif hasattr(optimizer, "param_groups"):
             source = group_learning_rate(optimizer, lambda: self._places.params)
         else:
@@ -177,9 +180,13 @@ class TorchCompressor(errors.NotCopied, Compressor):
             self._learning_rate = source
         return self
 
-    def _current_lr(self, residual_key):
+    def _current_lr(self, residual_key, stepping=None):
+        """The learning rate now applied to the update of the tensor of ``residual_key``: read from
+        ``stepping`` (Horovod's optimizer that handed the gradient over) where the compressor follows
+        an optimizer; Horovod's is made from the optimizer it wraps, and has groups of its own once
+        its ``load_state_dict`` has run (a resume, an elastic restore)."""
         source = self._learning_rate
-        return None if source is None else source(residual_key)
+        return None if source is None else source(residual_key, stepping)
 
     def rescale_residuals(self, factor):
         """Multiply every error-feedback residual by ``factor``."""

@@ -33,24 +33,32 @@ def average_named(compression, named_tensors, prefix, process_set):
 
 
 def group_learning_rate(optimizer, named):
-    """key -> the lr of ``optimizer``'s parameter group holding the parameter of that name
+    """(key, stepping) -> the lr of the parameter group holding the parameter of that name
     (``named()``: the bound (name, parameter) pairs, or None), or for position keys the lr every
-    group shares. Which group holds which name is worked out once, again only when the groups or
-    the bound parameters change."""
-    cache = {"of": None, "by_name": {}}
+    group shares. The groups are those of ``stepping``, the optimizer that applies the update
+    (Horovod's, where it handed the gradient over; made from ``optimizer``, it has groups of its own
+    once its ``load_state_dict`` has run), and where it holds no such parameter (or is None)
+    ``optimizer``'s. Which group holds which name is worked out once per optimizer, again only when
+    its groups or the bound parameters change."""
+    held = {}   # id(an optimizer) -> (what its table was made of, {name: its group})
 
-    def lr(key):
-        groups, params = optimizer.param_groups, named()
+    def group_of(opt, key, params):
+        groups = opt.param_groups
+        of = (id(groups), tuple(len(g["params"]) for g in groups), id(params))
+        table = held.get(id(opt))
+        if table is None or table[0] != of:
+            holder = {id(p): g for g in groups for p in g["params"]}
+            table = held[id(opt)] = (of, {n: holder.get(id(p)) for n, p in params})
+        return table[1].get(key)
+
+    def lr(key, stepping=None):
+        params, first = named(), optimizer if stepping is None else stepping
         if isinstance(key, str) and params is not None:
-            of = (id(groups), tuple(len(g["params"]) for g in groups), id(params))
-            if cache["of"] != of:
-                holder = {id(p): g for g in groups for p in g["params"]}
-                cache["by_name"] = {n: holder.get(id(p)) for n, p in params}
-                cache["of"] = of
-            group = cache["by_name"].get(key)
-            if group is not None:
-                return float(group["lr"])
-        rates = {float(g["lr"]) for g in groups}
+            for opt in (first,) if first is optimizer else (first, optimizer):
+                group = group_of(opt, key, params)
+                if group is not None:
+                    return float(group["lr"])
+        rates = {float(g["lr"]) for g in first.param_groups}
         if len(rates) == 1:
             return rates.pop()
         raise ValueError(f"follow_learning_rate: the optimizer's parameter groups have learning rates "

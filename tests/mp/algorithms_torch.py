@@ -83,7 +83,8 @@ def scenario_error_feedback(n, rank):
     lr_made * (1/n) sum_r e_r (what is still owed), which stays bounded: |e| <= G / (s - rho)
     elementwise, G = max |g|, s = 7 levels, rho = the largest lr_made / lr_t: a quantization leaves
     at most one level step, scale/s = max|v|/s, and max|v| <= G + rho max|e|, so from e = 0 the
-    bound E <= (G + rho E)/s holds at every step."""
+    bound E <= (G + rho E)/s holds at every step. The learning rate is the one applied: Horovod's
+    optimizer's, after its load_state_dict too (then the groups of the optimizer it wraps are stale)."""
     model = Model(5)
     comp = hvd_qsgd.QSGD(4, error_feedback=True, min_numel=MIN_NUMEL, seed=3,
                          named_parameters=model.named_parameters())
@@ -101,6 +102,8 @@ def scenario_error_feedback(n, rank):
     bound = G / (7 - rho) * (1 + 1e-6)
     for t in range(STEPS):
         lr = LRS[t]
+        if t == 3:   # a resume, as Horovod's examples make one: the optimizer Horovod made gets groups of
+            opt.load_state_dict(opt.state_dict())   # its own, and base's learning rate no longer moves
         step(opt, model, rank, t, lr)
         payloads = []
         for r in range(n):
