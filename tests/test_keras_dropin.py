@@ -136,8 +136,7 @@ def test_keras3_optimizer_takes_horovods_arguments_and_says_which_mean_nothing()
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
 
 
-@pytest.mark.parametrize("keras", KERAS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("keras,case", [(k, c) for k in KERAS for c in CASES] + [("keras3", "loss_scaler")])
 def test_fit_through_the_dropin_with_every_callback(keras, case):
     out = launch_once(2, "gloo", (WORKER, keras), timeout=240)
     lines = re.findall(rf"^\[\d+\]<stdout>:RESULT {keras} {case} (.*)$", out, flags=re.M)

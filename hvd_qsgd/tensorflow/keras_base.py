@@ -87,6 +87,37 @@ def refuse_xla(who: str, optimizer) -> None:
             "(Keras 3's default 'auto' turns XLA on where a GPU is)")
 
 
+def _loss_scaler_of(optimizer, depth: int = 64):
+    """The optimizer (a Keras ``LossScaleOptimizer``) applying ``optimizer`` as its inner optimizer,
+    found among the callers on the stack, or None."""
+    frame = sys._getframe(2)
+    for _ in range(depth):
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if owner is not optimizer and getattr(owner, "inner_optimizer", None) is optimizer:
+            return owner
+        frame = frame.f_back
+    return None
+
+
+def refuse_inner_of_loss_scaler(optimizer) -> None:
+    """A loss scaler checks the gradients it is given for overflow before it applies its inner
+    optimizer; wrapped around the distributed optimizer, those are each rank's own gradients, so a
+    rank whose gradients overflow skips the step, and the reduction the other ranks wait in (a hang,
+    compressed or not; steps paired with the wrong steps before it). Refused where the step is
+    traced, on every rank alike."""
+    scaler = _loss_scaler_of(optimizer)
+    if scaler is not None:
+        raise ValueError(
+            f"{WHO}: optimizer {optimizer.name!r} is the inner optimizer of {type(scaler).__name__} "
+            f"{scaler.name!r} (model.compile makes one under a mixed_float16 policy), which checks each rank's "
+            "own gradients for overflow before they are reduced: a rank whose gradients overflow would skip the "
+            "step and leave the other ranks waiting for it. Wrap the other way round, so that the scaler checks "
+            "the reduced gradients, the same on every rank: DistributedOptimizer("
+            "keras.optimizers.LossScaleOptimizer(optimizer), ...) (model.compile keeps a LossScaleOptimizer)")
+
+
 def wrap(optimizer, who: str, methods: dict):
     """Give ``optimizer`` (a Keras 3 optimizer no wrapper of the package holds) a subclass of its
     class with ``methods``, marked ``who``; the same object."""
@@ -189,6 +220,7 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
 
     def apply(self, grads, trainable_variables=None):
         refuse_xla(WHO, self)
+        refuse_inner_of_loss_scaler(self)
         grads = list(grads)
         variables = list(trainable_variables) if trainable_variables is not None else self._trainable_variables
         if len(grads) == len(variables):  # otherwise Keras raises its own error: they do not pair up

@@ -248,6 +248,8 @@ def main():
     run("load_model", load_model_case, held)
     run("collectives", collectives_case)
     run("aliases", aliases_case)
+    if KERAS == "keras3":   # (tf_keras: Horovod's own optimizer, which refuses a loss scaler)
+        run("loss_scaler", loss_scaler_case)
     hvd.shutdown()
     print(f"CALLED {','.join(sorted(CALLED))}", flush=True)
 
@@ -311,6 +313,41 @@ def aliases_case():
     model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, callbacks=cbs)
     for i, w in enumerate(model.get_weights()):
         identical(w, f"weight {i}")
+
+
+def loss_scaler_case():
+    """Keras 3 mixed precision. The loss scaler inside the distributed optimizer checks the reduced
+    gradients: where rank 1 alone overflows in one batch, every rank skips that step (iterations one
+    short of the batches on every rank, replicas identical). Around it, as model.compile wraps an
+    optimizer under a mixed_float16 policy, it would check each rank's own gradients and leave rank
+    0 waiting in the skipped step's collectives: refused on every rank, naming the order to use."""
+    rank = hvd.rank()
+    x, y = data(rank)
+    if rank == 1:
+        x[BATCH:2 * BATCH] *= 3e4   # float16 overflow in this rank's gradients of batch 1
+
+    def fit(optimizer):
+        model = build(500)
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      jit_compile=False)
+        model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+        return model
+
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = fit(hvd.DistributedOptimizer(keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(LR)),
+                                             compression=hvd_qsgd.QSGD(4, min_numel=1)))
+        assert int(model.optimizer.iterations.numpy()) == STEPS - 1, int(model.optimizer.iterations.numpy())
+        for i, w in enumerate(model.get_weights()):
+            identical(w, f"weight {i} with the loss scaler inside")
+        try:
+            fit(hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=hvd_qsgd.QSGD(4, min_numel=1)))
+            raise AssertionError("model.compile's loss scaler around the distributed optimizer was taken")
+        except ValueError as e:
+            assert "is the inner optimizer of LossScaleOptimizer" in str(e), e
+            assert "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)" in str(e), e
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
 
 
 def run(case, fn, *args):
