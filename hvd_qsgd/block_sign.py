@@ -55,7 +55,8 @@ class BlockSign(QSGD):
 
     block_size:        elements per block (default 512; ``BlockSign.PER_TENSOR``: one per tensor)
     error_feedback:    worker-side residuals (default True)
-    server_error_feedback: residuals of the reducing rank (default True; scatter_allgather only)
+    server_error_feedback: residuals of the reducing rank (default: True, but under "allgather",
+                       where no rank reduces)
     reduction:         "scatter_allgather" (default: two-way compression), "allgather" (one-way:
                        every rank decodes every rank's payload) or "auto"
     min_numel, checksum, encoder, named_parameters, process_set: as for ``hvd_qsgd.QSGD``
@@ -64,9 +65,12 @@ class BlockSign(QSGD):
     PER_TENSOR = 0x7FFFFFFF
 
     def __init__(self, block_size: int = 512, min_numel: int = 10000, error_feedback: bool = True,
-                 server_error_feedback: bool = True, reduction: str = "scatter_allgather", checksum: bool = True,
+                 server_error_feedback: Optional[bool] = None, reduction: str = "scatter_allgather",
+                 checksum: bool = True,
                  named_parameters: Optional[Iterable[Tuple[str, Any]]] = None, process_set: Any = None,
                  encoder: int = codec.DEFAULT_ENCODER):
+        if server_error_feedback is None:
+            server_error_feedback = reduction != "allgather"
         super().__init__(bits=1, bucket_size=block_size, norm="sign", coding="fixed", min_numel=min_numel, seed=0,
                          error_feedback=error_feedback, checksum=checksum, reduction=reduction,
                          named_parameters=named_parameters, process_set=process_set,

@@ -6,6 +6,7 @@ below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top 
 """
 import atexit
 import functools
+import math
 import sys
 import threading
 import weakref
@@ -16,6 +17,9 @@ from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
     REDUCTIONS, Settings, Stats, default_bucket_size, next_creation_index, process_set_key)
+
+
+FRAMEWORKS = ("torch", "tensorflow")   # the adapters' names, the keys of ``state_dict()``
 
 
 def _framework(tensor: Any) -> str:
@@ -229,7 +233,11 @@ class QSGD(errors.NotCopied):
         return self
 
     def rescale_residuals(self, factor: float) -> None:
-        """Multiply every error-feedback residual by ``factor`` (e.g. old_lr / new_lr)."""
+        """Multiply every error-feedback residual by ``factor`` (e.g. old_lr / new_lr; 0 drops them):
+        a finite number >= 0, else ValueError (a NaN would poison every later gradient)."""
+        if codec.is_bool(factor) or not isinstance(factor, (int, float)) or not (math.isfinite(factor) and factor >= 0):
+            raise ValueError(f"rescale_residuals: factor must be a finite number >= 0 (0 drops the residuals), "
+                             f"got {factor!r}")
         with self._lock:
             adapters = list(self._adapters.values())
         for adapter in adapters:
@@ -241,6 +249,14 @@ class QSGD(errors.NotCopied):
             return {fw: a.state_dict() for fw, a in self._adapters.items()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Load ``state_dict()``'s: {framework: its adapter's state} ("torch", "tensorflow")."""
+        if not isinstance(state, dict) or not state.keys() <= set(FRAMEWORKS) or not all(
+                isinstance(v, dict) for v in state.values()):
+            got = f"keys {sorted(map(str, state))}" if isinstance(state, dict) else f"a {type(state).__name__}"
+            raise ValueError(f"hvd_qsgd.{type(self).__name__}.load_state_dict: expected this compressor's "
+                             f"state_dict() (a dict whose keys are {' and/or '.join(map(repr, FRAMEWORKS))}, each "
+                             f"holding a dict), got {got} (a whole training checkpoint? pass the entry that holds "
+                             "the compressor's state_dict())")
         for fw, sub in state.items():
             self._adapter(fw).load_state_dict(sub)
 

@@ -118,5 +118,5 @@ def check_schedule_args(budget_bits_per_coord, min_bits, max_bits, discount, tot
                          f"got {budget_bits_per_coord!r}")
     if not isinstance(discount, (int, float)) or isinstance(discount, bool) or not 0 < discount <= 1:
         raise ValueError(f"discount must be in (0, 1], got {discount!r}")
-    if discount < 1 and (not codec.is_integer(total_steps) or total_steps < 1):
-        raise ValueError(f"total_steps must be a positive integer when discount < 1, got {total_steps!r}")
+    if (discount < 1 or total_steps is not None) and (not codec.is_integer(total_steps) or total_steps < 1):
+        raise ValueError(f"total_steps must be a positive integer (needed when discount < 1), got {total_steps!r}")

@@ -121,6 +121,10 @@ class Settings:
                                  f"HVD_QSGD_BANDWIDTH_GBITS, else {cost_model.BANDWIDTH_BPS * 8e-9:g}), "
                                  f"got {link_gbps!r}")
             link_gbps = float(link_gbps)
+        if server_error_feedback and reduction in ("allgather", "hierarchical"):
+            raise ValueError(f"server_error_feedback=True needs reduction=\"scatter_allgather\" (or \"auto\", where it "
+                             f"chooses scatter_allgather): with reduction={reduction!r} no rank re-quantizes a sum, "
+                             "so there is no server residual to keep")
         fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, server_error_feedback)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,

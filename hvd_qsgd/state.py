@@ -196,6 +196,26 @@ def residuals_belong_here(state: Dict[str, Any], hvd: Any, who: str) -> bool:
     return False
 
 
+RESIDUAL_FIELDS = ("residuals", "residual_lr", "server_residuals")
+
+
+def loadable(state: Dict[str, Any], settings: Any, hvd: Any, who: str) -> Dict[str, Any]:
+    """A checkpoint ``state`` without the residuals that are not to be loaded here, saying which:
+    another rank's or job's (``residuals_belong_here``), and residuals of a kind this compressor does
+    not keep (error_feedback or server_error_feedback off: never used, they would only be carried
+    into every later checkpoint)."""
+    if not residuals_belong_here(state, hvd, who):
+        return {k: v for k, v in state.items() if k not in RESIDUAL_FIELDS}
+    kinds = {"residuals": ("error-feedback residuals", "error_feedback", ("residuals", "residual_lr")),
+             "server_residuals": ("server error-feedback residuals", "server_error_feedback", ("server_residuals",))}
+    unkept = [kinds[f] for f in kinds if state.get(f) and not getattr(settings, kinds[f][1])]
+    for what, setting, _ in unkept:
+        log.warning("%s: the checkpoint holds %s, and this compressor keeps none (%s=False): not loaded",
+                    who, what, setting)
+    dropped = {field for _, _, fields in unkept for field in fields}
+    return {k: v for k, v in state.items() if k not in dropped} if dropped else state
+
+
 def state_by_key(settings: Any, observes: bool) -> Optional[str]:
     """What a compressor of ``settings`` keeps by key, in words, or None; ``observes``: its bits
     policy keeps a schedule per key (DQSGD)."""

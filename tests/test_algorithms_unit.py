@@ -80,6 +80,7 @@ def test_schedule_ignores_non_finite_norms():
     (dict(min_bits=5, max_bits=4, budget_bits_per_coord=4), "must not exceed"),
     (dict(discount=0), "discount must be in"),
     (dict(discount=0.9), "total_steps must be a positive integer"),
+    (dict(total_steps=0), "total_steps must be a positive integer"),
 ])
 def test_dynamic_qsgd_refuses_bad_arguments(args, match):
     with pytest.raises(ValueError, match=match):
@@ -149,3 +150,13 @@ def test_tensorflow_says_what_it_does_not_run():
         hvd_qsgd.DynamicQSGD(3.0).compress(tf.ones([20000]))
     with pytest.raises(ValueError, match=r"error_feedback=True\) needs a tf.function training step"):
         hvd_qsgd.BlockSign().compress(tf.ones([20000]))
+
+
+def test_block_sign_keeps_server_residuals_where_a_rank_reduces():
+    """BlockSign's server error feedback defaults to on under scatter_allgather and auto, off under
+    allgather (one-way: no rank reduces); asked for there, it is refused."""
+    assert hvd_qsgd.BlockSign().settings.server_error_feedback is True
+    assert hvd_qsgd.BlockSign(reduction="auto").settings.server_error_feedback is True
+    assert hvd_qsgd.BlockSign(reduction="allgather").settings.server_error_feedback is False
+    with pytest.raises(ValueError, match="server_error_feedback=True needs reduction="):
+        hvd_qsgd.BlockSign(reduction="allgather", server_error_feedback=True)

@@ -29,6 +29,8 @@ def test_defaults_follow_the_paper():
     (dict(fusion_mb=float("nan")), "fusion_mb"), (dict(fusion_mb=0.01), "fusion_mb=0.01 holds 2621 .* min_numel=10000"),
     (dict(fusion_mb=64, fusion=True), "fusion_mb and fusion=True"),
     (dict(fusion_mb=64, server_error_feedback=True), "fusion_mb and server_error_feedback"),
+    (dict(server_error_feedback=True, reduction="allgather"), "server_error_feedback=True needs reduction="),
+    (dict(server_error_feedback=True, reduction="hierarchical"), "server_error_feedback=True needs reduction="),
 ])
 def test_invalid_settings_name_the_parameter(kwargs, name):
     with pytest.raises(ValueError, match=name):

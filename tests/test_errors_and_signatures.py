@@ -112,3 +112,23 @@ def test_follow_learning_rate_refuses_what_it_cannot_read_a_rate_from_when_given
             c.follow_learning_rate(wrong)
     for right in (optimizer, lambda key: 0.1, None):
         assert c.follow_learning_rate(right) is c
+
+
+def test_rescale_residuals_takes_a_finite_factor_of_at_least_zero():
+    c = hvd_qsgd.QSGD(4, error_feedback=True)
+    for wrong in (float("nan"), float("inf"), -0.5, "2", True):
+        with pytest.raises(ValueError, match="rescale_residuals: factor must be a finite number >= 0"):
+            c.rescale_residuals(wrong)
+    c.rescale_residuals(0)
+    c.rescale_residuals(0.5)
+
+
+def test_load_state_dict_takes_the_compressors_state_dict_and_names_what_it_got_otherwise():
+    """Not a compressor's state_dict() (a whole training checkpoint, say): a ValueError naming the
+    keys it got, before any adapter is made (one for an unknown key imported another framework)."""
+    c = hvd_qsgd.QSGD(4)
+    for wrong, got in (({"model": {}, "torch": {}}, r"got keys \['model', 'torch'\]"), ({"torch": 1}, "got keys"),
+                       ([("torch", {})], "got a list")):
+        with pytest.raises(ValueError, match=r"load_state_dict: expected this compressor's state_dict\(\) .*" + got):
+            c.load_state_dict(wrong)
+    assert c._adapters == {}

@@ -288,3 +288,20 @@ def test_tensors_of_one_group_share_its_open_buffer_whichever_group_object_they_
     assert opened[0].fused is opened[2].fused is not opened[3].fused
     assert [(name, [o for _, o, _ in members]) for name, _, members in runner.buffers.recent] == \
         [(opened[0].fused.route.exchange, [0, 1536, 3072])]
+
+
+def test_a_residual_of_another_size_names_a_checkpoint_of_another_model_among_the_causes():
+    """A kept residual whose size is not what this rank encodes (a checkpoint of a model of other
+    widths, loaded by name) fails the encode, naming the parameter and the checkpoint."""
+    s = Settings.make(bits=4, reduction="allgather", min_numel=1, error_feedback=True)
+    x = np.ones(300, np.float32)
+
+    def rank(group, r):
+        runner = ExchangeRunner(group, 0, s, FixedBits(s), owner="test")
+        runner.residuals.residuals["fc.weight"] = np.zeros(7, np.float32)
+        ex = runner.open("fc.weight", x.size, "float32", x.shape, "cpu", None, [0], 0, 1,
+                         route=Route("t", "t", 0, 0, "fc.weight", "fc.weight", None), where="test", ranks_per_node=None)
+        with pytest.raises(protocol.MismatchError, match=r"residual \(parameter 'fc.weight'\) has 7 elements, what "
+                                                         r"this rank encodes 300: load_state_dict loaded a checkpoint"):
+            runner.encode(ex, x)
+    on_threads(1, rank)

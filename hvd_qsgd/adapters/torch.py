@@ -47,7 +47,7 @@ from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.horovod_caller import horovod_caller
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index
-from hvd_qsgd.state import checkpoint_origin, residuals_belong_here, state_by_key
+from hvd_qsgd.state import checkpoint_origin, loadable, state_by_key
 
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
@@ -219,8 +219,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
     def load_state_dict(self, state):
         who = "hvd_qsgd.torch.QSGD.load_state_dict"
         self.settings.check_checkpoint(state, who)
-        if not residuals_belong_here(state, hvd, who):
-            state = {k: v for k, v in state.items() if k not in ("residuals", "residual_lr", "server_residuals")}
+        state = loadable(state, self.settings, hvd, who)
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}

@@ -54,6 +54,11 @@ Status FromStatus(int32_t st, const std::string& where) {
 // The header fields every payload of one exchange must agree on, in the order they are checked.
 enum Field { kBits, kBucket, kNorm, kCoding, kDtype, kNumel, kFingerprint, kFields };
 const char* const kFieldNames[kFields] = {"bits", "bucket_size", "norm", "coding", "dtype", "numel", "fingerprint"};
+// what a disagreement on the tensor's own fields (kDtype onwards) means (protocol._TENSOR_HINT)
+const char* const kTensorHint =
+    "the ranks handed different tensors to this exchange: the same tensor must have the same shape and dtype on "
+    "every rank, and with fusion=True or fusion_mb, where tensors take their places in the order they reach the "
+    "compressor, every rank must hand them over in the same order";
 
 uint64_t FieldOf(const qsgd_header& h, int f) {
   switch (f) {
@@ -80,9 +85,9 @@ std::string HeaderMismatch(const std::vector<qsgd_header>& heads, const uint64_t
       bad |= FieldOf(heads[i], f) != want[f];
       by_rank += (i ? ", rank " : "rank ") + std::to_string(i) + ": " + std::to_string(FieldOf(heads[i], f));
     }
-    if (bad)
-      return where + ": the ranks' payloads disagree on " + kFieldNames[f] + " (" + by_rank +
-             "); every rank must use the same compressor settings for the same tensor";
+    if (bad)   // (protocol.check_gathered's hints)
+      return where + ": the ranks' payloads disagree on " + kFieldNames[f] + " (" + by_rank + "); " +
+             (f >= kDtype ? kTensorHint : "every rank must use the same compressor settings for the same tensor");
   }
   return "";
 }

@@ -203,6 +203,13 @@ def check_resume(rank):
     else:
         assert now["residuals"] == {} and now["residual_lr"] == {}, now
         assert len(messages) == 1 and f"made on rank 0 of {hvd.size()}, this is rank {rank}" in messages[0], messages
+    # into a compressor without error feedback the residuals are not loaded (never used, they would
+    # be carried into every later checkpoint), saying so
+    plain = hvd_qsgd.QSGD(2, seed=SEED, named_parameters=model.named_parameters())
+    with logged() as messages:
+        plain.load_state_dict(saved)
+    assert plain.state_dict()["torch"]["residuals"] == {} and len(messages) == 1, messages
+    assert "holds error-feedback residuals, and this compressor keeps none (error_feedback=False)" in messages[0]
 
 
 def check_optimizer(model, compressor, bits, bucket, passes=1, scale=None, **kwargs):

@@ -17,7 +17,7 @@ from hvd_qsgd import protocol, reduction
 from hvd_qsgd.adapters.tensorflow import accumulators, schedule as tf_schedule
 from hvd_qsgd.horovod_caller import traced_variable
 from hvd_qsgd.settings import Stats
-from hvd_qsgd.state import checkpoint_origin, residuals_belong_here, state_by_key
+from hvd_qsgd.state import checkpoint_origin, loadable, state_by_key
 
 # integer counts kept beside the time fields, outside ``variables`` (added after checkpoints held those)
 UNCHECKPOINTED_COUNTS = ("allreduce_bytes", "joined_exchanges")
@@ -206,11 +206,12 @@ class TensorFlowState:
         there says so)."""
         who = "hvd_qsgd.tensorflow.QSGD.load_state_dict"
         self.settings.check_checkpoint(state, who)
-        if not residuals_belong_here(state, hvd, who):   # (another rank's: this rank's start from zero)
-            state = {k: v for k, v in state.items() if k not in ("residuals", "residual_lr", "server_residuals")}
+        kept = loadable(state, self.settings, hvd, who)
+        if "residuals" not in kept and "residuals" in state:   # (another rank's: this rank's start from zero)
             for v in (*self.residuals.residuals.values(), *self.residuals.rates.values(),
                       *self.residuals.server.values()):
                 v.assign(tf.zeros_like(v))
+        state = kept
         for k, v in state.get("stats", {}).items():
             if k in Stats.GRAPH_FIELDS:
                 self._counter_vars()[k].assign(int(v))
