@@ -32,7 +32,7 @@ DISAGREE = ["disagree-set", "disagree-names", "disagree-shared"]
 
 
 def torch_launch(np_):
-    return launch_once(np_, "gloo", ("tests/mp/dropin_torch.py", *TORCH, *DISAGREE), timeout=240, env=ENV)
+    return launch_once(np_, "gloo", ("tests/mp/dropin_torch.py", *TORCH, *DISAGREE, "reinit"), timeout=240, env=ENV)
 
 
 def tf_launch():
@@ -46,7 +46,7 @@ def ok_count(out, scenario):
 @pytest.mark.parametrize("np_", [2, 4])
 def test_torch_optimizer_over_a_process_set_and_with_unused_branches_needs_no_compressor_arguments(np_):
     out = torch_launch(np_)
-    for s in TORCH:
+    for s in TORCH + ["reinit"]:
         assert ok_count(out, s) == np_, f"{s}:\n{out[-4000:]}"
 
 

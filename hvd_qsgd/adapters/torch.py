@@ -36,6 +36,7 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 import horovod.torch as hvd
+from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, errors, threads
@@ -99,6 +100,8 @@ class TorchCompressor(errors.NotCopied, Compressor):
         if tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES or numel < self.settings.min_numel:
             self.runner.stats.add(raw_elements=numel, raw_tensors=1)
             return tensor, None
+        if _horovod_session() is not self.runner.session:
+            self._new_session()
         device = tensor.device
         ex, stepping = self._open(tensor, numel, device)
         try:
@@ -247,6 +250,11 @@ class TorchCompressor(errors.NotCopied, Compressor):
         self.runner.reset(residuals)
         self._places.reset(holders=residuals)
 
+    def _new_session(self):
+        """Horovod was initialised (again: ``ExchangeRunner.new_session``)."""
+        if self.runner.new_session(_horovod_session()):
+            self._places.reset(holders=True)
+
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the
         exchanges started per parameter name (the payload seeds' occurrence)."""
@@ -255,6 +263,12 @@ class TorchCompressor(errors.NotCopied, Compressor):
     def load_exchange_counters(self, counters):
         """Set the counters of ``exchange_counters()`` (e.g. those of another rank)."""
         self.names.load_counters(counters)
+
+
+def _horovod_session():
+    """What ``horovod.torch.init()`` makes anew at every call (its table of handles): a Horovod
+    session, compared by identity."""
+    return getattr(mpi_ops, "_handle_map", None)
 
 
 class _ReducedWithGradient(torch.autograd.Function):

@@ -1,13 +1,15 @@
 """The exchange runner's error-feedback steps (the rules: ``hvd_qsgd.error_feedback``; the store:
 ``hvd_qsgd.state.ResidualStore``): what a chain's encode reads and rewrites as this rank's residual,
 and the reducing rank's server residual. A fusion buffer's residual is its members', each kept under
-its member's own key (``hvd_qsgd.exchange.buffers``)."""
-from hvd_qsgd import protocol, reduction
+its member's own key (``hvd_qsgd.exchange.buffers``). After Horovod is initialised again, what the
+unfinished exchanges and the residuals held is dropped (``new_session``)."""
+from hvd_qsgd import protocol, reduction, report
 from hvd_qsgd.state import element_count
 
 
 class ResidualSteps:
-    """Mixed into ``ExchangeRunner``, whose ``residuals``, ``buffers`` and ``lock`` it uses."""
+    """Mixed into ``ExchangeRunner``, whose ``residuals``, ``buffers``, ``lock``, ``names``, ``session``,
+    ``owner`` and ``reset`` it uses."""
 
     def worker_residual(self, ex, x, size=None):
         """(the buffer the backend's encode reads and rewrites as the residual of what this rank
@@ -59,3 +61,26 @@ class ResidualSteps:
             return self.residuals.server_residual(ex.route.residual_key, end - begin,
                                                   lambda size: ex.backend.zeros(size, like), ex.where,
                                                   lambda r: ex.backend.place(r, like))
+
+    def new_session(self, session):
+        """The exchanges to come are in Horovod session ``session`` (an object Horovod makes anew at
+        every init); True where it follows another, in which this compressor exchanged: an elastic
+        reset under Horovod's own state object, which does not know the compressor. The exchanges
+        left unfinished would never be waited on, and would route later gradients of their
+        parameters to numbered exchanges, whose residuals pile up by position: they are forgotten,
+        and the residuals dropped, as ``hvd_qsgd.torch.elastic.TorchState`` does at a reset (it also
+        rolls the exchange counters back to the commit), saying so where anything was dropped."""
+        with self.lock:
+            before, self.session = self.session, session
+        if before is None or before is session:
+            return False
+        unfinished = self.names.pending
+        dropped = unfinished or self.residuals.residuals or self.residuals.server
+        self.reset(residuals=True)
+        if dropped:
+            report.log.warning(
+                "%s: Horovod was initialised again (an elastic reset?) with %d exchange(s) of this compressor "
+                "unfinished: they are forgotten and its error-feedback residuals dropped, as "
+                "hvd_qsgd.torch.elastic.TorchState does at a reset (use it to carry the compressor: it also rolls "
+                "the exchange counters back to the commit)", self.owner, unfinished)
+        return True

@@ -249,6 +249,50 @@ def differentiable():
     print("OK differentiable", flush=True)
 
 
+def reinit():
+    """Horovod shut down and initialised again with a step's exchanges unfinished, as an elastic reset
+    under Horovod's own TorchState does (it restores the optimizer by load_state_dict and knows
+    nothing of the compressor): the compressor forgets them and drops its residuals, saying so once;
+    the steps after route every gradient by its name again (residuals kept by name, none by
+    position, where they piled up step after step), and the replicas stay identical."""
+    import logging
+    torch.manual_seed(0)
+    model = Net()
+    c = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters(), compression=c)
+    x, y = data()
+
+    def backward():
+        opt.zero_grad()
+        F.mse_loss(model(x)[1], y).backward()
+
+    backward()
+    opt.step()
+    backward()                    # the step that fails: its exchanges are left unfinished
+    hvd.shutdown()
+    hvd.init()
+    opt.load_state_dict(opt.state_dict())
+    seen = []
+    handler = logging.Handler()
+    handler.emit = lambda record: seen.append(record.getMessage())
+    logging.getLogger("hvd_qsgd").addHandler(handler)
+    try:
+        for _ in range(3):
+            backward()
+            opt.step()
+    finally:
+        logging.getLogger("hvd_qsgd").removeHandler(handler)
+    keys = c.state_dict()["torch"]["residuals"]
+    assert set(keys) == {n for n, _ in model.named_parameters()}, sorted(map(str, keys))
+    said = [m for m in seen if "Horovod was initialised again (an elastic reset?) with" in m]
+    assert len(said) == 1 and "exchange(s) of this compressor unfinished" in said[0], seen
+    for name, p in model.named_parameters():
+        copies = hvd.allgather(p.detach().reshape(1, -1), name=f"reinit.{name}")
+        assert all(torch.equal(copies[0], row) for row in copies), name
+    print("OK reinit", flush=True)
+
+
 def positional_checkpoint():
     """Residuals checkpointed by position (tensors numbered by hvd.allreduce) and loaded into a compressor
     that Horovod's optimizer hands named gradients: it says once that their residuals restart."""
@@ -292,6 +336,9 @@ def main():
             continue
         if s == "differentiable":
             differentiable()
+            continue
+        if s == "reinit":   # (last: Horovod is initialised again)
+            reinit()
             continue
         kind, reduction = s.rsplit("-", 1)
         scenario(s, kind, {"allgather": "allgather", "scatter": "scatter_allgather"}[reduction])
