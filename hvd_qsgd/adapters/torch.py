@@ -252,8 +252,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def _new_session(self):
         """Horovod was initialised (again: ``ExchangeRunner.new_session``)."""
-        if self.runner.new_session(_horovod_session()):
-            self._places.reset(holders=True)
+        self.runner.new_session(_horovod_session(), also_reset=lambda: self._places.reset(holders=True))
 
     def exchange_counters(self):
         """What names and seeds the next exchanges: the numbered exchanges started so far and the

@@ -9,7 +9,7 @@ from hvd_qsgd.state import element_count
 
 class ResidualSteps:
     """Mixed into ``ExchangeRunner``, whose ``residuals``, ``buffers``, ``lock``, ``names``, ``session``,
-    ``owner`` and ``reset`` it uses."""
+    ``session_lock``, ``owner`` and ``reset`` it uses."""
 
     def worker_residual(self, ex, x, size=None):
         """(the buffer the backend's encode reads and rewrites as the residual of what this rank
@@ -62,21 +62,28 @@ class ResidualSteps:
                                                   lambda size: ex.backend.zeros(size, like), ex.where,
                                                   lambda r: ex.backend.place(r, like))
 
-    def new_session(self, session):
+    def new_session(self, session, also_reset=None):
         """The exchanges to come are in Horovod session ``session`` (an object Horovod makes anew at
         every init); True where it follows another, in which this compressor exchanged: an elastic
         reset under Horovod's own state object, which does not know the compressor. The exchanges
         left unfinished would never be waited on, and would route later gradients of their
         parameters to numbered exchanges, whose residuals pile up by position: they are forgotten,
         and the residuals dropped, as ``hvd_qsgd.torch.elastic.TorchState`` does at a reset (it also
-        rolls the exchange counters back to the commit), saying so where anything was dropped."""
-        with self.lock:
-            before, self.session = self.session, session
-        if before is None or before is session:
+        rolls the exchange counters back to the commit), saying so where anything was dropped;
+        ``also_reset``: what the adapter resets with them."""
+        with self.session_lock:   # (set once the reset is done: an exchange that sees it opens after)
+            before = self.session
+            if before is session:
+                return False
+            unfinished = self.names.pending
+            dropped = unfinished or self.residuals.residuals or self.residuals.server
+            if before is not None:
+                self.reset(residuals=True)
+                if also_reset is not None:
+                    also_reset()
+            self.session = session
+        if before is None:
             return False
-        unfinished = self.names.pending
-        dropped = unfinished or self.residuals.residuals or self.residuals.server
-        self.reset(residuals=True)
         if dropped:
             report.log.warning(
                 "%s: Horovod was initialised again (an elastic reset?) with %d exchange(s) of this compressor "

@@ -97,7 +97,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         self.openings = Openings()   # what each tensor's exchanges start with (``open``)
         self._deferred = {}   # by process set: exchanges compressed, no collective started yet
         self._verdicts = collections.deque()   # the device's verdicts on results handed over, not yet read
-        self.session = None   # the framework's Horovod session of the last exchange (``new_session``)
+        self.session, self.session_lock = None, threading.Lock()   # Horovod's session (``new_session``)
 
     # -- compress -----------------------------------------------------------------------------
 
