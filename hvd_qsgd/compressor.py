@@ -12,7 +12,7 @@ import threading
 import weakref
 from typing import Any, Dict, Iterable, Optional, Tuple
 
-from hvd_qsgd import codec, errors, report, step_built
+from hvd_qsgd import codec, error_feedback, errors, report, step_built
 from hvd_qsgd.dynamic import check_schedule_args
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (  # noqa: F401  (REDUCTIONS, Stats, default_bucket_size: part of this module's API)
@@ -224,7 +224,7 @@ class QSGD(errors.NotCopied):
         ``torch.optim.Optimizer``, the one wrapped by Horovod, or a Keras optimizer), or a function
         of the residual's key (parameter name or position) returning the learning rate now applied
         to that tensor's update. Returns self."""
-        _check_learning_rate_source(optimizer)
+        error_feedback.check_learning_rate_source(optimizer)
         with self._lock:
             self._learning_rate = optimizer
             adapters = list(self._adapters.values())
@@ -265,21 +265,6 @@ class QSGD(errors.NotCopied):
         """TensorFlow: the compressor's ``tf.Variable``s, for a ``tf.train.Checkpoint`` (those made so
         far: its exchanges make theirs as the training step is first traced)."""
         return self._adapter("tensorflow").variables
-
-
-def _check_learning_rate_source(source: Any) -> None:
-    """Refuse, when it is given, what ``follow_learning_rate`` cannot read a learning rate from (it
-    would fail at the first exchange, inside Horovod's hook, or call a model with a parameter name)."""
-    if source is None or hasattr(source, "param_groups") or hasattr(source, "learning_rate"):
-        return
-    model = hasattr(source, "parameters") or hasattr(source, "trainable_variables")
-    if callable(source) and not model:
-        return
-    hint = (": pass the optimizer it schedules" if hasattr(source, "optimizer") else
-            ": pass its optimizer" if model else "")
-    raise TypeError(f"follow_learning_rate: expected the optimizer (a torch.optim.Optimizer or a Keras optimizer) "
-                    f"or a function of the residual's key returning the learning rate, got "
-                    f"{type(source).__module__}.{type(source).__name__}{hint}")
 
 
 QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)

@@ -50,6 +50,21 @@ def usable_rate(lr: Any) -> bool:
     return math.isfinite(lr) and lr > 0
 
 
+def check_learning_rate_source(source: Any) -> None:
+    """Refuse, when it is given, what ``follow_learning_rate`` cannot read a learning rate from (it
+    would fail at the first exchange, inside Horovod's hook, or call a model with a parameter name)."""
+    if source is None or hasattr(source, "param_groups") or hasattr(source, "learning_rate"):
+        return
+    model = hasattr(source, "parameters") or hasattr(source, "trainable_variables")
+    if callable(source) and not model:
+        return
+    hint = (": pass the optimizer it schedules" if hasattr(source, "optimizer") else
+            ": pass its optimizer" if model else "")
+    raise TypeError(f"follow_learning_rate: expected the optimizer (a torch.optim.Optimizer or a Keras optimizer) "
+                    f"or a function of the residual's key returning the learning rate, got "
+                    f"{type(source).__module__}.{type(source).__name__}{hint}")
+
+
 def rescale_factor(lr_made: Any, lr_now: Any) -> float:
     """The factor a residual made at ``lr_made`` is multiplied by when used at ``lr_now`` (1 when
     either is unknown or unusable)."""

@@ -105,13 +105,14 @@ def test_follow_learning_rate_refuses_what_it_cannot_read_a_rate_from_when_given
     import torch
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    c = hvd_qsgd.QSGD(4, error_feedback=True)
-    for wrong, hint in ((torch.optim.lr_scheduler.StepLR(optimizer, 2), "StepLR: pass the optimizer it schedules"),
-                        (model, "Linear: pass its optimizer"), (0.1, "builtins.float")):
-        with pytest.raises(TypeError, match=f"follow_learning_rate: expected the optimizer .* got .*{hint}"):
-            c.follow_learning_rate(wrong)
-    for right in (optimizer, lambda key: 0.1, None):
-        assert c.follow_learning_rate(right) is c
+    import hvd_qsgd.torch
+    for c in (hvd_qsgd.QSGD(4, error_feedback=True), hvd_qsgd.torch.QSGD(4, error_feedback=True)):
+        for wrong, hint in ((torch.optim.lr_scheduler.StepLR(optimizer, 2), "StepLR: pass the optimizer it schedules"),
+                            (model, "Linear: pass its optimizer"), (0.1, "builtins.float")):
+            with pytest.raises(TypeError, match=f"follow_learning_rate: expected the optimizer .* got .*{hint}"):
+                c.follow_learning_rate(wrong)
+        for right in (optimizer, lambda key: 0.1, None):
+            assert c.follow_learning_rate(right) is c
 
 
 def test_rescale_residuals_takes_a_finite_factor_of_at_least_zero():

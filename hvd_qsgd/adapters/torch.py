@@ -39,7 +39,7 @@ import horovod.torch as hvd
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, errors, threads
+from hvd_qsgd import backends, error_feedback, errors, threads
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.adapters.torch_places import TensorPlaces
@@ -170,6 +170,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
 
     def follow_learning_rate(self, optimizer):
         """See ``hvd_qsgd.QSGD.follow_learning_rate``."""
+        error_feedback.check_learning_rate_source(optimizer)
         if optimizer is None:
             source = None
         elif callable(optimizer) and not hasattr(optimizer, "param_groups"):
