@@ -200,10 +200,12 @@ RESIDUAL_FIELDS = ("residuals", "residual_lr", "server_residuals")
 
 
 def loadable(state: Dict[str, Any], settings: Any, hvd: Any, who: str) -> Dict[str, Any]:
-    """A checkpoint ``state`` without the residuals that are not to be loaded here, saying which:
+    """A checkpoint ``state`` as it is to be loaded here: refused where made with other codec settings
+    (``Settings.check_checkpoint``); without the residuals that are not to be loaded, saying which:
     another rank's or job's (``residuals_belong_here``), and residuals of a kind this compressor does
     not keep (error_feedback or server_error_feedback off: never used, they would only be carried
     into every later checkpoint)."""
+    settings.check_checkpoint(state, who)
     if not residuals_belong_here(state, hvd, who):
         return {k: v for k, v in state.items() if k not in RESIDUAL_FIELDS}
     kinds = {"residuals": ("error-feedback residuals", "error_feedback", ("residuals", "residual_lr")),

@@ -221,9 +221,7 @@ class TorchCompressor(errors.NotCopied, Compressor):
         return state
 
     def load_state_dict(self, state):
-        who = "hvd_qsgd.torch.QSGD.load_state_dict"
-        self.settings.check_checkpoint(state, who)
-        state = loadable(state, self.settings, hvd, who)
+        state = loadable(state, self.settings, hvd, "hvd_qsgd.torch.QSGD.load_state_dict")
         with self._lock:
             r = self.residuals
             r.residuals = {k: v.detach().float().cpu().clone() for k, v in state.get("residuals", {}).items()}

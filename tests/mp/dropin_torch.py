@@ -30,6 +30,7 @@ import torch.nn.functional as F
 import horovod.torch as hvd
 
 import hvd_qsgd
+from tests.mp.log_capture import logged
 
 N, D_IN, H, D_OUT = 16, 100, 10, 10
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
@@ -255,7 +256,6 @@ def reinit():
     nothing of the compressor): the compressor forgets them and drops its residuals, saying so once;
     the steps after route every gradient by its name again (residuals kept by name, none by
     position, where they piled up step after step), and the replicas stay identical."""
-    import logging
     torch.manual_seed(0)
     model = Net()
     c = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
@@ -273,16 +273,10 @@ def reinit():
     hvd.shutdown()
     hvd.init()
     opt.load_state_dict(opt.state_dict())
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("hvd_qsgd").addHandler(handler)
-    try:
+    with logged() as seen:
         for _ in range(3):
             backward()
             opt.step()
-    finally:
-        logging.getLogger("hvd_qsgd").removeHandler(handler)
     keys = c.state_dict()["torch"]["residuals"]
     assert set(keys) == {n for n, _ in model.named_parameters()}, sorted(map(str, keys))
     said = [m for m in seen if "Horovod was initialised again (an elastic reset?) with" in m]
@@ -296,7 +290,6 @@ def reinit():
 def positional_checkpoint():
     """Residuals checkpointed by position (tensors numbered by hvd.allreduce) and loaded into a compressor
     that Horovod's optimizer hands named gradients: it says once that their residuals restart."""
-    import logging
     old = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
     for i in range(2):
         hvd.allreduce(torch.randn(300), compression=old, name=f"positional.{i}")
@@ -304,14 +297,8 @@ def positional_checkpoint():
     assert all(isinstance(k, int) for k in state["torch"]["residuals"]) and state["torch"]["residuals"], state
     new = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
     new.load_state_dict(state)
-    seen = []
-    handler = logging.Handler()
-    handler.emit = lambda record: seen.append(record.getMessage())
-    logging.getLogger("hvd_qsgd").addHandler(handler)
-    try:
+    with logged() as seen:
         run(new, "sgd", hvd.global_process_set, False, steps=2)
-    finally:
-        logging.getLogger("hvd_qsgd").removeHandler(handler)
     said = [m for m in seen if "keys its error-feedback residuals by position" in m]
     assert len(said) == 1, seen
     print("OK positional-checkpoint", flush=True)

@@ -11,7 +11,6 @@ gradient is gathered, re-encoded with the documented payload seed
 ``codec.decode_sum(payloads, scale)``; the synchronized gradient must equal it exactly.
 """
 import argparse
-import contextlib
 import copy
 import itertools
 import logging
@@ -28,6 +27,7 @@ import hvd_qsgd
 import hvd_qsgd.torch
 from hvd_qsgd import codec, cost_model, protocol, reduction
 from hvd_qsgd.settings import Settings
+from tests.mp.log_capture import logged
 
 SEED = 7
 
@@ -147,22 +147,6 @@ def optimizer_step(model, compressor, passes=1, **kwargs):
         nn.functional.cross_entropy(model(x).float(), y).backward()
     opt.synchronize()
     return opt
-
-
-@contextlib.contextmanager
-def logged():
-    """The messages logged on the ``hvd_qsgd`` logger inside the block."""
-    messages = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            messages.append(record.getMessage())
-    handler = Keep()
-    logging.getLogger("hvd_qsgd").addHandler(handler)
-    try:
-        yield messages
-    finally:
-        logging.getLogger("hvd_qsgd").removeHandler(handler)
 
 
 def check_resume(rank):

@@ -191,22 +191,18 @@ class TensorFlowState:
         size that made it (residuals are that rank's: ``hvd_qsgd.state.residuals_belong_here``), and
         the occurrence counters that seed the traced exchanges' next payloads (``counters``: a resumed
         run draws the streams an uninterrupted one would)."""
-        with self._lock:
-            occurrences = dict(self._occurrences)
         return {"stats": self.stats, **self.residuals.state_dict(residual=lambda v: v.numpy(),
                                                                   rate=lambda v: float(v.numpy()),
                                                                   server=lambda v: v.numpy()),
                 "settings": self.settings.as_dict(), **checkpoint_origin(hvd),
-                "counters": {"occurrences": {k: int(v.numpy()) for k, v in occurrences.items()}}}
+                "counters": {"occurrences": self.exchange_counters()["occurrences"]}}
 
     def load_state_dict(self, state):
         """Load ``state_dict()``'s (refused where made with other codec settings). A residual or
         occurrence counter of an exchange not traced yet (a new process, before its first step) is
         made now, from the checkpoint, and the trace finds it (a trace that hands over another tensor
         there says so)."""
-        who = "hvd_qsgd.tensorflow.QSGD.load_state_dict"
-        self.settings.check_checkpoint(state, who)
-        kept = loadable(state, self.settings, hvd, who)
+        kept = loadable(state, self.settings, hvd, "hvd_qsgd.tensorflow.QSGD.load_state_dict")
         if "residuals" not in kept and "residuals" in state:   # (another rank's: this rank's start from zero)
             for v in (*self.residuals.residuals.values(), *self.residuals.rates.values(),
                       *self.residuals.server.values()):
