@@ -7,7 +7,8 @@ re-statement of its equations, under real horovodrun jobs (tests/mp/algorithms_t
 * DQSGD (``hvd_qsgd.DynamicQSGD``): the bits of every step and the resulting update;
 * dist-EF-SGDM (``hvd_qsgd.torch.EFSGDM`` + ``hvd_qsgd.BlockSign``), two-way (scatter_allgather:
   server-side error feedback) and one-way (allgather);
-* PQASGD (``hvd_qsgd.torch.PeriodicQuantizedAveraging``) with local and averaged momentum.
+* PQASGD (``hvd_qsgd.torch.PeriodicQuantizedAveraging``) with local and averaged momentum, and
+  its averaging state through ``hvd_qsgd.torch.elastic.TorchState``'s sync and restore.
 """
 import re
 
@@ -16,7 +17,8 @@ import pytest
 from tests.helpers import launch
 
 WORKER = "tests/mp/algorithms_torch.py"
-SCENARIOS = ["error-feedback", "dqsgd", "efsgdm-two-way", "efsgdm-one-way", "pqasgd-local", "pqasgd-average"]
+SCENARIOS = ["error-feedback", "dqsgd", "efsgdm-two-way", "efsgdm-one-way", "pqasgd-local", "pqasgd-average",
+             "pqasgd-elastic-state"]
 
 
 def ok_lines(out, scenario):

@@ -140,6 +140,19 @@ def test_periodic_averaging_refuses_bad_arguments(kwargs, error, match):
         PeriodicQuantizedAveraging(torch.optim.SGD([p for _, p in named], lr=0.1), named, **kwargs)
 
 
+def test_periodic_averaging_does_not_broadcast_in_elastic_training(monkeypatch):
+    """A worker that joins an elastic job makes it while the others train: a broadcast there would
+    wait for them. broadcast=True is refused before any collective; the default is False there."""
+    import torch
+    from hvd_qsgd.torch import PeriodicQuantizedAveraging
+    monkeypatch.setenv("HOROVOD_ELASTIC", "1")
+    named = _named()
+    with pytest.raises(ValueError, match=r"broadcast=True in elastic training .*hvd_qsgd.torch.elastic.TorchState"):
+        PeriodicQuantizedAveraging(torch.optim.SGD([p for _, p in named], lr=0.1), named, period=2, broadcast=True)
+    periodic = PeriodicQuantizedAveraging(torch.optim.SGD([p for _, p in named], lr=0.1), named, period=2)
+    assert periodic.local_steps == 0 and set(periodic.anchor) == {n for n, _ in named}
+
+
 def test_tensorflow_says_what_it_does_not_run():
     """DQSGD and BlockSign's error feedback need a tf.function step in TensorFlow (their state is
     kept per traced tensor): eagerly a clear error, not a silent fallback."""

@@ -36,17 +36,24 @@ from the committed model, the case the error-feedback analysis covers. What is l
 residual element is at most one quantization step of its bucket, the error plain QSGD leaves in
 every step.
 
+A ``PeriodicQuantizedAveraging`` (PQASGD) given as the optimizer (or as any keyword argument) is
+carried with its averaging state: its optimizer's state as Horovod carries an optimizer's, x^ and
+its step counts beside it (saved at a commit, restored after a failure, rank 0's taken at a sync,
+so a worker that joins averages the same x^ at the same steps as the others), and its compressor
+as above. Make it with ``broadcast=False`` (its default in elastic training).
+
 Statistics are per process: a survivor's are rolled back to the commit (the undone steps are done
 again and counted then), a new worker's start at zero. Commit between steps, when no exchange of
 the compressor is pending. Elastic training needs the global process set.
 """
 from horovod.torch.elastic import TorchState as _HorovodTorchState
-from horovod.torch.elastic.state import StateHandler
-from horovod.torch.functions import broadcast_object
+from horovod.torch.elastic.state import OptimizerStateHandler, StateHandler
+from horovod.torch.functions import broadcast_object, broadcast_parameters
 
 import hvd_qsgd
 from hvd_qsgd import protocol
 from hvd_qsgd.adapters.torch import TorchCompressor as TorchQSGD
+from hvd_qsgd.torch.periodic import PeriodicQuantizedAveraging
 
 
 def is_qsgd(obj):
@@ -102,23 +109,65 @@ class CompressorStateHandler(StateHandler):
         self._saved["counters"] = root["counters"]
 
 
+class PeriodicStateHandler(StateHandler):
+    """Horovod elastic state handler of a ``PeriodicQuantizedAveraging``: its optimizer's state (by
+    Horovod's own handler) and its averaging state, x^ and the step counts (see the module docstring)."""
+
+    def __init__(self, periodic, name):
+        self._name = name
+        self._optimizer = OptimizerStateHandler(periodic.optimizer)
+        super().__init__(periodic)
+        self.save()
+
+    def set_value(self, value):
+        self._optimizer = OptimizerStateHandler(value.optimizer)
+        super().set_value(value)
+
+    def save(self):
+        self._optimizer.save()
+        p = self.value
+        self._saved = ({n: t.clone() for n, t in p.anchor.items()}, p.local_steps, p.syncs)
+
+    def restore(self):
+        self._optimizer.restore()
+        anchor, self.value.local_steps, self.value.syncs = self._saved
+        for n, t in anchor.items():
+            self.value.anchor[n].copy_(t)
+
+    def sync(self):
+        self._optimizer.sync()
+        p = self.value
+        broadcast_parameters([(f"hvd_qsgd.elastic.{self._name}.anchor.{n}", t) for n, t in p.anchor.items()],
+                             root_rank=0)
+        p.local_steps, p.syncs = broadcast_object((p.local_steps, p.syncs), root_rank=0,
+                                                  name=f"hvd_qsgd.elastic.{self._name}.steps")
+
+
 class TorchState(_HorovodTorchState):
     """``hvd.elastic.TorchState`` that also carries QSGD compressors (see the module docstring).
 
-    model, optimizer: as in Horovod; kwargs: further state. A QSGD compressor among them is kept
-    as an attribute of that name; any other value is handled by Horovod."""
+    model, optimizer: as in Horovod; kwargs: further state. A QSGD compressor or a
+    ``PeriodicQuantizedAveraging`` among them (or as ``optimizer``) is kept as an attribute of that
+    name; any other value is handled by Horovod."""
 
     def __init__(self, model=None, optimizer=None, **kwargs):
-        compressors = {k: v for k, v in kwargs.items() if is_qsgd(v)}
-        for k in compressors:
-            del kwargs[k]
-        super().__init__(model=model, optimizer=optimizer, **kwargs)
-        for k, c in compressors.items():
-            self._handlers[k] = CompressorStateHandler(c, k)
-            setattr(self, k, c)
-        inner = getattr(optimizer, "_compression", None)
-        if is_qsgd(inner) and all(torch_adapter(inner) is not torch_adapter(c) for c in compressors.values()):
-            self._handlers["optimizer.compression"] = CompressorStateHandler(inner, "optimizer.compression")
+        ours = {k: v for k, v in dict(kwargs, optimizer=optimizer).items()
+                if is_qsgd(v) or isinstance(v, PeriodicQuantizedAveraging)}
+        for k in ours:
+            kwargs.pop(k, None)
+        super().__init__(model=model, optimizer=None if "optimizer" in ours else optimizer, **kwargs)
+        if "optimizer" in ours:
+            self._saved_state.pop("optimizer", None)   # (Horovod's: a None to restore)
+        compressors = {k: v for k, v in ours.items() if is_qsgd(v)}
+        for k, v in ours.items():
+            self._handlers[k] = CompressorStateHandler(v, k) if is_qsgd(v) else PeriodicStateHandler(v, k)
+            setattr(self, k, v)
+        inner = {f"{k}.compression": getattr(v, "_compression", getattr(v, "compression", None))
+                 for k, v in dict(ours, optimizer=optimizer).items() if not is_qsgd(v)}
+        for k, c in inner.items():
+            if is_qsgd(c) and all(torch_adapter(c) is not torch_adapter(other) for other in compressors.values()):
+                self._handlers[k] = CompressorStateHandler(c, k)
+                compressors[k] = c
 
     def reset(self):
         for handler in self._handlers.values():

@@ -32,7 +32,15 @@ with momentum=0 (or no momentum) the three agree.
 The wrapped optimizer is a plain PyTorch optimizer, not Horovod's ``DistributedOptimizer`` (the
 local steps average nothing). ``state_dict`` holds the optimizer's, x^, the step count and the
 compressor's state.
+
+Elastic training: pass it as the optimizer of ``hvd_qsgd.torch.elastic.TorchState``, which carries
+x^ and the step counts with the optimizer's state (a worker that joins takes rank 0's, so that it
+averages the same x^ at the same steps), and make it with ``broadcast=False`` (the default there,
+``HOROVOD_ELASTIC=1``): a worker that joins runs the constructor while the others train, and the
+state's sync broadcasts instead.
 """
+import os
+
 from typing import Any, Iterable, Optional, Tuple
 
 import torch
@@ -53,13 +61,14 @@ class PeriodicQuantizedAveraging:
     compression:      Q (default ``hvd_qsgd.QSGD(2)``); any compressor of the package, or
                       ``hvd.Compression.none`` for exact periodic averaging
     momentum:         "local" (default), "average" or "reset": the optimizer state at a sync
-    broadcast:        broadcast rank 0's parameters and optimizer state to all ranks now (default True)
+    broadcast:        broadcast rank 0's parameters and optimizer state to all ranks now (default: True,
+                      except in elastic training, where it must be False)
     process_set:      Horovod process set (default: all ranks)
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, named_parameters: Iterable[Tuple[str, torch.nn.Parameter]],
                  period: int, compression: Optional["hvd_qsgd.QSGD"] = None, momentum: str = "local",
-                 broadcast: bool = True, process_set: Any = None):
+                 broadcast: Optional[bool] = None, process_set: Any = None):
         if type(optimizer).__name__ == "_DistributedOptimizer" or hasattr(optimizer, "_allreduce_delay"):
             raise TypeError("PeriodicQuantizedAveraging wraps a plain PyTorch optimizer, not Horovod's "
                             "DistributedOptimizer: the local steps must not average gradients")
@@ -71,6 +80,14 @@ class PeriodicQuantizedAveraging:
         if momentum not in MOMENTUM_MODES:
             raise ValueError(f"PeriodicQuantizedAveraging: momentum must be one of {MOMENTUM_MODES}, "
                              f"got {momentum!r}")
+        elastic = os.environ.get("HOROVOD_ELASTIC", "0").strip() not in ("", "0")
+        if broadcast is None:
+            broadcast = not elastic
+        elif broadcast and elastic:
+            raise ValueError("PeriodicQuantizedAveraging: broadcast=True in elastic training (HOROVOD_ELASTIC=1): a "
+                             "worker that joins would wait in the broadcast for ranks that are training; pass "
+                             "broadcast=False and this object as the optimizer of hvd_qsgd.torch.elastic.TorchState, "
+                             "whose sync broadcasts rank 0's model, optimizer state and averaging state")
         self.optimizer = optimizer
         self.named_parameters = named
         self.period = period
@@ -134,6 +151,11 @@ class PeriodicQuantizedAveraging:
                                                         process_set=self.process_set))
         for h in handles:
             hvd.synchronize(h)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("PeriodicQuantizedAveraging is not copied or pickled (its state_dict() is): in elastic "
+                        "training pass it as the optimizer of hvd_qsgd.torch.elastic.TorchState, which carries its "
+                        "state (Horovod's own TorchState pickles a value it has no handler for)")
 
     # -- checkpoints ---------------------------------------------------------------------------
 

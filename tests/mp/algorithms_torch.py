@@ -245,6 +245,52 @@ def scenario_pqasgd(n, rank, momentum):
         raise AssertionError(f"pqasgd: {opt.syncs} syncs, expected {syncs}")
 
 
+def scenario_pqasgd_elastic_state(n, rank):
+    """hvd_qsgd.torch.elastic.TorchState carrying a PeriodicQuantizedAveraging made with broadcast=False
+    (every rank from a model of its own, rank r r + 1 local steps in: a worker joining a job): its sync
+    gives every rank rank 0's parameters, momentum buffer, x^ and step counts; a restore after a
+    sync brings back the saved ones; pickling it (Horovod's own state would) is refused, naming the
+    package's state."""
+    import pickle
+    import hvd_qsgd.torch.elastic
+    model = Model(100 + rank)
+    opt = hvd_qsgd.torch.PeriodicQuantizedAveraging(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), model.named_parameters(), period=3,
+        compression=hvd_qsgd.QSGD(2, min_numel=MIN_NUMEL, seed=9), broadcast=False)
+    for t in range(rank + 1):
+        step(opt, model, rank, t)
+
+    def everything():
+        return ([model.w.detach().numpy().copy(), model.b.detach().numpy().copy(),
+                 opt.state[model.w]["momentum_buffer"].numpy().copy()]
+                + [opt.anchor[k].numpy().copy() for k in ("w", "b")], (opt.local_steps, opt.syncs))
+
+    state = hvd_qsgd.torch.elastic.TorchState(model=model, optimizer=opt, step=0)
+    assert state.optimizer is opt
+    state.sync()
+    tensors, counts = everything()
+    root = hvd.broadcast_object(everything(), root_rank=0, name="pqasgd_elastic_root")
+    if counts != (1, 0) or counts != root[1] or not all(np.array_equal(a, b) for a, b in zip(tensors, root[0])):
+        raise AssertionError(f"pqasgd elastic: after the sync, rank {rank} holds step counts {counts}, rank 0 {root[1]}")
+    if rank and np.array_equal(tensors[3], Model(100 + rank).w.detach().numpy()):
+        raise AssertionError("pqasgd elastic: x^ is still this rank's own")
+    state.save()
+    for t in range(1, 4):   # a sync at the third local step
+        step(opt, model, rank, t)
+    if opt.syncs != 1:
+        raise AssertionError(f"pqasgd elastic: {opt.syncs} syncs, expected 1")
+    state.restore()
+    again, counts = everything()
+    if counts != (1, 0) or not all(np.array_equal(a, b) for a, b in zip(again, tensors)):
+        raise AssertionError(f"pqasgd elastic: restore gave step counts {counts}, or other tensors than saved")
+    try:
+        pickle.dumps(opt)
+    except TypeError as e:
+        assert "hvd_qsgd.torch.elastic.TorchState" in str(e), e
+    else:
+        raise AssertionError("pqasgd elastic: pickled")
+
+
 SCENARIOS = {
     "error-feedback": scenario_error_feedback,
     "dqsgd": scenario_dqsgd,
@@ -252,6 +298,7 @@ SCENARIOS = {
     "efsgdm-one-way": lambda n, r: scenario_efsgdm(n, r, "allgather"),
     "pqasgd-local": lambda n, r: scenario_pqasgd(n, r, "local"),
     "pqasgd-average": lambda n, r: scenario_pqasgd(n, r, "average"),
+    "pqasgd-elastic-state": scenario_pqasgd_elastic_state,
 }
 
 
