@@ -99,7 +99,8 @@ class QSGDReducer:
         return self.runner.stats.as_dict()
 
     def allreduce(self, x, name, op="average"):
-        """The average (or sum) of ``x`` over the ranks, every rank bit-identical; same shape and dtype."""
+        """The average (or sum) of ``x`` over the ranks, every rank bit-identical; same shape and dtype
+        (an integer average: the sum times 1/n truncated toward zero, as Horovod's)."""
         if op not in ("average", "sum"):
             raise ValueError(f"hvd_qsgd.mpi: op must be 'average' or 'sum', got {op!r}")
         x = np.asarray(x)
@@ -111,7 +112,10 @@ class QSGDReducer:
             self.runner.stats.add(raw_elements=x.size, raw_tensors=1)
             self._agree(name, x, "raw")
             out = self.collectives.run_allreduce(x, comm)
-            return out / n if op == "average" and np.issubdtype(x.dtype, np.floating) else out
+            if op != "average":
+                return out
+            # integers: the sum times 1/n, truncated toward zero, as Horovod scales an integer Average
+            return out / n if np.issubdtype(x.dtype, np.floating) else (out * (1.0 / n)).astype(x.dtype)
         rank = comm.Get_rank()
         exchange = f"hvd_qsgd.mpi.{name}"
         occurrence = self._occurrences.get(name, 0)

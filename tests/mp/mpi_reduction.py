@@ -65,6 +65,15 @@ def scenario(comm, name):
                 identical(comm, out)
         small = r.allreduce(np.arange(5, dtype=np.float64) * rank, "raw")   # float64: uncompressed
         assert np.array_equal(small, np.arange(5) * (n - 1) / 2)
+        # integers go uncompressed; an Average is the sum times 1/n truncated toward zero, as Horovod's
+        # (ranks hold r^2 - 5: at 3 and 4 ranks a negative sum that n does not divide, where truncating
+        # and flooring differ)
+        for dtype in (np.int32, np.int64):
+            x = np.full(20000, rank * rank - 5, dtype)
+            total = (n - 1) * n * (2 * n - 1) // 6 - 5 * n
+            assert np.array_equal(r.allreduce(x, f"int-sum-{dtype.__name__}", op="sum"), np.full(20000, total))
+            got = r.allreduce(x, f"int-average-{dtype.__name__}")
+            assert got.dtype == dtype and np.array_equal(got, np.full(20000, np.trunc(total / n))), (got[:3], total, n)
     elif name.startswith("elias-"):
         red = name[len("elias-"):]
         r = QSGDReducer(comm, bits=4, seed=SEED, reduction=red, coding="elias")
