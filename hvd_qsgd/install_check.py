@@ -329,7 +329,11 @@ def diagnose(np: int = 4, ranks_per_node: Optional[int] = None, link_gbps: Optio
     _check_cuda(rep)
     _check_tensorflow(rep, tensorflow)
     _check_horovod(rep, tensorflow)
-    _check_auto(rep, np, ranks_per_node, link_gbps)
+    if cpu_ok:   # (auto weighs payload sizes: the CPU library computes them)
+        _check_auto(rep, np, ranks_per_node, link_gbps)
+    else:
+        rep.section('reduction="auto"')
+        rep.line("auto", "not weighed: the CPU library does not load (above)")
     if self_test and cpu_ok:
         _self_test(rep)
     rep.summary()

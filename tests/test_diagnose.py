@@ -106,6 +106,18 @@ def test_a_failing_self_test_gives_status_1_and_says_what_to_do(monkeypatch):
     assert "1 problem(s) found" in out
 
 
+def test_a_library_that_does_not_load_is_a_problem_not_a_traceback():
+    """HVD_QSGD_ISA naming no variant: the CPU library does not load, which the report says, with
+    what to do, and status 1; the sections that need the library say they were not checked."""
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), HVD_QSGD_ISA="bogus")
+    proc = subprocess.run([sys.executable, "-m", "hvd_qsgd", "--self-test"], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout
+    problems = proc.stdout.split("PROBLEMS", 1)[1]
+    assert "does not load" in problems and "HVD_QSGD_ISA='bogus'" in problems and "what to do" in problems
+    assert facts(proc.stdout)["auto"].startswith("not weighed")
+
+
 def test_a_bad_layout_is_a_problem_with_its_fix():
     buf = io.StringIO()
     assert hvd_qsgd.diagnose(np=12, ranks_per_node=8, out=buf) == 1
