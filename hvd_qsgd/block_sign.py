@@ -28,7 +28,7 @@ compression) is ``hvd_qsgd.torch.EFSGDM`` (PyTorch) or ``hvd_qsgd.tensorflow.ker
 from typing import Any, Dict, Iterable, Optional, Tuple
 
 from hvd_qsgd import codec
-from hvd_qsgd.compressor import QSGD
+from hvd_qsgd.compressor import QSGD, _own_signature
 
 
 def efsgdm_compression(who: str, numbers: Dict[str, Any], compression: Optional[QSGD]) -> QSGD:
@@ -78,6 +78,9 @@ class BlockSign(QSGD):
 
     def __repr__(self) -> str:
         s = self.settings
-        return (f"hvd_qsgd.BlockSign(block_size={s.bucket_size}, min_numel={s.min_numel}, "
-                f"error_feedback={s.error_feedback}, server_error_feedback={s.server_error_feedback}, "
-                f"reduction={s.reduction!r})")
+        return (f"hvd_qsgd.BlockSign(block_size={s.bucket_size}, " + s.described(
+            ("min_numel", "error_feedback", "server_error_feedback", "reduction"),
+            hidden=("bits", "bucket_size", "norm", "coding", "seed")) + ")")
+
+
+BlockSign.__signature__ = _own_signature(BlockSign)

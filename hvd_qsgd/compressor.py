@@ -6,6 +6,7 @@ below it (``hvd_qsgd.settings``, ``hvd_qsgd.protocol``): this module is the top 
 """
 import atexit
 import functools
+import inspect
 import math
 import sys
 import threading
@@ -130,15 +131,7 @@ class QSGD(errors.NotCopied):
         return (type(self).__qualname__, settings, process_set_key(process_set))
 
     def __repr__(self) -> str:
-        s = self.settings
-        return (f"hvd_qsgd.{type(self).__name__}(bits={s.bits}, bucket_size={s.bucket_size}, norm={s.norm!r}, "
-                f"coding={s.coding!r}, min_numel={s.min_numel}, error_feedback={s.error_feedback}, "
-                f"reduction={s.reduction!r}, server_error_feedback={s.server_error_feedback}"
-                + (f", link_gbps={s.link_gbps:g}" if s.link_gbps is not None else "")
-                + (", fusion=True" if s.fusion else "") + (", overlap=True" if s.overlap else "")
-                + (f", fusion_mb={s.fusion_mb:g}" if s.fusion_mb else "")
-                + (", join=False" if not s.join else "")
-                + (f", encoder={s.encoder})" if s.encoder != codec.DEFAULT_ENCODER else ")"))
+        return f"hvd_qsgd.{type(self).__name__}({self.settings.described(self.REPR_ALWAYS)})"
 
     def _policy(self, framework: str) -> FixedBits:
         """The bits policy of a new adapter (one per adapter: a policy holds per-tensor state)."""
@@ -268,6 +261,8 @@ class QSGD(errors.NotCopied):
 
 
 QSGD.__signature__ = Settings.signature(named_parameters=None, process_set=None)
+QSGD.REPR_ALWAYS = ("bits", "bucket_size", "norm", "coding", "min_numel", "error_feedback", "reduction",
+                    "server_error_feedback")   # (then every setting that is not its default)
 
 # -- the no-op warning (hvd_qsgd.report.NeverCalledWatch) -------------------------------------------
 
@@ -359,11 +354,26 @@ class DynamicQSGD(QSGD):
                                                            self.fixed_bucket_size)
 
     def __repr__(self) -> str:
-        a, s = self.schedule_args, self.settings
+        a = self.schedule_args
         return (f"hvd_qsgd.DynamicQSGD(budget_bits_per_coord={a['budget']}, min_bits={a['min_bits']}, "
                 f"max_bits={a['max_bits']}, discount={a['discount']}, total_steps={a['total_steps']}, "
-                f"bucket_size={self.fixed_bucket_size}, norm={s.norm!r}, min_numel={s.min_numel}, "
-                f"error_feedback={s.error_feedback}, reduction={s.reduction!r})")
+                f"bucket_size={self.fixed_bucket_size}, "
+                f"{self.settings.described(('norm', 'min_numel', 'error_feedback', 'reduction'), hidden=('bits',))})")
 
     def _policy(self, framework: str) -> ScheduledBits:
         return ScheduledBits(self.settings, self.schedule_args, self.fixed_bucket_size)
+
+
+def _own_signature(cls: type, more: Optional[inspect.Signature] = None, taken: Tuple[str, ...] = ()) -> inspect.Signature:
+    """What ``help()`` and ``inspect`` show for a subclass of QSGD with an ``__init__`` of its own
+    (not QSGD's settings signature, which it would inherit): its parameters, then those of ``more``
+    it passes on by name (keyword-only), but ``taken``."""
+    own = [p for p in inspect.signature(cls.__init__).parameters.values()
+           if p.name != "self" and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    names = {p.name for p in own} | set(taken)
+    passed = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in (more.parameters.values() if more else ())
+              if p.name not in names]
+    return inspect.Signature(own + passed)
+
+
+DynamicQSGD.__signature__ = _own_signature(DynamicQSGD, QSGD.__signature__, taken=("bits",))

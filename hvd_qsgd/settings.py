@@ -16,7 +16,7 @@ import itertools
 import math
 import threading
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from hvd_qsgd import codec, cost_model, protocol
 
@@ -161,6 +161,15 @@ class Settings:
         params += [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default)
                    for name, default in extra.items()]
         return inspect.Signature(params)
+
+    def described(self, always: Tuple[str, ...], hidden: Tuple[str, ...] = ()) -> str:
+        """``name=value, ...`` of the settings named in ``always``, then of every other one that is not
+        ``make``'s default (but those ``hidden``: fixed by the compressor class): a compressor's repr."""
+        mine = asdict(self)
+        defaults = {n: p.default for n, p in inspect.signature(Settings.make).parameters.items()}
+        shown = list(always) + [k for k, v in mine.items() if k in defaults and k not in always and k not in hidden
+                                and k != "bucket_size" and v != defaults[k]]
+        return ", ".join(f"{k}={mine[k]:g}" if isinstance(mine[k], float) else f"{k}={mine[k]!r}" for k in shown)
 
     def replace(self, **changes: Any) -> "Settings":
         """These settings with some fields changed (checked as ``make`` checks them)."""

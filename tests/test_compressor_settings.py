@@ -1,4 +1,6 @@
 """hvd_qsgd.QSGD's settings, defaults and statistics, without a Horovod job."""
+import inspect
+
 import numpy as np
 import pytest
 
@@ -108,6 +110,26 @@ def test_encoder_is_a_shared_setting_2_by_default_1_with_the_tag_of_earlier_rele
     dqsgd = hvd_qsgd.DynamicQSGD(3.0, encoder=1)._policy("torch")   # the settings of each step's bits
     assert [dqsgd.settings_of_bits(b).encoder for b in dqsgd.bits_range()] == [1] * len(dqsgd.bits_range())
     assert "encoder=1" in repr(hvd_qsgd.QSGD(4, encoder=1)) and "encoder" not in repr(hvd_qsgd.QSGD(4))
+
+
+def test_each_compressor_class_shows_the_parameters_it_takes_and_every_setting_that_is_not_the_default():
+    """inspect/help show DynamicQSGD's and BlockSign's own parameters (not QSGD's, which they would
+    inherit), and every parameter shown is taken; the repr names every setting off its default, so
+    two compressors that differ never print alike."""
+    dqsgd, block = inspect.signature(hvd_qsgd.DynamicQSGD), inspect.signature(hvd_qsgd.BlockSign)
+    assert list(dqsgd.parameters)[0] == "budget_bits_per_coord" and "bits" not in dqsgd.parameters
+    assert list(block.parameters)[0] == "block_size" and "bits" not in block.parameters and "norm" not in block.parameters
+    for cls, sig in ((hvd_qsgd.DynamicQSGD, dqsgd), (hvd_qsgd.BlockSign, block)):
+        cls(**{name: p.default for name, p in sig.parameters.items()})   # every parameter shown is taken
+    with pytest.raises(TypeError):
+        hvd_qsgd.BlockSign(norm="l2")
+    plain = repr(hvd_qsgd.QSGD(4))
+    for extra in (dict(seed=3), dict(checksum=False), dict(fusion_mb=64), dict(overlap=True)):
+        shown = repr(hvd_qsgd.QSGD(4, **extra))
+        assert shown != plain and all(f"{k}=" in shown for k in extra), shown
+        assert all(f"{k}=" in repr(hvd_qsgd.DynamicQSGD(3.0, **extra)) for k in extra)
+    assert "coding='elias'" in repr(hvd_qsgd.DynamicQSGD(3.0, coding="elias"))
+    assert "checksum=False" in repr(hvd_qsgd.BlockSign(checksum=False)) and "norm" not in repr(hvd_qsgd.BlockSign())
 
 
 def test_stats_have_the_same_keys_before_and_after_use():
