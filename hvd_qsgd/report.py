@@ -53,8 +53,6 @@ def summary(stats: Dict[str, Any], links_gbps: Iterable[float] = DEFAULT_LINKS_G
         "tensors": int(stats.get("tensors", 0)),
         "bytes_sent": int(stats.get("bytes_sent", 0)),
         "bytes_received": int(received),
-        "cross_bytes_sent": int(stats.get("cross_bytes_sent", 0)),
-        "cross_bytes_received": int(stats.get("cross_bytes_received", 0)),
         "fp32_allreduce_bytes": int(fp32),
         "bytes_saved": int(saved),
         "encode_s": float(stats.get("encode_s", 0.0)),
@@ -64,6 +62,8 @@ def summary(stats: Dict[str, Any], links_gbps: Iterable[float] = DEFAULT_LINKS_G
         "break_even_gbps": (saved * 8e-9 / codec_s) if codec_s > 0 and saved > 0 else None,
         "projected_change_s": {},
     }
+    if "cross_bytes_sent" in stats:   # (not counted by the TensorFlow adapter: no keys, not zeros)
+        out.update(cross_bytes_sent=int(stats["cross_bytes_sent"]), cross_bytes_received=int(stats["cross_bytes_received"]))
     for gbps in links_gbps:
         gbps = float(gbps)
         if not gbps > 0:
@@ -76,8 +76,9 @@ def format_summary(s: Dict[str, Any], name: str = "hvd_qsgd") -> str:
     """The summary as a few lines of text."""
     lines = [f"{name}: {s['tensors']} compressed exchanges; received {s['bytes_received']:,} bytes where an fp32 "
              f"allreduce would have received {s['fp32_allreduce_bytes']:,} (saved {s['bytes_saved']:,})",
-             f"  to and from other nodes: sent {s.get('cross_bytes_sent', 0):,} bytes, received "
-             f"{s.get('cross_bytes_received', 0):,}",
+             (f"  to and from other nodes: sent {s['cross_bytes_sent']:,} bytes, received "
+              f"{s['cross_bytes_received']:,}" if "cross_bytes_sent" in s else
+              "  to and from other nodes: not counted (the TensorFlow adapter does not count them)"),
              f"  codec time {s['codec_s']:.3f} s (encode {s['encode_s']:.3f}, decode {s['decode_s']:.3f}); "
              f"waiting for collectives {s['wait_s']:.3f} s"]
     be = s["break_even_gbps"]

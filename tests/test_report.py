@@ -31,6 +31,16 @@ def test_summary_states_bytes_saved_and_the_projection_per_link():
         report.summary(stats(), (0,))
 
 
+def test_the_cross_node_bytes_are_said_as_counted_or_not():
+    """PyTorch and mpi4py count the bytes to and from other nodes; TensorFlow's stats have no such
+    keys, and its summary says they were not counted rather than "sent 0 bytes"."""
+    counted = report.format_summary(report.summary(stats(cross_bytes_sent=1234, cross_bytes_received=56)))
+    assert "to and from other nodes: sent 1,234 bytes, received 56" in counted
+    tf_stats = {k: v for k, v in stats().items() if not k.startswith("cross_")}
+    text = report.format_summary(report.summary(tf_stats))
+    assert "to and from other nodes: not counted" in text and "sent 0" not in text
+
+
 def test_a_fresh_compressor_summarises_to_zeros():
     s = hvd_qsgd.QSGD(4).summary()
     assert s["bytes_saved"] == 0 and s["codec_s"] == 0 and s["break_even_gbps"] is None
