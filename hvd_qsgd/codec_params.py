@@ -74,6 +74,8 @@ def make_config(bits: int = 4, bucket_size: int = 512, norm: str = "max", seed: 
                 encoder: int = DEFAULT_ENCODER) -> "_native.Config":
     """The kernels' encoder configuration, every parameter checked (ValueError naming it)."""
     encoder = check_encoder(encoder)
+    if not is_bool(checksum):
+        raise ValueError(f"checksum must be True or False, got {checksum!r}")
     cfg = _native.Config(
         bits=_check_bits(bits), coding=_check_choice("coding", coding, CODINGS),
         norm=_check_choice("norm", norm, NORMS), dtype=_check_choice("dtype", dtype, DTYPES),
