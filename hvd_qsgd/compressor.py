@@ -61,8 +61,10 @@ class QSGD(errors.NotCopied):
                      scatter_allgather for large ones), "allgather" (every rank receives every
                      payload: (n-1) P bytes) or "scatter_allgather" (alltoall of chunks, reduce,
                      allgather of the re-quantized chunks: 2 (n-1)/n P bytes, flat in n; see
-                     ``hvd_qsgd.reduction``) or "hierarchical" (PyTorch: reduce inside each node in
-                     float32, compress only across nodes: (c-1) P bytes leave a node of the c;
+                     ``hvd_qsgd.reduction``) or "hierarchical" (reduce inside each node in float32,
+                     compress only across nodes: (c-1) P bytes leave a node of the c by an
+                     allgather among the nodes, about 2 (c-1)/c P by a scatter_allgather, which
+                     PyTorch and mpi4py pick for 3 nodes or more and large shards;
                      ``hvd_qsgd.exchange.hierarchical``, docs/reduction.md)
     server_error_feedback: with scatter_allgather, the rank that reduces chunk j keeps the residual
                      of its re-quantization and adds it to chunk j's sum next time (two-way error
