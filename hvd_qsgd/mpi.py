@@ -88,6 +88,7 @@ class QSGDReducer:
         self.comm = comm
         self.collectives = MpiCollectives()
         self.runner = ExchangeRunner(self.collectives, 0, self.settings, FixedBits(self.settings), owner=repr(self))
+        self.collectives.stats = self.runner.stats   # (the seconds its collectives block: wait_s)
         self._occurrences = {}
         self._node_size = None   # learnt by the first allreduce (a collective)
 

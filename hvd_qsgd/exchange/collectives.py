@@ -19,6 +19,7 @@ alike, returns a handle at once, and completes in the background:
 ``interrupts`` names the library's exceptions that must reach the caller unchanged (an elastic
 run resets on them: Horovod's ``HorovodInternalError`` and ``HostsUpdatedInterrupt``).
 """
+import time
 from typing import Any, List, Sequence, Tuple
 
 
@@ -55,16 +56,26 @@ class Done:
 class BlockingCollectives(Collectives):
     """A library whose collectives block: each runs when started and its handle is ``Done``.
     Subclasses implement ``run_allreduce``, ``run_allgather`` and ``run_alltoall`` (the latter
-    returning (received, received splits))."""
+    returning (received, received splits)). ``stats``, where set (a ``Stats``), counts the seconds
+    they block in ``wait_s``, as waiting on a handle counts them elsewhere."""
+
+    stats = None
+
+    def _blocking(self, run, *args):
+        t0 = time.perf_counter()
+        out = run(*args)
+        if self.stats is not None:
+            self.stats.add(wait_s=time.perf_counter() - t0)
+        return Done(out)
 
     def allreduce(self, array, name, group):
-        return Done(self.run_allreduce(array, group))
+        return self._blocking(self.run_allreduce, array, group)
 
     def allgather(self, array, name, group):
-        return Done(self.run_allgather(array, group))
+        return self._blocking(self.run_allgather, array, group)
 
     def alltoall(self, array, splits, name, group):
-        return Done(self.run_alltoall(array, [int(v) for v in splits], group))
+        return self._blocking(self.run_alltoall, array, [int(v) for v in splits], group)
 
     def poll(self, handle):
         return True

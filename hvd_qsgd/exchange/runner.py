@@ -375,10 +375,11 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             start(e)
 
     def run_in_order(self, ex, alpha):
-        """The exchange's stages one after another, without presence or control vector, for a
-        library whose collectives block and are matched by call order, where the caller has checked
-        that every rank runs the same exchange (``hvd_qsgd.mpi``): the result, alpha * sum."""
-        return run_stages(self, ex, alpha)
+        """alpha * sum: the stages one after another, without presence or control vector, for blocking
+        collectives matched by call order, every rank's exchange checked alike (``hvd_qsgd.mpi``)."""
+        out = run_stages(self, ex, alpha)
+        self.stats.add(allreduce_bytes=cost_model.fp32_allreduce_bytes(len(ex.set_ranks), ex.expect.numel))
+        return out
 
     # -- elastic training ---------------------------------------------------------------------
 

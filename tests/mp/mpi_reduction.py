@@ -10,7 +10,7 @@ import sys
 import numpy as np
 from mpi4py import MPI
 
-from hvd_qsgd import codec, protocol, reduction
+from hvd_qsgd import codec, cost_model, protocol, reduction
 from hvd_qsgd.mpi import QSGDReducer
 from tests import references
 
@@ -63,6 +63,10 @@ def scenario(comm, name):
                 assert out.dtype == dtype and out.shape == xs[rank].shape
                 assert np.array_equal(out, ref.astype(dtype)), f"{name} t{i}: max diff {np.abs(out - ref).max()}"
                 identical(comm, out)
+        # counted as the Horovod adapters count: what an fp32 ring allreduce would have received, and
+        # the seconds the blocking collectives took as waiting
+        fp32 = sum(2 * cost_model.fp32_allreduce_bytes(n, numel) for numel in (20000, 1000, 30000, 400000))
+        assert r.stats["allreduce_bytes"] == fp32 and r.stats["wait_s"] > 0, r.stats
         small = r.allreduce(np.arange(5, dtype=np.float64) * rank, "raw")   # float64: uncompressed
         assert np.array_equal(small, np.arange(5) * (n - 1) / 2)
         # integers go uncompressed; an Average is the sum times 1/n truncated toward zero, as Horovod's
