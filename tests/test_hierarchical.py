@@ -31,12 +31,12 @@ def test_hierarchical_equals_the_three_stage_reference_on_every_rank(np_, contro
 
 def test_tensorflow_hierarchical_equals_the_reference_on_every_rank():
     """The same chain through Horovod's TensorFlow allreduce (its cross stage an allgather): exact
-    eagerly, over three traced steps with error feedback, and where "auto" resolves to it, bytes
-    counted; layouts that differ fail the control check on every rank; with the last rank joined
-    (hvd.join), the others' exchanges give Horovod's joined result."""
-    out = launch(4, "gloo", ["tests/mp/tf_hierarchical.py", "exact", "traced-error-feedback", "auto",
+    eagerly, over three traced steps with error feedback, in a tape step of three gradients, and
+    where "auto" resolves to it, bytes counted; layouts that differ fail the control check on every
+    rank; with the last rank joined (hvd.join), the others' exchanges give Horovod's joined result."""
+    out = launch(4, "gloo", ["tests/mp/tf_hierarchical.py", "exact", "traced-error-feedback", "tape-step", "auto",
                              "layouts-differ", "joined"], timeout=300, env={"HVD_QSGD_RANKS_PER_NODE": "2"})
-    for scenario in ("exact", "traced-error-feedback", "auto", "joined"):
+    for scenario in ("exact", "traced-error-feedback", "tape-step", "auto", "joined"):
         assert len(re.findall(rf"OK {scenario}\b", out)) == 4, out[-3000:]
     raised = re.findall(r"RAISED InvalidArgumentError: (.*?)(?=RAISED|OK|\n|$)", out)
     assert len(raised) == 4 and all("disagree" in m or "settings" in m for m in raised), out[-3000:]

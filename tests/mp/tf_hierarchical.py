@@ -1,8 +1,8 @@
 """Worker for tests/test_hierarchical.py's TensorFlow case under horovodrun with
 HVD_QSGD_RANKS_PER_NODE=2: the hierarchical reduction through Horovod's TensorFlow allreduce equals
 the single-process reference of its three stages (``tests.references.hierarchical``, its cross
-stage an allgather, as TensorFlow runs it) bit for bit on every rank, eagerly and in a traced step
-with error feedback, and where "auto" resolves to it; counts what it sent; ranks that disagree on the
+stage an allgather, as TensorFlow runs it) bit for bit on every rank, eagerly, in a traced step
+with error feedback and in a traced tape step of three gradients, and where "auto" resolves to it; counts what it sent; ranks that disagree on the
 layout raise on every rank; a join is carried through.
 Prints ``OK <scenario>`` or ``RAISED <type>: <message>``."""
 import os
@@ -79,6 +79,33 @@ def traced_error_feedback():
     assert not foldable_collectives(gd), foldable_collectives(gd)  # every collective runs at every step
 
 
+def tape_step():
+    """Horovod's gradient tape in a tf.function, three gradients in one step, two steps: each
+    exchange equals its reference. (Grappler rewrites these branches, renaming their ops after the
+    ``Case`` op: under the last component of its name alone, Horovod took the three exchanges'
+    collectives for one tensor's.)"""
+    rank, n = hvd.rank(), hvd.size()
+    c = hvd_qsgd.tensorflow.QSGD(4, seed=SEED, reduction="hierarchical", min_numel=1)
+    sizes = (20000, 5001, 30001)
+    ws = [np.random.default_rng(10 * rank + i).standard_normal(m).astype(np.float32) for i, m in enumerate(sizes)]
+    vs = [tf.Variable(tf.zeros([m])) for m in sizes]
+
+    @tf.function
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.add_n([tf.reduce_sum(v * w) for v, w in zip(vs, ws)])
+        return hvd.DistributedGradientTape(tape, compression=c).gradient(loss, vs)
+    wanted = [gather(w, f"tape{i}") for i, w in enumerate(ws)]
+    for k in range(2):
+        outs = step()
+        exchanges = [name for name, _ in c.traced_exchanges[-len(sizes):]]
+        for out, xs, m, exchange in zip(outs, wanted, sizes, exchanges):
+            seeds = [protocol.payload_seed(SEED, r, exchange, k) for r in range(n)]
+            ref, _ = references.hierarchical(xs, c.settings, seeds, PER_NODE, 1.0 / n,
+                                             codec.tensor_fingerprint("", [m], "float32"), cross_stage="allgather")
+            assert np.array_equal(out.numpy(), ref), f"step {k}, {m} elements: max diff {np.abs(out.numpy() - ref).max()}"
+
+
 def auto():
     """reduction="auto" on nodes of 2 ranks, told the link inside a node is 200 Gbit/s
     (HVD_QSGD_INTRA_GBITS, alike on every rank): a 1M-element tensor resolves to the hierarchical
@@ -134,7 +161,8 @@ def joined():
 def main():
     hvd.init()
     for name in sys.argv[1:]:
-        if {"exact": exact, "traced-error-feedback": traced_error_feedback, "auto": auto,
+        if {"exact": exact, "traced-error-feedback": traced_error_feedback, "tape-step": tape_step,
+                "auto": auto,
                 "layouts-differ": layouts_differ, "joined": joined}[name]() is not False:
             print(f"OK {name}", flush=True)
 
