@@ -270,7 +270,8 @@ def reinit():
     backward()
     opt.step()
     backward()                    # the step that fails: its exchanges are left unfinished
-    hvd.shutdown()
+    hvd.barrier()                 # (every rank's collectives started: a rank that shut down while another
+    hvd.shutdown()                # was still starting them failed that one's backward, on a loaded machine)
     hvd.init()
     opt.load_state_dict(opt.state_dict())
     with logged() as seen:
