@@ -136,6 +136,24 @@ def test_keras3_optimizer_takes_horovods_arguments_and_says_which_mean_nothing()
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
 
 
+def test_the_elastic_state_finds_the_compressor_of_the_keras3_optimizer():
+    """As hvd_qsgd.torch.elastic.TorchState finds Horovod's optimizer's: not passed, it is carried
+    all the same (counters rolled back, residuals dropped at a reset); passed, it is carried once."""
+    import keras
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    import hvd_qsgd.tensorflow.keras as hqk
+    from hvd_qsgd.tensorflow import elastic
+    hvd.init()
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    c = hvd_qsgd.QSGD(4)
+    opt = hqk.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=c)
+    assert [s.name for s in elastic.TensorFlowKerasState(model, opt, step=0)._compressors] == ["optimizer.compression"]
+    assert [s.name for s in elastic.TensorFlowKerasState(model, opt, compression=c)._compressors] == ["compression"]
+    plain = hqk.DistributedOptimizer(keras.optimizers.SGD(0.1))
+    assert elastic.TensorFlowKerasState(model, plain)._compressors == []
+
+
 @pytest.mark.parametrize("keras,case", [(k, c) for k in KERAS for c in CASES] + [("keras3", "loss_scaler")])
 def test_fit_through_the_dropin_with_every_callback(keras, case):
     out = launch_once(2, "gloo", (WORKER, keras), timeout=240)

@@ -30,8 +30,8 @@ a failed control check, included). A reset is ``hvd.shutdown()`` then ``hvd.init
 (Keras 3, or tf.Variables; the optimizer is built for the model's trainable variables if it is not
 yet, so that a new worker has the same variables before its first step), the QSGD compressors among
 ``kwargs`` (``hvd_qsgd.QSGD`` or ``hvd_qsgd.tensorflow.QSGD``, kept as attributes of those names;
-pass the optimizer's compressor here: a Keras 3 ``DistributedOptimizer`` does not expose it), and any
-other keyword as a Python value (Horovod's ``ObjectState``). What happens, for the variables:
+the compressor of the package's Keras 3 ``DistributedOptimizer`` given as ``optimizer`` is found
+even when it is not passed), and any other keyword as a Python value (Horovod's ``ObjectState``). What happens, for the variables:
 commit copies them to host memory, restore assigns the copy back, sync assigns rank 0's values
 (``hvd.broadcast_variables``). For each compressor:
 
@@ -225,6 +225,9 @@ class TensorFlowKerasState(ObjectState):
             compression = kwargs.pop(k)
             self._compressors.append(CompressorState(compression, k))
             setattr(self, k, compression)
+        inner = getattr(optimizer, "compression", None)   # (the package's Keras 3 DistributedOptimizer's)
+        if is_qsgd(inner) and all(tf_adapter(inner) is not tf_adapter(c.compression) for c in self._compressors):
+            self._compressors.append(CompressorState(inner, "optimizer.compression"))
         super().__init__(bcast_object=broadcast_object, get_rank=hvd.rank, **kwargs)
 
     def save(self):

@@ -235,4 +235,4 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
                 local[id(v)] = v
 
     return wrap(optimizer, WHO, {"apply": apply, "register_local_var": register_local_var,
-                                 "process_set": process_set})
+                                 "process_set": process_set, "compression": compression})
