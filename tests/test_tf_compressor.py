@@ -618,3 +618,24 @@ def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
         assert c["branches"] == 4 and c["chained"] == [], c
         assert c["verdicts"] == ([False] * 4 if c["join"] else []), c
         assert c["tallies"] == (3 if c["join"] else 2) * 4 and c["assign_adds"] == 4, c
+
+
+def test_a_compressor_is_refused_in_a_second_graph_naming_both():
+    """A compressor's TensorFlow state lives where its first exchange made it (a v1 tf.Graph here):
+    used eagerly after that, or in another graph, it says so, instead of TensorFlow's "out of scope"
+    error naming one of its counter variables."""
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    hvd.init()
+    c = hvd_qsgd.QSGD(4, min_numel=1)
+    with tf.Graph().as_default():
+        hvd.allreduce(tf.ones([100]), compression=c, name="first")
+    with pytest.raises(ValueError, match=r"compressor \d+ was used in tf.Graph 0x[0-9a-f]+, .* and now in eager "
+                                         r"execution: make one compressor for each tf.Graph"):
+        hvd.allreduce(tf.ones([100]), compression=c, name="eager")
+    with tf.Graph().as_default(), pytest.raises(ValueError, match=r"and now in tf.Graph 0x"):
+        hvd.allreduce(tf.ones([100]), compression=c, name="second")
+    eager = hvd_qsgd.QSGD(4, min_numel=1)
+    hvd.allreduce(tf.ones([100]), compression=eager, name="eager")
+    tf.function(lambda: hvd.allreduce(tf.ones([100]), compression=eager, name="traced"))()   # both eager: fine

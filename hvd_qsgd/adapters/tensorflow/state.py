@@ -35,6 +35,7 @@ class TensorFlowState:
         exchange's variables: ``<function>:<position>`` within the current trace of the nearest
         enclosing tf.function (tf.cond/while branches are part of their function), so that a retrace
         finds the variables its first trace created. None in eager execution."""
+        self._check_home()
         seq = self.names.next_seq()
         with self._lock:
             if tf.executing_eagerly():
@@ -48,6 +49,20 @@ class TensorFlowState:
             key = f"{getattr(g, 'name', 'graph')}:{position}"
         self._check_holder(key)
         return seq, key
+
+    def _check_home(self):
+        """The compressor's variables live where its first exchange made them, wherever
+        ``tf.init_scope`` lifts to: eager (tf.function steps included) or a ``tf.Graph`` of a v1
+        program. Another is refused, naming both, where TensorFlow's own error named a counter
+        variable "out of scope" or "from another graph"."""
+        with tf.init_scope():
+            here = "eager execution" if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        home = self.__dict__.setdefault("_home", here)
+        if home is not here:
+            home, here = (f"tf.Graph {id(g):#x}" if isinstance(g, tf.Graph) else g for g in (home, here))
+            raise ValueError(f"hvd_qsgd: compressor {self._creation_index} was used in {home}, where its TensorFlow "
+                             f"state (counters, residuals) lives, and now in {here}: make one compressor for each "
+                             "tf.Graph, and one for eager and tf.function steps")
 
     def _check_holder(self, key):
         """A state key is held by the variable whose gradient its exchange first carried: another
