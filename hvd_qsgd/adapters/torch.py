@@ -129,9 +129,9 @@ class TorchCompressor(errors.NotCopied, Compressor):
         # (the tensor, where the result must carry its gradient back to it)
         graph_input = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         ex.origin, ex.fault = (shape, dtype, device, graph_input), place.fault or ex.fault
-        # Horovod's optimizer names the control vector's allreduce: its first collective may wait for
-        # a decompress (no collective started here moves the handle numbers of unnamed ones)
-        ex.defer = caller.name is not None
+        # its first collective waits for a decompress: none started here moves the handle numbers
+        # that name unnamed collectives (an unnamed one's, even under overlap: its call is synchronous)
+        ex.defer = "named" if caller.name is not None else "unnamed"
         return ex, caller.optimizer
 
     @staticmethod

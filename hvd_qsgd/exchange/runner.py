@@ -33,16 +33,15 @@ user's next unnamed collective different names on the two ranks, and it hung (do
 (a fusion buffer's as it closes), on every rank alike, and makes no presence allreduce (no
 ``hvd.join`` then).
 
-A deferred exchange (a gradient from Horovod's optimizer, by default) makes no presence allreduce
-where nothing needs one: the ranks that stepped for the exchange decompressed first step for every
-exchange of that step, so its reduced control vector, where it passes, says what their presence
-allreduces would. Their first collectives then start at that decompress, on every rank alike (the
-verdict is a function of the reduced vector, the same on every rank): one Horovod operation fewer
-per tensor, and no more rounds (the presence allreduces completed with the control vectors). Only
-the optimizer's exchanges defer: an unnamed ``hvd.allreduce(t, compression=...)``, whose control
-vector Horovod names by its handle count, keeps its presence allreduce in compress, so that ranks
-configured with and without ``overlap`` (which starts a collective in compress) take the same
-handle numbers and fail the check instead of hanging.
+A deferred exchange (PyTorch's, by default) makes no presence allreduce where nothing needs one:
+the ranks that stepped for the exchange decompressed first step for every exchange of that step, so
+its reduced control vector, where it passes, says what their presence allreduces would. Their first
+collectives then start at that decompress, on every rank alike (the verdict is a function of the
+reduced vector, the same on every rank): one Horovod operation fewer per tensor, and no more rounds.
+An unnamed ``hvd.allreduce(t, compression=...)``, whose control vector Horovod names by its handle
+count, defers even under ``overlap`` (the call is synchronous: nothing to overlap): a rank that does
+not compress the tensor (another dtype, ``min_numel``, compressor) starts nothing in compress
+either, so the ranks' handle numbers stay alike and Horovod raises its mismatch instead of hanging.
 
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
 (Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
@@ -179,7 +178,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         if ex.settings.fusion and ex.reduction == "allgather" and not ex.alone:  # its fused exchange carries it
             self.fusion.add(ex, self.start)
             return
-        if (ex.settings.overlap or ex.direct) and ex.reduction in OVERLAPPED:
+        if (ex.settings.overlap and ex.defer != "unnamed" or ex.direct) and ex.reduction in OVERLAPPED:
             self._start_now(ex)
             return
         if ex.defer and ex.reduction in OVERLAPPED:  # started at a decompress (``_start_deferred``)

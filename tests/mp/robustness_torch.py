@@ -14,6 +14,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 import horovod.torch as hvd
+from horovod.common.exceptions import HorovodInternalError
 
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
@@ -216,6 +217,26 @@ def case_integers(n, rank):
         assert "is not supported" in errors[0][1], errors
 
 
+def case_unnamed_mismatch(n, rank):
+    """An unnamed hvd.allreduce that rank 0 does not compress and the others do (another dtype,
+    another compressor, a min_numel above the tensor; the others with overlap too): Horovod's own
+    mismatch error on every rank, as without compression, and the job goes on. (The compressing
+    ranks start nothing in compress: Horovod names an unnamed collective by its handle count, and a
+    collective started there on some ranks only left the control vectors' allreduces under
+    different names, waiting forever.)"""
+    cases = [(torch.int32 if rank == 0 else torch.float32, hvd_qsgd.QSGD(4)),
+             (torch.float32, hvd.Compression.none if rank == 0 else hvd_qsgd.QSGD(4)),
+             (torch.float32, hvd_qsgd.QSGD(4, min_numel=10 ** 6) if rank == 0 else hvd_qsgd.QSGD(4, overlap=True))]
+    for i, (dtype, comp) in enumerate(cases):
+        try:
+            hvd.allreduce(torch.ones(20000, dtype=dtype), compression=comp)
+        except HorovodInternalError as e:
+            assert "Mismatched" in str(e), (i, str(e))
+        else:
+            raise AssertionError(f"case {i}: no error")
+        assert torch.equal(hvd.allreduce(torch.ones(3), name=f"after.{i}"), torch.ones(3))
+
+
 def case_sparse(n, rank):
     """Sparse gradients: Horovod's sparse path (the compressor is not called), or with
     sparse_as_dense=True the dense gradient, compressed like any other; hvd.allreduce of a sparse
@@ -287,7 +308,8 @@ def case_meta_device(n, rank):
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
-         "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device}
+         "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
+         "unnamed-mismatch": case_unnamed_mismatch}
 
 
 def main():
