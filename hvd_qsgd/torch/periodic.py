@@ -40,7 +40,6 @@ averages the same x^ at the same steps), and make it with ``broadcast=False`` (t
 state's sync broadcasts instead.
 """
 import os
-
 from typing import Any, Iterable, Optional, Tuple
 
 import torch

@@ -55,8 +55,10 @@ class TensorFlowState:
         ``tf.init_scope`` lifts to: eager (tf.function steps included) or a ``tf.Graph`` of a v1
         program. Another is refused, naming both, where TensorFlow's own error named a counter
         variable "out of scope" or "from another graph"."""
-        with tf.init_scope():
-            here = "eager execution" if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+        here = "eager execution"
+        if not tf.executing_eagerly():   # (eagerly, no scope to lift out of: every eager exchange is here)
+            with tf.init_scope():
+                here = "eager execution" if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
         home = self.__dict__.setdefault("_home", here)
         if home is not here:
             home, here = (f"tf.Graph {id(g):#x}" if isinstance(g, tf.Graph) else g for g in (home, here))
