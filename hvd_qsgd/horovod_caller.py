@@ -152,6 +152,22 @@ def horovod_caller(ours: int = 0) -> Caller:
     return Caller(process_set, name, where, parameter, late, optimizer)
 
 
+def horovod_frame(ours: int = 0) -> Any:
+    """The frame of the Horovod function that called the compressor (past this package's frames and
+    a user's ``compress`` wrapping it; ``ours`` as ``horovod_caller``'s), or None where the caller is
+    not Horovod's: what tells one unnamed Horovod call from the next (``hvd_qsgd.exchange.deferred``)."""
+    try:
+        frame = sys._getframe(1 + ours)
+    except ValueError:
+        return None
+    while frame is not None:
+        kind = _KINDS.get(frame.f_code) or _kind(frame)
+        if kind is not PASSED_OVER:
+            return frame if kind is not OTHER else None
+        frame = frame.f_back
+    return None
+
+
 def _describe(process_set: Any, ranks) -> str:
     """A process set as messages name it."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:

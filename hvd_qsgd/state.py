@@ -19,6 +19,13 @@ TensorFlow, whose op names take no dots):
 The control vector proves that every rank gave the same tensor the same name before anyone waits
 on it (``hvd_qsgd.protocol``).
 
+Unnamed calls. Horovod's ``hvd.allreduce(t, compression=...)`` raises between compress and decompress
+at a mismatch between ranks (one rank's tensor of another dtype, or not compressed): the exchanges
+of that call keep what they hold (a numbered slot the other ranks do not hold, a deferred start),
+and every later call of the compressor would fail or wait. ``UnnamedCalls`` notes, per thread, the
+frame of Horovod's last unnamed call and what its exchanges hold until their decompress; a new call
+on that thread (another frame) is handed what the earlier one left, to let go of.
+
 Residuals. ``ResidualStore`` keeps, per key, the residual e of worker error feedback, the learning
 rate it was made at, and the server residual of scatter_allgather's reducing rank; the rules it
 applies are ``hvd_qsgd.error_feedback``'s. The values are whatever the adapter stores (torch
@@ -82,6 +89,7 @@ class ExchangeNames:
         self.pending = 0          # exchanges between compress and decompress
         self.position = 0         # position within the current step
         self._seeds: Dict[tuple, int] = {}   # the parameters' base payload seeds (``payload_seed``)
+        self.calls = UnnamedCalls()   # the slots of each thread's last unnamed call (``take_call_slot``)
 
     def name(self, label: str) -> str:
         return f"{self.prefix}{self.sep}{label}"
@@ -103,11 +111,29 @@ class ExchangeNames:
         self.slots.add(slot)
         return slot
 
+    def take_call_slot(self, frame: Any) -> int:
+        """``take_slot`` for an exchange of the unnamed call of Horovod's running in ``frame`` (None:
+        not Horovod's), after letting go of the slots an earlier call on this thread left (logged:
+        see "Unnamed calls")."""
+        if frame is None:
+            return self.take_slot()
+        left = self.calls.begin(frame)
+        if left:
+            log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of compressor %s on this thread were "
+                        "never decompressed (its collective raised, as at a mismatch between ranks); their names "
+                        "are free again", len(left), self.prefix)
+        with self._lock:
+            self.slots.difference_update(left)
+            slot = self._take_slot()
+        self.calls.hold(frame, slot)
+        return slot
+
     def release_slot(self, slot: Optional[int]) -> None:
         """Free a slot once every rank has waited for its exchange's collectives."""
         if slot is not None:
             with self._lock:
                 self.slots.discard(slot)
+            self.calls.end(slot)
 
     def route(self, param: Optional[str]) -> Route:
         """The route of the next exchange of a tensor (``param``: its parameter's name, or None)."""
@@ -154,6 +180,7 @@ class ExchangeNames:
             self.position = 0
             self.in_flight = set()
             self.slots = set()
+        self.calls.clear()
 
     def counters(self) -> Dict[str, Any]:
         """What names and seeds the next exchanges: numbered exchanges so far, exchanges per name."""
@@ -225,6 +252,46 @@ def state_by_key(settings: Any, observes: bool) -> Optional[str]:
             + (["server error-feedback residuals"] if settings.server_error_feedback else [])
             + (["bit-width schedules"] if observes else []))
     return " and ".join(kept) or None
+
+
+class UnnamedCalls:
+    """What each thread's last unnamed Horovod call holds (see the module docstring). Thread-safe."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._calls: Dict[int, tuple] = {}   # thread -> (Horovod's frame of its call, what it holds)
+
+    def begin(self, frame: Any) -> list:
+        """Before a tensor of the call running in ``frame`` opens: what this thread's earlier call
+        left (another frame's), now forgotten; [] where nothing was left."""
+        thread = threading.get_ident()
+        with self._lock:
+            call = self._calls.get(thread)
+            if call is None or call[0] is frame:
+                return []
+            del self._calls[thread]
+            return call[1]
+
+    def hold(self, frame: Any, item: Any) -> None:
+        """The call running in ``frame`` holds ``item`` until ``end(item)``."""
+        with self._lock:
+            self._calls.setdefault(threading.get_ident(), (frame, []))[1].append(item)
+
+    def end(self, item: Any) -> None:
+        """``item`` is let go of at its decompress (on the thread of its call, which is synchronous);
+        the call's frame with the last of them."""
+        if self._calls:
+            thread = threading.get_ident()
+            with self._lock:
+                call = self._calls.get(thread)
+                if call is not None and item in call[1]:
+                    call[1].remove(item)
+                    if not call[1]:
+                        del self._calls[thread]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._calls = {}
 
 
 class StateHolders:

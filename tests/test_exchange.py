@@ -15,7 +15,7 @@ from hvd_qsgd.exchange.hierarchical import cross_reduction
 from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import REDUCTIONS, Settings
-from hvd_qsgd.state import Route
+from hvd_qsgd.state import ExchangeNames, Route, UnnamedCalls
 from tests import references
 
 
@@ -305,3 +305,33 @@ def test_a_residual_of_another_size_names_a_checkpoint_of_another_model_among_th
                                                          r"this rank encodes 300: load_state_dict loaded a checkpoint"):
             runner.encode(ex, x)
     on_threads(1, rank)
+
+
+def test_a_new_unnamed_call_on_a_thread_is_handed_what_the_earlier_one_left():
+    """``UnnamedCalls``: the exchanges of one call (one frame) stay together; what a call left at its
+    decompress-less end (its collective raised) goes to the next call of that thread only, and a call
+    that ended every exchange leaves nothing; ``take_call_slot`` frees the slots so left, so the next
+    call's names are what the other ranks, which held none, give theirs."""
+    first, second, third = object(), object(), object()   # (stand-ins for Horovod's frames)
+    calls = UnnamedCalls()
+    calls.hold(first, "a")
+    calls.hold(first, "b")
+    assert calls.begin(first) == []               # the same call: nothing to hand over
+    calls.end("a")
+    assert calls.begin(second) == ["b"]           # "b" never reached its decompress
+    assert calls.begin(third) == []               # handed over once
+    calls.hold(third, "c")
+    calls.end("c")
+    assert calls.begin(first) == []               # every exchange of "third" ended
+    seen = []
+    other = threading.Thread(target=lambda: seen.append(calls.begin(second)))
+    calls.hold(first, "d")
+    other.start()
+    other.join()
+    assert seen == [[]] and calls.begin(second) == ["d"]   # another thread's calls are its own
+    names = ExchangeNames(0)
+    assert names.take_call_slot(first) == 0 and names.take_call_slot(first) == 1
+    names.release_slot(1)                         # slot 0's exchange raised before its decompress
+    assert names.take_call_slot(second) == 0 and names.slots == {0}
+    names.release_slot(0)
+    assert names.take_call_slot(third) == 0 and names.take_slot() == 1

@@ -45,7 +45,7 @@ from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_
 from hvd_qsgd.adapters.torch_places import TensorPlaces
 from hvd_qsgd.exchange.chains import Exchange
 from hvd_qsgd.exchange.runner import ExchangeRunner
-from hvd_qsgd.horovod_caller import horovod_caller
+from hvd_qsgd.horovod_caller import horovod_caller, horovod_frame
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import Settings, next_creation_index
 from hvd_qsgd.state import checkpoint_origin, loadable, state_by_key
@@ -125,7 +125,8 @@ class TorchCompressor(errors.NotCopied, Compressor):
         shape, dtype = tensor.shape, tensor.dtype
         place = self._places.of(tensor, shape, dtype, device, caller, world, rank)
         ex = self.runner.open(place.param, numel, SOURCE_DTYPES[dtype], shape, device.type, place.ps, place.set_ranks,
-                              rank, world, ranks_per_node=place.per_node, place=place, alone=place.alone)
+                              rank, world, ranks_per_node=place.per_node, place=place, alone=place.alone,
+                              call=horovod_frame(ours=2) if caller.name is None else None)
         # (the tensor, where the result must carry its gradient back to it)
         graph_input = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         ex.origin, ex.fault = (shape, dtype, device, graph_input), place.fault or ex.fault

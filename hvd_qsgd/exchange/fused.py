@@ -57,7 +57,8 @@ class FusedGroups:
                     route=Route(name, name, 0, 0, None, None, slot), where=f"hvd_qsgd: fused exchange {name}",
                     reduction="fused", chain=FusedAllgatherChain, backend=ex.backend, group=ex.group,
                     set_ranks=ex.set_ranks, world=ex.world, global_rank=ex.global_rank, set_rank=ex.set_rank,
-                    nodes=ex.nodes, settings=ex.settings, members=[], lock=threading.Lock())
+                    nodes=ex.nodes, settings=ex.settings, members=[], lock=threading.Lock(),
+                    defer="unnamed" if ex.defer == "unnamed" else None)   # (``hvd_qsgd.exchange.deferred``)
             fused.members.append(ex)
             ex.fused = fused
         if opened:

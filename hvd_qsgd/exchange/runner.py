@@ -39,9 +39,11 @@ its reduced control vector, where it passes, says what their presence allreduces
 collectives then start at that decompress, on every rank alike (the verdict is a function of the
 reduced vector, the same on every rank): one Horovod operation fewer per tensor, and no more rounds.
 An unnamed ``hvd.allreduce(t, compression=...)``, whose control vector Horovod names by its handle
-count, defers even under ``overlap`` (the call is synchronous: nothing to overlap): a rank that does
-not compress the tensor (another dtype, ``min_numel``, compressor) starts nothing in compress
-either, so the ranks' handle numbers stay alike and Horovod raises its mismatch instead of hanging.
+count, defers whatever its reduction, even under ``overlap`` (the call is synchronous: nothing to
+overlap): a rank that does not compress the tensor (another dtype, ``min_numel``, compressor) starts
+nothing in compress either, so the ranks' handle numbers stay alike and Horovod raises its mismatch
+instead of hanging; the exchanges that mismatch left are forgotten at the next call
+(``hvd_qsgd.exchange.deferred``).
 
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
 (Horovod cannot carry those through a join): the stepping ranks allreduce decode(own payload(s))
@@ -60,6 +62,7 @@ from hvd_qsgd import backends, cost_model, protocol, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
+from hvd_qsgd.exchange.deferred import DeferredSteps
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
 from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps
@@ -75,7 +78,7 @@ NO_STAGES = threading.Event()
 NO_STAGES.set()
 
 
-class ExchangeRunner(ResidualSteps, JoinedSteps):
+class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
     """The exchanges of one compressor (see the module docstring): its names, residuals, statistics
     and stage driver. Thread-safe."""
 
@@ -94,21 +97,24 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         self._slowdown = report.SlowdownWatch(settings.link_bps())
         self._controls = {}   # the control vectors made so far, by what they say
         self.openings = Openings()   # what each tensor's exchanges start with (``open``)
-        self._deferred = {}   # by process set: exchanges compressed, no collective started yet
+        self._init_deferred()
         self._verdicts = collections.deque()   # the device's verdicts on results handed over, not yet read
         self.session, self.session_lock = None, threading.Lock()   # Horovod's session (``new_session``)
 
     # -- compress -----------------------------------------------------------------------------
 
     def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
-             where=None, ranks_per_node=None, place=None, alone=False):
+             where=None, ranks_per_node=None, place=None, alone=False, call=None):
         """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
         "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
         ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's.
         ``place``: an object the caller keeps for this tensor while these arguments hold for it (its
         opening is then found by it, ``hvd_qsgd.exchange.openings``). ``alone``: the tensor goes in no
         fused exchange or fusion buffer, which place tensors in the order they come: a gradient that
-        Horovod's optimizer hands over in an order that differs between ranks (its ``synchronize()``)."""
+        Horovod's optimizer hands over in an order that differs between ranks (its ``synchronize()``).
+        ``call``: the frame of the unnamed Horovod call it comes from (``begin_call``), or None."""
+        if call is not None:
+            self.begin_call(call)
         route = route or self.names.route(param)
         s = self.policy.settings_for(route.residual_key)
         if where is None:
@@ -118,7 +124,10 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
                                    global_rank, world, ranks_per_node, place, alone)
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
-        return Exchange.of(opening.fields, route=route, where=where)
+        ex = Exchange.of(opening.fields, route=route, where=where)
+        if call is not None:
+            self.calls.hold(call, ex)
+        return ex
 
     def open_exchange(self, route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank, world,
                       ranks_per_node, fingerprint=0):
@@ -180,13 +189,10 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             return
         if (ex.settings.overlap and ex.defer != "unnamed" or ex.direct) and ex.reduction in OVERLAPPED:
             self._start_now(ex)
-            return
-        if ex.defer and ex.reduction in OVERLAPPED:  # started at a decompress (``_start_deferred``)
-            ex.stage = "deferred"
-            with self.lock:
-                self._deferred.setdefault(ex.group, []).append(ex)
-            return
-        self._start_presence(ex)
+        elif self._defers(ex):  # started at a decompress (``_start_deferred``)
+            self._defer(ex)
+        else:
+            self._start_presence(ex)
 
     def _start_presence(self, ex):
         """The presence allreduce, after which the driver starts the chain (``_after_presence``)."""
@@ -288,8 +294,8 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         control vector (a NumPy array) checked; raises what went wrong, on every rank alike."""
         group = None if ex.fused is None else self.buffers if ex.reduction == "buffered" else self.fusion
         try:
-            if ex.stage == "deferred":  # the step's deferred exchanges start now
-                self._start_deferred(ex, reduced_control)
+            if ex.stage == "deferred" or group is self.fusion and ex.fused.stage == "deferred":
+                self._start_deferred(ex, reduced_control)   # the step's deferred exchanges start now
             if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
                 # at once where every rank steps alike (the presence allreduce could only confirm it)
                 fused = group.close(self, ex, lambda: protocol.control_passes(reduced_control, ex.world, ex.set_ranks))
@@ -300,6 +306,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             # found this step's mismatch raised and exited first. The control vector, reduced already,
             # names that mismatch here too, where it shows one; else the error stands
             self.names.finish(ex.route)
+            self.calls.end(ex)
             if group is not None:
                 group.clear()
             protocol.check_control(reduced_control, ex.world, ex.set_ranks, ex.where)
@@ -314,6 +321,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             raise e from ex.fault  # a numbered slot stays taken: its collectives may never complete
         finally:
             self.names.finish(ex.route)
+            self.calls.end(ex)
         waited = 0.0
         try:
             t0 = time.perf_counter()
@@ -358,21 +366,6 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
             self.policy.observe(ex.route.residual_key, ex.backend.host(out).reshape(-1))
         return out
 
-    def _start_deferred(self, ex, reduced_control):
-        """At a decompress of a deferred exchange ``ex``: the first collective of every exchange of
-        its process set compressed and not yet started, in the order compressed. Where ex's reduced
-        control vector shows every rank of the set stepping alike (no join, no failure, settings and
-        layout agreed: ``protocol.control_passes``), their chains' first collectives at once, as with
-        ``overlap``: the presence allreduce could only confirm it, as the ranks that stepped for ex
-        step for every exchange of the step. Otherwise their presence allreduces, as before: the
-        verdict is a function of the reduced vector, so every rank decides alike."""
-        with self.lock:
-            pending = self._deferred.pop(ex.group, [])
-        direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
-        start = self._start_now if direct else self._start_presence
-        for e in pending:
-            start(e)
-
     def run_in_order(self, ex, alpha):
         """alpha * sum: the stages one after another, without presence or control vector, for blocking
         collectives matched by call order, every rank's exchange checked alike (``hvd_qsgd.mpi``)."""
@@ -392,6 +385,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps):
         self.buffers.clear()
         with self.lock:
             self._deferred = {}
+        self.calls.clear()
         self._verdicts.clear()   # (of results the interrupted step will not use)
         if residuals:
             with self.lock:

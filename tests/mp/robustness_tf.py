@@ -221,6 +221,29 @@ def case_integers(n, rank):
     assert errors[0] == errors[1] == (tf.errors.InvalidArgumentError, True), errors
 
 
+def case_unnamed_mismatch(n, rank):
+    """An eager unnamed hvd.allreduce that rank 0 does not compress (int32) and the others do: Horovod's
+    own error on every rank, as without compression, and the job goes on with the same compressor:
+    the next unnamed calls (single and grouped) give the exact average of constants on every rank.
+    (The compressing ranks' exchange never reached its decompress: its numbered name, held, made every
+    later call's names differ between ranks, "ranks disagree on the exchange key".)"""
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    errors = []
+    for comp in (c, hvd.Compression.none):
+        try:
+            hvd.allreduce(tf.ones([20000], tf.int32 if rank == 0 else tf.float32), compression=comp)
+            errors.append(None)
+        except tf.errors.FailedPreconditionError as e:
+            errors.append("Mismatched data types" in str(e))
+    assert errors == [True, True], errors
+    for step in range(2):   # (a constant quantizes exactly)
+        out = hvd.allreduce(tf.fill([20000], float(rank + 1)), compression=c)
+        assert np.all(out.numpy() == (n + 1) / 2), (step, out.numpy()[:4])
+        outs = hvd.grouped_allreduce([tf.ones([20000]), tf.fill([30000], 2.0)], compression=c)
+        assert np.all(outs[0].numpy() == 1) and np.all(outs[1].numpy() == 2), step
+    assert c.stats["tensors"] == 6, c.stats   # (counted at a decompress)
+
+
 def case_low_precision(n, rank):
     for red in REDUCTIONS:
         for dtype in (tf.float16, tf.bfloat16):
@@ -274,7 +297,8 @@ def case_indexed_slices(n, rank):
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-tape": case_nonfinite_tape,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "transposed": case_transposed, "integers": case_integers,
-         "low-precision": case_low_precision, "indexed-slices": case_indexed_slices}
+         "low-precision": case_low_precision, "indexed-slices": case_indexed_slices,
+         "unnamed-mismatch": case_unnamed_mismatch}
 
 
 def main():

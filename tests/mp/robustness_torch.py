@@ -8,6 +8,7 @@ compare NaN-equal; the documented non-finite rule is checked by ``check_nonfinit
 (tests/test_robustness.py).
 """
 import argparse
+import os
 import itertools
 
 import numpy as np
@@ -219,22 +220,37 @@ def case_integers(n, rank):
 
 def case_unnamed_mismatch(n, rank):
     """An unnamed hvd.allreduce that rank 0 does not compress and the others do (another dtype,
-    another compressor, a min_numel above the tensor; the others with overlap too): Horovod's own
-    mismatch error on every rank, as without compression, and the job goes on. (The compressing
-    ranks start nothing in compress: Horovod names an unnamed collective by its handle count, and a
-    collective started there on some ranks only left the control vectors' allreduces under
-    different names, waiting forever.)"""
-    cases = [(torch.int32 if rank == 0 else torch.float32, hvd_qsgd.QSGD(4)),
-             (torch.float32, hvd.Compression.none if rank == 0 else hvd_qsgd.QSGD(4)),
-             (torch.float32, hvd_qsgd.QSGD(4, min_numel=10 ** 6) if rank == 0 else hvd_qsgd.QSGD(4, overlap=True))]
-    for i, (dtype, comp) in enumerate(cases):
-        try:
-            hvd.allreduce(torch.ones(20000, dtype=dtype), compression=comp)
-        except HorovodInternalError as e:
-            assert "Mismatched" in str(e), (i, str(e))
-        else:
-            raise AssertionError(f"case {i}: no error")
-        assert torch.equal(hvd.allreduce(torch.ones(3), name=f"after.{i}"), torch.ones(3))
+    another compressor, a min_numel above the tensor; the others with overlap, fusion or the
+    hierarchical reduction too): Horovod's own mismatch error on every rank, as without compression,
+    and the job goes on, with the same compressors: the next unnamed calls (single and grouped) give
+    the exact average of constants on every rank. (The compressing ranks start nothing in compress:
+    Horovod names an unnamed collective by its handle count, and a collective started there on some
+    ranks only left the control vectors' allreduces under different names, waiting forever; the
+    exchange the error left is forgotten at the next call, where it held a slot the other ranks did
+    not: "ranks disagree on the exchange key" at every later call.)"""
+    os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1"   # (two nodes of one rank: read at a compressor's first use)
+    cases = [(torch.int32 if rank == 0 else torch.float32, {}, None),
+             (torch.float32, {"fusion": True}, hvd.Compression.none),
+             (torch.float32, {"overlap": True}, hvd_qsgd.QSGD(4, min_numel=10 ** 6)),
+             (torch.int32 if rank == 0 else torch.float32, {"reduction": "hierarchical"}, None)]
+    try:
+        for i, (dtype, settings, rank0) in enumerate(cases):
+            comp = hvd_qsgd.QSGD(4, **settings)
+            try:
+                hvd.allreduce(torch.ones(20000, dtype=dtype), compression=rank0 if rank == 0 and rank0 else comp)
+            except HorovodInternalError as e:
+                assert "Mismatched" in str(e), (i, str(e))
+            else:
+                raise AssertionError(f"case {i}: no error")
+            assert torch.equal(hvd.allreduce(torch.ones(3), name=f"after.{i}"), torch.ones(3))
+            for step in range(2):   # (a constant quantizes exactly)
+                out = hvd.allreduce(torch.full((20000,), float(rank + 1)), compression=comp)
+                assert torch.all(out == (n + 1) / 2), (i, step, out[:4])
+                outs = hvd.grouped_allreduce([torch.ones(20000), torch.full((30000,), 2.0)], compression=comp)
+                assert torch.all(outs[0] == 1) and torch.all(outs[1] == 2), (i, step)
+            assert comp.stats["tensors"] == 6, (i, comp.stats)
+    finally:
+        del os.environ["HVD_QSGD_RANKS_PER_NODE"]
 
 
 def case_sparse(n, rank):

@@ -52,7 +52,7 @@ from hvd_qsgd.adapters.tensorflow import verdict
 from hvd_qsgd.adapters.tensorflow.state import TensorFlowState, state_variable
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
-from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller
+from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller, horovod_frame
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
                                set_ranks as process_set_ranks)
@@ -166,7 +166,7 @@ class TensorFlowCompressor(errors.NotCopied, TensorFlowState, Compressor):
         ctx = _Tensor()
         ctx.process_set = ps
         eager = tf.executing_eagerly()
-        ctx.slot = self.names.take_slot() if eager else None
+        ctx.slot = self.names.take_call_slot(horovod_frame()) if eager else None
         label = f"s{seq}" if ctx.slot is None else f"n{ctx.slot}"
         ctx.name = self.names.name(label)
         ctx.wire = ctx.name if eager else self.names.name(traced_label(state_key))
