@@ -620,6 +620,30 @@ def test_a_tape_steps_exchanges_are_not_ordered_by_the_statistics_counters():
         assert c["tallies"] == (3 if c["join"] else 2) * 4 and c["assign_adds"] == 4, c
 
 
+def test_a_wrapper_putting_the_compression_into_hvd_allreduce_is_not_recursed_into(monkeypatch):
+    """Code that wraps ``hvd.allreduce`` to put the compression in (as a harness forcing it into
+    Horovod's own tests does): the exchange's own collectives are Horovod's ops, not the wrapped
+    function, so a traced allreduce (whose branch for joined ranks is always built) runs once through
+    the wrapper; it recursed without end. One process: the result is the tensor's own decoded payload."""
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    hvd.init()
+    plain, calls = hvd.allreduce, []
+
+    def forced(tensor, *args, **kwargs):
+        calls.append(kwargs.get("name"))
+        kwargs["compression"] = hvd_qsgd.QSGD(4, min_numel=1, seed=3)
+        return plain(tensor, *args, **kwargs)
+    monkeypatch.setattr(hvd, "allreduce", forced)
+    x = tf.constant(np.linspace(-1.0, 1.0, 600, dtype=np.float32))
+    out = tf.function(lambda t: hvd.allreduce(t, op=hvd.Sum, name="wrapped"))(x)
+    assert calls == ["wrapped"], calls
+    step = 1.0 / hvd_qsgd.levels(4)   # a level step of a bucket of max-norm 1 at most
+    assert out.shape == (600,) and float(tf.reduce_max(tf.abs(out - x))) <= step * (1 + 1e-6)
+
+
 def test_a_compressor_is_refused_in_a_second_graph_naming_both():
     """A compressor's TensorFlow state lives where its first exchange made it (a v1 tf.Graph here):
     used eagerly after that, or in another graph, it says so, instead of TensorFlow's "out of scope"
