@@ -173,3 +173,20 @@ def machine_info():
         model = platform.processor() or platform.machine()
     return dict(cpu=model, cores=os.cpu_count(), usable_cores=len(os.sched_getaffinity(0)),
                 python=platform.python_version(), load_avg_1min=os.getloadavg()[0])
+
+
+# element counts on the command line: suffixes K, M, G are powers of 1024
+ELEMENT_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def element_count(text):
+    """'64M' -> 64 * 2^20 (suffixes K, M, G are powers of 1024; a plain integer is elements)."""
+    t = text.strip().upper()
+    unit = t[-1] if t and t[-1] in ELEMENT_UNITS else ""
+    try:
+        n = int(t[: len(t) - len(unit)]) * ELEMENT_UNITS[unit]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
+    return n

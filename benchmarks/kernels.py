@@ -33,24 +33,12 @@ from benchmarks import baselines as bl
 from benchmarks import common
 from benchmarks.common import bit_widths, positive_int
 
-_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+_UNITS = common.ELEMENT_UNITS
+parse_size = common.element_count
 _CHECK_TRIALS = 200  # encodes per implementation in the unbiasedness check
 
 
 # ---- arguments ---------------------------------------------------------------------------------
-def parse_size(text):
-    """'64M' -> 64 * 2^20 (suffixes K, M, G are powers of 1024; a plain integer is elements)."""
-    t = text.strip().upper()
-    unit = t[-1] if t and t[-1] in _UNITS else ""
-    try:
-        n = int(t[: len(t) - len(unit)]) * _UNITS[unit]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r}") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"a size must be positive: {text!r}")
-    return n
-
-
 def parse_sizes(text):
     return [parse_size(s) for s in text.split(",") if s.strip()]
 

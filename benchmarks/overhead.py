@@ -34,7 +34,7 @@ import tempfile
 import time
 
 from benchmarks import overhead_calls, overhead_codec, overhead_floor
-from benchmarks.common import REPO_ROOT, int_at_least, launch_job, machine_info, module_main, paired_launches
+from benchmarks.common import REPO_ROOT, element_count, int_at_least, launch_job, machine_info, module_main, paired_launches
 
 MODES = {"none": None, "qsgd4-auto": "auto", "qsgd4-allgather": "allgather", "qsgd4-scatter": "scatter_allgather",
          "qsgd4-fused": "auto+fusion", "qsgd4-overlap": "auto+overlap",
@@ -49,7 +49,7 @@ TF_MODES = [m for m in MODES if (MODES[m] or "").replace("+nojoin", "").count("+
 def add_arguments(p):
     p.add_argument("--np", type=int_at_least(2), default=2, help="ranks (default %(default)s)")
     p.add_argument("--tensors", default="1,16,64", help="numbers of gradients K (default %(default)s)")
-    p.add_argument("--numel", type=int_at_least(1), default=20000, help="elements a gradient (default %(default)s)")
+    p.add_argument("--numel", type=element_count, default=20000, help="elements a gradient (K, M: powers of 1024; default %(default)s)")
     p.add_argument("--modes", help=f"modes (default: {','.join(MODES)}; in TensorFlow those of {','.join(TF_MODES)})")
     p.add_argument("--steps", type=int_at_least(1), default=40, help="timed steps (default %(default)s)")
     p.add_argument("--warmup", type=int_at_least(0), default=5, help="untimed steps (default %(default)s)")

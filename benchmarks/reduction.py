@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from benchmarks.common import bit_widths, horovodrun, job_env, machine_info, nonnegative_int, positive_int
+from benchmarks.common import bit_widths, element_count, horovodrun, job_env, machine_info, nonnegative_int, positive_int
 
 REDUCTIONS = ("allgather", "scatter_allgather")
 DEFAULT_OUT = os.path.join("bench_out", "reduction")
@@ -39,7 +39,8 @@ DEFAULT_OUT = os.path.join("bench_out", "reduction")
 def add_arguments(p):
     p.add_argument("--np", type=positive_int, nargs="+", default=[2, 4, 8, 16], metavar="N",
                    help="rank counts, one horovodrun job each (default: 2 4 8 16)")
-    p.add_argument("--numel", type=positive_int, default=1 << 22, help="elements of the tensor (default 4M)")
+    p.add_argument("--numel", type=element_count, default=1 << 22,
+                   help="elements of the tensor (K, M: powers of 1024; default 4M)")
     p.add_argument("--bits", type=bit_widths(1), default="4", help="QSGD bit widths (default 4)")
     p.add_argument("--steps", type=positive_int, default=5, help="timed exchanges per reduction")
     p.add_argument("--warmup", type=nonnegative_int, default=1, help="untimed exchanges first")

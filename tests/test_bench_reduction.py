@@ -4,6 +4,8 @@ are those of the payloads (allgather: (n-1) P exactly) and scatter_allgather sta
 import json
 import sys
 
+import pytest
+
 from hvd_qsgd import codec
 from tests.helpers import run_bounded
 
@@ -22,3 +24,18 @@ def test_bench_reduction_tiny(tmp_path):
         assert 1.0 <= rows[n, "scatter_allgather"]["ratio"] <= 1.2
     assert rows[3, "allgather"]["ratio"] > 1.45 > rows[3, "scatter_allgather"]["ratio"]
     assert (tmp_path / "plot.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+
+def test_element_counts_take_the_kernel_benchmarks_suffixes():
+    """--numel of the reduction and overhead benchmarks reads 4M, 64K as --sizes does (powers of 1024)."""
+    import argparse
+    from benchmarks import overhead, reduction
+    for module, default in ((reduction, 1 << 22), (overhead, 20000)):
+        p = argparse.ArgumentParser()
+        module.add_arguments(p)
+        assert p.parse_args(["--numel", "4M"]).numel == 4 << 20 and p.parse_args(["--numel", "64K"]).numel == 65536
+        assert p.parse_args(["--numel", "300"]).numel == 300 and p.parse_args([]).numel == default
+        for bad in ("0", "4X", "-1K"):
+            with pytest.raises(SystemExit):
+                p.parse_args(["--numel", bad])
