@@ -29,7 +29,9 @@ disagreement is an error on every rank that calls (``hvd_qsgd.adapters``).
 Horovod's tape or Keras optimizer reduces a list of gradients (``allreduce_grads(grads, vars)``),
 through the frames of TensorFlow's ``tf.cond`` between them; it runs as a step is traced.
 """
+import contextlib
 import sys
+import threading
 from typing import Any, NamedTuple, Optional, Tuple
 
 from hvd_qsgd.settings import set_ranks
@@ -196,10 +198,27 @@ _TF_GRADIENTS = ("allreduce_grads", "tf__allreduce_grads")
 TRACED_DEPTH = 96   # frames looked at: TensorFlow's tf.cond and autograph between Horovod's calls
 
 
+_REDUCING = threading.local()   # the variable whose gradient the package's own optimizer hands over
+
+
+@contextlib.contextmanager
+def reducing_gradient_of(variable: Any):
+    """Within: the gradient compressed is ``variable``'s (the package's Keras 3 optimizer says so
+    around its ``hvd.allreduce``, as ``traced_variable`` finds it in Horovod's frames)."""
+    _REDUCING.variable = variable
+    try:
+        yield
+    finally:
+        _REDUCING.variable = None
+
+
 def traced_variable() -> Any:
-    """The variable whose gradient the calling compress is handed by Horovod's ``allreduce_grads``
-    (``vars[i]``, where the gradient is ``grads[i]`` of the comprehension that hands it over), or
-    None where another call compresses."""
+    """The variable whose gradient the calling compress is handed by the package's optimizer
+    (``reducing_gradient_of``) or Horovod's ``allreduce_grads`` (``vars[i]``, where the gradient is
+    ``grads[i]`` of the comprehension that hands it over), or None where another call compresses."""
+    variable = getattr(_REDUCING, "variable", None)
+    if variable is not None:
+        return variable
     frame, each = sys._getframe(1), None
     for _ in range(TRACED_DEPTH):
         if frame is None:

@@ -20,6 +20,8 @@ import warnings
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from hvd_qsgd.horovod_caller import reducing_gradient_of
+
 MARK = "_hvd_qsgd_wrapper"
 TF_KERAS, KERAS3 = "tf_keras", "keras"
 _warned = set()
@@ -210,10 +212,11 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
                 continue
             if sparse_as_dense and isinstance(g, tf.IndexedSlices):
                 g = tf.convert_to_tensor(g)
-            out.append(hvd.allreduce(g, device_dense=device_dense, device_sparse=device_sparse, op=op,
-                                     compression=compression, name=prefix + variable_name(i, v),
-                                     prescale_factor=prescale, postscale_factor=postscale,
-                                     process_set=process_set))
+            with reducing_gradient_of(v):   # (a compressor keeping state by place checks who holds it)
+                out.append(hvd.allreduce(g, device_dense=device_dense, device_sparse=device_sparse, op=op,
+                                         compression=compression, name=prefix + variable_name(i, v),
+                                         prescale_factor=prescale, postscale_factor=postscale,
+                                         process_set=process_set))
         return out
 
     base = type(optimizer)

@@ -23,8 +23,9 @@ alone traces the step again: the exchanges of its new trace meet the other ranks
 and the replicas stay identical, with and without error feedback, both reductions.
 
 ``shared-state``: one compressor with error feedback handed to the steps of two models, traced
-functions of the same name: the second step's trace raises, on every rank, rather than mix the two
-models' residuals; the steps of one model, traced again for another batch size, take it.
+functions of the same name (a tape step; two Keras 3 models' fit): the second step's trace raises, on
+every rank, rather than mix the two models' residuals; the steps of one model, traced again for
+another batch size, take it.
 
 ``differentiable``: ``hvd.allreduce(x, compression=...)`` under a gradient tape, eagerly and in a
 ``tf.function``, carries the gradient back as Horovod's own allreduce does (the same gradient as
@@ -243,7 +244,32 @@ def scenario_shared_state():
                          r"compressor", message), message
     else:
         raise AssertionError("a second model's step shared the first one's residuals")
+    keras_models_sharing_state()
     print("OK shared-state", flush=True)
+
+
+def keras_models_sharing_state():
+    """The same through the package's Keras 3 DistributedOptimizer and model.fit, whose steps Keras
+    names alike (``one_step_on_data``): the second model's fit raises, naming both variables' paths
+    (it mixed the residuals silently: that optimizer's hvd.allreduce is not Horovod's allreduce_grads,
+    in whose frames the variable was found)."""
+    import keras
+    import hvd_qsgd.tensorflow.keras as hvd_keras
+    shared = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
+    x, y = np.ones((8, 6), np.float32), np.ones((8, 2), np.float32)
+    models = []
+    for _ in range(2):
+        m = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+        m.compile(loss="mse", optimizer=hvd_keras.DistributedOptimizer(keras.optimizers.SGD(0.1), compression=shared))
+        models.append(m)
+    models[0].fit(x, y, batch_size=8, epochs=1, verbose=0)
+    try:
+        models[1].fit(x, y, batch_size=8, epochs=1, verbose=0)
+    except ValueError as e:
+        first, second = (m.layers[0].kernel.path for m in models)
+        assert f"two variables ({first}, {second}) reach one compressor" in str(e), str(e)
+    else:
+        raise AssertionError("a second Keras model's fit shared the first one's residuals")
 
 
 def scenario_differentiable():

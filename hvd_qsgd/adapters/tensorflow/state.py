@@ -23,6 +23,11 @@ from hvd_qsgd.state import checkpoint_origin, loadable, state_by_key
 UNCHECKPOINTED_COUNTS = ("allreduce_bytes", "joined_exchanges")
 
 
+def _named(variable):
+    """A variable as messages name it: its Keras 3 path (``dense_1/kernel``), else its name."""
+    return getattr(variable, "path", None) or variable.name
+
+
 class TensorFlowState:
     """Variables, statistics, learning-rate following, checkpoints and elastic state (see the
     module docstring)."""
@@ -76,7 +81,7 @@ class TensorFlowState:
         held = None if variable is None else self._holders.other(key, variable)
         if held is not None:
             raise ValueError(
-                f"hvd_qsgd: the gradients of two variables ({held.name}, {variable.name}) reach one compressor at the "
+                f"hvd_qsgd: the gradients of two variables ({_named(held)}, {_named(variable)}) reach one compressor at the "
                 f"same place ({key}) of traced functions named alike, and it keeps {kept} by that place, where theirs "
                 "would mix: give each model's training step (or tape) its own compressor (a hvd_qsgd.QSGD(...) each)")
 
