@@ -39,7 +39,7 @@ def _framework_of(kind: type) -> str:
                     "it compresses PyTorch tensors (and TensorFlow tensors where supported)")
 
 
-class QSGD(errors.NotCopied):
+class QSGD(errors.NotCopied, report.Summarized):
     """QSGD gradient compression for Horovod (Alistarh et al., NeurIPS 2017).
 
     ``hvd.DistributedOptimizer(opt, named_parameters=..., compression=hvd_qsgd.QSGD(4))``.
@@ -199,19 +199,12 @@ class QSGD(errors.NotCopied):
             return adapters[0].stats
         return Stats.merge(a.stats for a in adapters)
 
-    def summary(self, links_gbps: Iterable[float] = report.DEFAULT_LINKS_GBPS, print_on_rank0: bool = False
-                ) -> Dict[str, Any]:
-        """This rank's bytes saved against an fp32 allreduce, its codec and waiting time, and the
-        projected change of the time spent so far at each link speed (``hvd_qsgd.report.summary``:
-        a bandwidth-only projection). With ``print_on_rank0``, rank 0 also prints it."""
-        stats = self.stats
-        if any(not isinstance(v, (int, float)) for v in stats.values()):
-            raise TypeError(f"hvd_qsgd.{type(self).__name__}.summary: the statistics are graph tensors here; "
-                            "call it when executing eagerly (or evaluate .stats in the session)")
-        s = report.summary(stats, links_gbps)
-        if print_on_rank0 and _rank(self._adapters) == 0:
-            print(report.format_summary(s, repr(self)), flush=True)
-        return s
+    @property
+    def PUBLIC_NAME(self) -> str:   # (``report.Summarized``)
+        return f"hvd_qsgd.{type(self).__name__}"
+
+    def _horovod_rank(self) -> int:
+        return _rank(self._adapters)
 
     def follow_learning_rate(self, optimizer: Any) -> "QSGD":
         """Rescale error-feedback residuals when the learning rate changes (see

@@ -72,6 +72,31 @@ def summary(stats: Dict[str, Any], links_gbps: Iterable[float] = DEFAULT_LINKS_G
     return out
 
 
+class Summarized:
+    """``summary()`` from a compressor's ``stats``: ``hvd_qsgd.QSGD`` and the adapters users may pass
+    themselves (``hvd_qsgd.torch.QSGD``, ``hvd_qsgd.tensorflow.QSGD``), which name themselves by
+    ``PUBLIC_NAME`` and say their Horovod rank by ``_horovod_rank()``."""
+
+    PUBLIC_NAME = "hvd_qsgd.QSGD"
+
+    def summary(self, links_gbps: Iterable[float] = DEFAULT_LINKS_GBPS, print_on_rank0: bool = False
+                ) -> Dict[str, Any]:
+        """This rank's bytes saved against an fp32 allreduce, its codec and waiting time, and the
+        projected change of the time spent so far at each link speed (``hvd_qsgd.report.summary``:
+        a bandwidth-only projection). With ``print_on_rank0``, rank 0 also prints it."""
+        stats = self.stats
+        if any(not isinstance(v, (int, float)) for v in stats.values()):
+            raise TypeError(f"{self.PUBLIC_NAME}.summary: the statistics are graph tensors here; call it when "
+                            "executing eagerly (or evaluate .stats in the session)")
+        s = summary(stats, links_gbps)
+        if print_on_rank0 and self._horovod_rank() == 0:
+            print(format_summary(s, repr(self)), flush=True)
+        return s
+
+    def _horovod_rank(self) -> int:
+        raise NotImplementedError
+
+
 def format_summary(s: Dict[str, Any], name: str = "hvd_qsgd") -> str:
     """The summary as a few lines of text."""
     lines = [f"{name}: {s['tensors']} compressed exchanges; received {s['bytes_received']:,} bytes where an fp32 "

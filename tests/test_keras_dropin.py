@@ -136,6 +136,35 @@ def test_keras3_optimizer_takes_horovods_arguments_and_says_which_mean_nothing()
         hvd.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hvd.Adasum)
 
 
+def test_wrapping_a_keras3_optimizer_a_compiled_model_has_stepped_with_says_to_compile_again():
+    """Keras keeps the training function it built with the optimizer, which the wrapper (the same
+    object) does not reach: fit went on training locally, silently. It warns; compiled again, the
+    optimizer reduces through the compressor."""
+    import numpy as np
+    import keras
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    import hvd_qsgd.tensorflow.keras as hqk
+    hvd.init()
+    x, y = np.ones((8, 6), np.float32), np.ones((8, 2), np.float32)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(2)])
+    opt = keras.optimizers.SGD(0.1)
+    model.compile(loss="mse", optimizer=opt)
+    model.fit(x, y, batch_size=8, verbose=0)
+    c = hvd_qsgd.QSGD(4, min_numel=1)
+    with pytest.warns(UserWarning, match=r"has taken 1 step\(s\) already: a model compiled with it keeps the "
+                                         r"training function .* compile the model again"):
+        hqk.DistributedOptimizer(opt, compression=c)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert c.stats["tensors"] == 0   # (what the warning is about)
+    model.compile(loss="mse", optimizer=opt)
+    model.fit(x, y, batch_size=8, verbose=0)
+    assert c.stats["tensors"] == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hqk.DistributedOptimizer(keras.optimizers.SGD(0.1))   # a fresh one: nothing to say
+
+
 def test_the_elastic_state_finds_the_compressor_of_the_keras3_optimizer():
     """As hvd_qsgd.torch.elastic.TorchState finds Horovod's optimizer's: not passed, it is carried
     all the same (counters rolled back, residuals dropped at a reset); passed, it is carried once."""

@@ -47,6 +47,17 @@ def test_a_fresh_compressor_summarises_to_zeros():
     assert set(s["projected_change_s"]) == set(report.DEFAULT_LINKS_GBPS)
 
 
+def test_the_framework_compressors_summarise_as_hvd_qsgd_qsgd_does():
+    """hvd_qsgd.torch.QSGD, which the docs offer as the same compressor as a Horovod Compressor
+    subclass, has summary() too (it had none)."""
+    import hvd_qsgd.torch
+    c = hvd_qsgd.torch.QSGD(4)
+    assert c.summary() == hvd_qsgd.QSGD(4).summary()
+    c.runner.stats.add(tensors=2, bytes_received=1000, allreduce_bytes=9000, encode_s=0.01)
+    s = c.summary()
+    assert s["bytes_saved"] == 8000 and s["tensors"] == 2 and s["codec_s"] == 0.01
+
+
 def test_time_fields_are_floats_that_add_and_merge():
     st = Stats()
     st.add(encode_s=0.25, tensors=1)

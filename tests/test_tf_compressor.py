@@ -644,6 +644,26 @@ def test_a_wrapper_putting_the_compression_into_hvd_allreduce_is_not_recursed_in
     assert out.shape == (600,) and float(tf.reduce_max(tf.abs(out - x))) <= step * (1 + 1e-6)
 
 
+def test_the_tensorflow_compressor_summarises_its_eager_exchanges(capsys):
+    """hvd_qsgd.tensorflow.QSGD has summary() as hvd_qsgd.QSGD does (it had none): eagerly, the
+    counters of its exchanges, printed on rank 0; in a traced step its counters are tensors, refused."""
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_qsgd.tensorflow
+    hvd.init()
+    c = hvd_qsgd.tensorflow.QSGD(4, min_numel=1)
+    hvd.allreduce(tf.ones([3000]), compression=c, name="summarised")
+    s = c.summary(print_on_rank0=True)
+    assert s["tensors"] == 1 and s["bytes_received"] == 0 and s["codec_s"] > 0, s   # (one rank: nothing received)
+    assert capsys.readouterr().out.startswith("hvd_qsgd.tensorflow.QSGD(")
+
+    @tf.function
+    def traced():
+        return c.summary()
+    with pytest.raises(TypeError, match=r"hvd_qsgd.tensorflow.QSGD.summary: the statistics are graph tensors"):
+        traced()
+
+
 def test_a_compressor_is_refused_in_a_second_graph_naming_both():
     """A compressor's TensorFlow state lives where its first exchange made it (a v1 tf.Graph here):
     used eagerly after that, or in another graph, it says so, instead of TensorFlow's "out of scope"

@@ -39,7 +39,7 @@ import horovod.torch as hvd
 from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
-from hvd_qsgd import backends, error_feedback, errors, threads
+from hvd_qsgd import backends, error_feedback, errors, report, threads
 from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.adapters.torch_places import TensorPlaces
@@ -53,7 +53,7 @@ from hvd_qsgd.state import checkpoint_origin, loadable, state_by_key
 SOURCE_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-class TorchCompressor(errors.NotCopied, Compressor):
+class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
     """QSGD compression for ``horovod.torch``: the parameters of ``hvd_qsgd.QSGD`` (the settings, as
     ``hvd_qsgd.settings.Settings.make``, then ``named_parameters`` and ``process_set`` by name), or
     ``settings=`` and a bits ``policy=`` (``hvd_qsgd.policy``; default: fixed bits)."""
@@ -69,6 +69,9 @@ class TorchCompressor(errors.NotCopied, Compressor):
         self._places = TensorPlaces(process_set, state_by_key(settings, self.policy.observes))   # where exchanges go
         if named_parameters is not None:
             self.bind(named_parameters)
+
+    PUBLIC_NAME = "hvd_qsgd.torch.QSGD"
+    _horovod_rank = staticmethod(lambda: hvd.rank())
 
     def __repr__(self):
         return f"hvd_qsgd.torch.QSGD({self.settings}, {self.policy!r})"

@@ -178,6 +178,11 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
         return hvd.DistributedOptimizer(optimizer, **common, **tf_only)
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"{WHO}: op must be hvd.Average or hvd.Sum (as Horovod's Keras optimizer), got {op}")
+    if getattr(optimizer, "built", False) and int(optimizer.iterations) > 0:
+        warnings.warn(f"{WHO}.DistributedOptimizer: this optimizer has taken {int(optimizer.iterations)} step(s) "
+                      "already: a model compiled with it keeps the training function Keras built then, which "
+                      "would go on training locally, unreduced; compile the model again with it (model.compile"
+                      "(optimizer=...)) after wrapping, or wrap it before compiling", UserWarning, stacklevel=3)
     if gradient_predivide_factor != 1.0 and op != hvd.Average:
         raise ValueError(f"{WHO}: gradient_predivide_factor {gradient_predivide_factor} needs op=hvd.Average")
     if gradient_predivide_factor <= 0:
@@ -197,7 +202,9 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
             postscale *= backward_passes_per_step
         warn_once("backward_passes", f"{WHO}: on a Keras 3 optimizer backward_passes_per_step="
                   f"{backward_passes_per_step} becomes Keras 3's gradient_accumulation_steps: the same update "
-                  "as Horovod's, but every backward pass's gradients are reduced (no communication is saved)")
+                  "as Horovod's, but every backward pass's gradients are reduced (no communication is saved), and "
+                  "optimizer.iterations counts updates, where Horovod's counts backward passes (a learning-rate "
+                  f"schedule of iterations advances {backward_passes_per_step} times slower: scale its steps)")
     prefix = (name or "DistributedOptimizer") + "_Allreduce/"
     local = {}  # id -> variable, for register_local_var (the variables are kept, so ids stay theirs)
 

@@ -39,6 +39,7 @@ reaches the op through the occurrence input (``protocol.occurrence_seeding``) wi
 import threading
 import weakref
 from types import SimpleNamespace
+from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -61,13 +62,10 @@ from hvd_qsgd.state import ExchangeNames, ResidualStore, StateHolders, numbered_
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
 
 
-class _Raw:
+class _Raw(NamedTuple):
     """The context of an uncompressed floating-point tensor sent as float64."""
 
-    __slots__ = ("dtype",)
-
-    def __init__(self, dtype):
-        self.dtype = dtype
+    dtype: Any
 
 
 class _Tensor:
@@ -79,7 +77,7 @@ class _Tensor:
                  "deps", "sum_join", "graph_input", "alpha", "wire")
 
 
-class TensorFlowCompressor(errors.NotCopied, TensorFlowState, Compressor):
+class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState, Compressor):
     """QSGD compression for ``horovod.tensorflow`` (see ``hvd_qsgd.QSGD`` for the parameters).
 
     Hashable by identity: Horovod caches traced functions by compressor."""
@@ -113,6 +111,8 @@ class TensorFlowCompressor(errors.NotCopied, TensorFlowState, Compressor):
         self._schedules = {}                            # DQSGD: schedule variables by state key
         self._occurrences, self._holders = {}, StateHolders()   # (the variable that holds each state key)
         self.run = GraphRun(self)                       # what the chains call (hvd_qsgd.adapters.tensorflow.graph)
+
+    PUBLIC_NAME, _horovod_rank = "hvd_qsgd.tensorflow.QSGD", staticmethod(lambda: hvd.rank())
 
     def __repr__(self):
         return f"hvd_qsgd.tensorflow.QSGD({self.settings})"
