@@ -165,9 +165,13 @@ def horovod_frame(ours: int = 0) -> Any:
     while frame is not None:
         kind = _KINDS.get(frame.f_code) or _kind(frame)
         if kind is not PASSED_OVER:
-            return frame if kind is not OTHER else None
+            break
         frame = frame.f_back
-    return None
+    if frame is None or kind is OTHER:
+        return None
+    while frame.f_code.co_name.startswith("<") and frame.f_back is not None:   # a comprehension's: its function's,
+        frame = frame.f_back   # which runs on while the call decompresses (Python 3.11's comprehensions have frames)
+    return frame
 
 
 def _describe(process_set: Any, ranks) -> str:

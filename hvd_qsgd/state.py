@@ -19,12 +19,7 @@ TensorFlow, whose op names take no dots):
 The control vector proves that every rank gave the same tensor the same name before anyone waits
 on it (``hvd_qsgd.protocol``).
 
-Unnamed calls. Horovod's ``hvd.allreduce(t, compression=...)`` raises between compress and decompress
-at a mismatch between ranks (one rank's tensor of another dtype, or not compressed): the exchanges
-of that call keep what they hold (a numbered slot the other ranks do not hold, a deferred start),
-and every later call of the compressor would fail or wait. ``UnnamedCalls`` notes, per thread, the
-frame of Horovod's last unnamed call and what its exchanges hold until their decompress; a new call
-on that thread (another frame) is handed what the earlier one left, to let go of.
+Unnamed calls: ``hvd_qsgd.unnamed_calls`` (``ExchangeNames.take_call_slot``).
 
 Residuals. ``ResidualStore`` keeps, per key, the residual e of worker error feedback, the learning
 rate it was made at, and the server residual of scatter_allgather's reducing rank; the rules it
@@ -44,6 +39,7 @@ import weakref
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
 
 from hvd_qsgd import error_feedback, protocol
+from hvd_qsgd.unnamed_calls import UnnamedCalls
 
 log = logging.getLogger("hvd_qsgd")
 
@@ -114,7 +110,7 @@ class ExchangeNames:
     def take_call_slot(self, frame: Any) -> int:
         """``take_slot`` for an exchange of the unnamed call of Horovod's running in ``frame`` (None:
         not Horovod's), after letting go of the slots an earlier call on this thread left (logged:
-        see "Unnamed calls")."""
+        ``hvd_qsgd.unnamed_calls``)."""
         if frame is None:
             return self.take_slot()
         left = self.calls.begin(frame)
@@ -252,46 +248,6 @@ def state_by_key(settings: Any, observes: bool) -> Optional[str]:
             + (["server error-feedback residuals"] if settings.server_error_feedback else [])
             + (["bit-width schedules"] if observes else []))
     return " and ".join(kept) or None
-
-
-class UnnamedCalls:
-    """What each thread's last unnamed Horovod call holds (see the module docstring). Thread-safe."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._calls: Dict[int, tuple] = {}   # thread -> (Horovod's frame of its call, what it holds)
-
-    def begin(self, frame: Any) -> list:
-        """Before a tensor of the call running in ``frame`` opens: what this thread's earlier call
-        left (another frame's), now forgotten; [] where nothing was left."""
-        thread = threading.get_ident()
-        with self._lock:
-            call = self._calls.get(thread)
-            if call is None or call[0] is frame:
-                return []
-            del self._calls[thread]
-            return call[1]
-
-    def hold(self, frame: Any, item: Any) -> None:
-        """The call running in ``frame`` holds ``item`` until ``end(item)``."""
-        with self._lock:
-            self._calls.setdefault(threading.get_ident(), (frame, []))[1].append(item)
-
-    def end(self, item: Any) -> None:
-        """``item`` is let go of at its decompress (on the thread of its call, which is synchronous);
-        the call's frame with the last of them."""
-        if self._calls:
-            thread = threading.get_ident()
-            with self._lock:
-                call = self._calls.get(thread)
-                if call is not None and item in call[1]:
-                    call[1].remove(item)
-                    if not call[1]:
-                        del self._calls[thread]
-
-    def clear(self) -> None:
-        with self._lock:
-            self._calls = {}
 
 
 class StateHolders:

@@ -33,7 +33,7 @@ LAYERS = [
                                                 "hvd_qsgd.error_feedback", "hvd_qsgd.backends", "hvd_qsgd.backend_host"}),
     ("settings and state objects", {"hvd_qsgd.settings", "hvd_qsgd.dynamic", "hvd_qsgd.policy",
                                     "hvd_qsgd.state", "hvd_qsgd.driver", "hvd_qsgd.report",
-                                    "hvd_qsgd.horovod_caller", "hvd_qsgd.step_built",
+                                    "hvd_qsgd.horovod_caller", "hvd_qsgd.step_built", "hvd_qsgd.unnamed_calls",
                                     "hvd_qsgd.install_check", "hvd_qsgd.install_selftest"}),
     ("the exchange, framework-free", {"hvd_qsgd.exchange", "hvd_qsgd.exchange.collectives",
                                       "hvd_qsgd.exchange.chains", "hvd_qsgd.exchange.runner",

@@ -3,6 +3,7 @@ an in-process implementation of its collectives interface. Every chain (allgathe
 scatter_allgather, hierarchical at several node layouts) equals its single-process reference bit
 for bit on every "rank", and counts the bytes it sent. (Under horovodrun and mpirun:
 tests/test_torch_compressor.py, tests/test_hierarchical.py, tests/test_mpi_reduction.py.)"""
+import sys
 import threading
 
 import numpy as np
@@ -15,7 +16,8 @@ from hvd_qsgd.exchange.hierarchical import cross_reduction
 from hvd_qsgd.exchange.runner import ExchangeRunner
 from hvd_qsgd.policy import FixedBits
 from hvd_qsgd.settings import REDUCTIONS, Settings
-from hvd_qsgd.state import ExchangeNames, Route, UnnamedCalls
+from hvd_qsgd.state import ExchangeNames, Route
+from hvd_qsgd.unnamed_calls import UnnamedCalls
 from tests import references
 
 
@@ -329,6 +331,14 @@ def test_a_new_unnamed_call_on_a_thread_is_handed_what_the_earlier_one_left():
     other.start()
     other.join()
     assert seen == [[]] and calls.begin(second) == ["d"]   # another thread's calls are its own
+    ended = UnnamedCalls()
+
+    def call_running():   # (a Horovod call, its frame on the stack while it runs)
+        ended.hold(sys._getframe(), "e")
+        assert ended.ended() == [] and ended   # still running: nothing ended
+
+    call_running()
+    assert ended.ended() == ["e"] and not ended   # returned (raised) without ending "e"
     names = ExchangeNames(0)
     assert names.take_call_slot(first) == 0 and names.take_call_slot(first) == 1
     names.release_slot(1)                         # slot 0's exchange raised before its decompress

@@ -10,17 +10,18 @@ not (another dtype, ``min_numel``, compressor), left the control vectors' allred
 names, and every rank waited forever; deferred, every rank gets Horovod's mismatch error.
 
 Such an error leaves this rank's exchanges of that call compressed and never decompressed. Kept, they
-held a numbered slot the other ranks did not hold, and started at the next call's decompress on this
-rank alone: every later call failed ("ranks disagree on the exchange key") or waited. So the runner
-notes which unnamed call of Horovod's each thread's exchanges came from (``hvd_qsgd.state.UnnamedCalls``):
-a new call on a thread whose earlier call left exchanges, where those are every exchange in progress,
-forgets them first (``reset``, the residuals kept), logged.
+held a numbered slot the other ranks did not hold, and started at the next decompress on this rank
+alone: every later call failed ("ranks disagree on the exchange key") or waited. So the runner notes
+which unnamed call of Horovod's each thread's exchanges came from (``hvd_qsgd.unnamed_calls``),
+and forgets them, logged, once that call has ended without them: at the thread's next unnamed call
+(another frame), or at a decompress on that thread where the call's frame is no longer on its stack
+(an optimizer step after the failed call).
 """
 import logging
 
 from hvd_qsgd import protocol
 from hvd_qsgd.exchange.joined import OVERLAPPED
-from hvd_qsgd.state import UnnamedCalls
+from hvd_qsgd.unnamed_calls import UnnamedCalls
 
 log = logging.getLogger("hvd_qsgd")
 
@@ -50,20 +51,40 @@ class DeferredSteps:
         ``overlap`` (where the reduction can start so): the presence allreduce could only confirm it,
         as the ranks that stepped for ex step for every exchange of the step. Otherwise their presence
         allreduces: the verdict is a function of the reduced vector, so every rank decides alike."""
+        if self.calls:   # an unnamed call that raised on this thread: its exchanges start nowhere
+            self._forget(self.calls.ended())
         with self.lock:
             pending = self._deferred.pop(ex.group, [])
         direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
         for e in pending:
             (self._start_now if direct and e.reduction in OVERLAPPED else self._start_presence)(e)
 
-    # -- the unnamed calls (``hvd_qsgd.state.UnnamedCalls``) -------------------------------------
+    # -- the unnamed calls (``hvd_qsgd.unnamed_calls``) -------------------------------------
 
     def begin_call(self, frame):
-        """Before an unnamed exchange of the Horovod call running in ``frame`` opens: where this
-        thread's earlier call left exchanges that are every exchange in progress, forget them."""
-        left = self.calls.begin(frame)
-        if left and len(left) == self.names.pending:
-            log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of %s on this thread were never "
-                        "decompressed (its collective raised, as at a mismatch between ranks); forgotten before "
-                        "the next call", len(left), self.owner)
+        """Before an unnamed exchange of the Horovod call running in ``frame`` opens: forget what
+        this thread's earlier call left."""
+        self._forget(self.calls.begin(frame))
+
+    def _forget(self, left):
+        """Forget the exchanges ``left`` by an unnamed call that raised before their decompress
+        (logged): the runner's whole reset where they are every exchange in progress; else each one
+        (its deferred start, pending count and slot), but for members of a fused exchange or fusion
+        buffer, which other exchanges share: those are kept, and said."""
+        if not left:
+            return
+        kept = []
+        if len(left) == self.names.pending:
             self.reset(residuals=False)
+        else:
+            kept = [ex for ex in left if ex.fused is not None]
+            gone = [ex for ex in left if ex.fused is None]
+            with self.lock:
+                for group, waiting in self._deferred.items():
+                    waiting[:] = [e for e in waiting if all(e is not g for g in gone)]
+            for ex in gone:
+                self.names.finish(ex.route)
+                self.names.release_slot(ex.route.slot)
+        log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of %s on this thread were never "
+                    "decompressed (its collective raised, as at a mismatch between ranks); forgotten%s", len(left),
+                    self.owner, f", but for {len(kept)} in a fused exchange shared with others" if kept else "")

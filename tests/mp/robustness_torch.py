@@ -251,6 +251,28 @@ def case_unnamed_mismatch(n, rank):
             assert comp.stats["tensors"] == 6, (i, comp.stats)
     finally:
         del os.environ["HVD_QSGD_RANKS_PER_NODE"]
+    # the same compressor as an optimizer's, its gradients' exchanges in flight (after backward, before
+    # step) when the unnamed call fails: the step does not start the failed call's exchange on the
+    # compressing ranks alone (whose next unnamed collective then hung), and the replicas stay identical
+    comp = hvd_qsgd.QSGD(4)
+    torch.manual_seed(0)
+    model = nn.Linear(1000, 100, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), named_parameters=model.named_parameters(),
+                                   compression=comp)
+    for step in range(2):
+        opt.zero_grad()
+        model(torch.randn(16, 1000, generator=torch.Generator().manual_seed(10 * step + rank))).pow(2).mean().backward()
+        try:
+            hvd.allreduce(torch.ones(20000, dtype=torch.int32 if rank == 0 else torch.float32), compression=comp)
+        except HorovodInternalError as e:
+            assert "Mismatched" in str(e), str(e)
+        else:
+            raise AssertionError("in flight: no error")
+        opt.step()
+        weights = hvd.allgather(model.weight.detach().reshape(1, -1))
+        assert all(torch.equal(weights[0], w) for w in weights), step
+        out = hvd.allreduce(torch.full((20000,), float(rank + 1)), compression=comp)
+        assert torch.all(out == (n + 1) / 2), (step, out[:4])
 
 
 def case_sparse(n, rank):
