@@ -644,6 +644,28 @@ def test_a_wrapper_putting_the_compression_into_hvd_allreduce_is_not_recursed_in
     assert out.shape == (600,) and float(tf.reduce_max(tf.abs(out - x))) <= step * (1 + 1e-6)
 
 
+def test_tf_gradients_in_a_v1_graph_go_through_a_compressed_allreduce_as_through_horovods():
+    """In a v1 graph, tf.gradients of hvd.allreduce(x, compression=...) is Horovod's gradient (the
+    allreduce of the upstream gradient, scaled alike), where it was None, silently (Horovod's
+    test_horovod_allreduce_grad_cpu_process_sets, graph mode)."""
+    import numpy as np
+    import tensorflow as tf
+    import horovod.tensorflow as hvd
+    import hvd_qsgd
+    hvd.init()
+    grads = {}
+    for label, compression in (("none", hvd.Compression.none), ("qsgd", hvd_qsgd.QSGD(4, min_numel=1))):
+        with tf.Graph().as_default(), tf.compat.v1.Session() as session:
+            x = tf.constant(np.linspace(-1, 1, 300, dtype=np.float32))
+            outs = [hvd.allreduce(x, compression=compression, op=hvd.Average, name=f"grad.{label}"),
+                    hvd.grouped_allreduce([x, 2 * x], compression=compression, op=hvd.Sum)[1]]
+            grad = tf.gradients(outs, x, grad_ys=[tf.fill([300], 3.0), tf.fill([300], 5.0)])
+            assert grad[0] is not None, label
+            grads[label] = session.run(grad[0])
+    np.testing.assert_array_equal(grads["qsgd"], grads["none"])
+    np.testing.assert_array_equal(grads["none"], np.full(300, 3.0 + 10.0, np.float32))
+
+
 def test_the_tensorflow_compressor_summarises_its_eager_exchanges(capsys):
     """hvd_qsgd.tensorflow.QSGD has summary() as hvd_qsgd.QSGD does (it had none): eagerly, the
     counters of its exchanges, printed on rank 0; in a traced step its counters are tensors, refused."""

@@ -58,8 +58,11 @@ def reduced(run, ctx, control):
 def taped(tensor):
     """``tensor``, where a gradient tape may record what is computed now (``hvd.allreduce`` in a
     model's forward pass; not Horovod's allreduce of the gradients, which runs after the tape has
-    stopped), so that the result can carry a gradient back to it; else None."""
-    return tensor if record.could_possibly_record() else None
+    stopped), or in a v1 graph, where ``tf.gradients`` may differentiate anything later (it found no
+    gradient: None, silently), so that the result can carry a gradient back to it; else None."""
+    if record.could_possibly_record() or not getattr(getattr(tensor, "graph", None), "building_function", True):
+        return tensor
+    return None
 
 
 def with_gradient(ctx, result):
