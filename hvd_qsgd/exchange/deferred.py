@@ -80,7 +80,7 @@ class DeferredSteps:
             kept = [ex for ex in left if ex.fused is not None]
             gone = [ex for ex in left if ex.fused is None]
             with self.lock:
-                for group, waiting in self._deferred.items():
+                for waiting in self._deferred.values():
                     waiting[:] = [e for e in waiting if all(e is not g for g in gone)]
             for ex in gone:
                 self.names.finish(ex.route)

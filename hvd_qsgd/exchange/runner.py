@@ -42,7 +42,7 @@ An unnamed ``hvd.allreduce(t, compression=...)``, whose control vector Horovod n
 count, defers whatever its reduction, even under ``overlap`` (the call is synchronous: nothing to
 overlap): a rank that does not compress the tensor (another dtype, ``min_numel``, compressor) starts
 nothing in compress either, so the ranks' handle numbers stay alike and Horovod raises its mismatch
-instead of hanging; the exchanges that mismatch left are forgotten at the next call
+instead of hanging; the exchanges that mismatch left are forgotten once their call has ended
 (``hvd_qsgd.exchange.deferred``).
 
 hvd.join(): when the presence allreduce shows ranks have joined, no allgather or alltoall starts
