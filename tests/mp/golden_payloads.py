@@ -186,7 +186,8 @@ def main():
     else:
         import horovod.tensorflow as hvd
         hvd.init()
-        record(hvd, ("allgather", "alltoall"), sent, lambda t: t.numpy().tobytes())
+        from horovod.tensorflow import mpi_ops   # (the exchange's collectives are Horovod's ops)
+        record(mpi_ops, ("allgather", "alltoall"), sent, lambda t: t.numpy().tobytes())
         cases = tensorflow_cases
     for encoder, label in ((1, "GOLDEN"), (2, "GOLDEN-ENCODER2")):
         result = cases(encoder, sent)
