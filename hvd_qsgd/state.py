@@ -39,7 +39,7 @@ import weakref
 from typing import Any, Callable, Dict, Hashable, NamedTuple, Optional, Set
 
 from hvd_qsgd import error_feedback, protocol
-from hvd_qsgd.unnamed_calls import UnnamedCalls
+from hvd_qsgd.unnamed_calls import UnnamedCalls, warn_left
 
 log = logging.getLogger("hvd_qsgd")
 
@@ -115,9 +115,7 @@ class ExchangeNames:
             return self.take_slot()
         left = self.calls.begin(frame)
         if left:
-            log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of compressor %s on this thread were "
-                        "never decompressed (its collective raised, as at a mismatch between ranks); their names "
-                        "are free again", len(left), self.prefix)
+            warn_left(len(left), f"compressor {self.prefix}", "their names are free again")
         with self._lock:
             self.slots.difference_update(left)
             slot = self._take_slot()

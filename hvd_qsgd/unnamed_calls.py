@@ -6,9 +6,19 @@ ranks do not hold, a deferred start), and every later call of the compressor wou
 hold until their decompress; a new call on that thread (another frame), or a decompress on it once
 that frame has left its stack (``ended``), is handed what the earlier one left, to let go of.
 """
+import logging
 import sys
 import threading
 from typing import Any, Dict
+
+log = logging.getLogger("hvd_qsgd")
+
+
+def warn_left(count: int, owner: Any, outcome: str) -> None:
+    """Log that ``count`` exchanges an earlier unnamed call of ``owner`` left were let go of
+    (``outcome``: what became of them)."""
+    log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of %s on this thread were never decompressed "
+                "(its collective raised, as at a mismatch between ranks); %s", count, owner, outcome)
 
 
 class UnnamedCalls:

@@ -17,13 +17,9 @@ and forgets them, logged, once that call has ended without them: at the thread's
 (another frame), or at a decompress on that thread where the call's frame is no longer on its stack
 (an optimizer step after the failed call).
 """
-import logging
-
 from hvd_qsgd import protocol
 from hvd_qsgd.exchange.joined import OVERLAPPED
-from hvd_qsgd.unnamed_calls import UnnamedCalls
-
-log = logging.getLogger("hvd_qsgd")
+from hvd_qsgd.unnamed_calls import UnnamedCalls, warn_left
 
 
 class DeferredSteps:
@@ -85,6 +81,5 @@ class DeferredSteps:
             for ex in gone:
                 self.names.finish(ex.route)
                 self.names.release_slot(ex.route.slot)
-        log.warning("hvd_qsgd: %d exchange(s) of an earlier unnamed call of %s on this thread were never "
-                    "decompressed (its collective raised, as at a mismatch between ranks); forgotten%s", len(left),
-                    self.owner, f", but for {len(kept)} in a fused exchange shared with others" if kept else "")
+        warn_left(len(left), self.owner,
+                  "forgotten" + (f", but for {len(kept)} in a fused exchange shared with others" if kept else ""))
