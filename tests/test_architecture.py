@@ -48,6 +48,7 @@ LAYERS = [
                             "hvd_qsgd.adapters.tensorflow.state", "hvd_qsgd.adapters.tensorflow.schedule",
                             "hvd_qsgd.adapters.tensorflow.accumulators", "hvd_qsgd.adapters.tensorflow.collectives",
                             "hvd_qsgd.adapters.tensorflow.verdict", "hvd_qsgd.adapters.tensorflow.tally",
+                            "hvd_qsgd.adapters.tensorflow.uncompressed",
                             "hvd_qsgd.mpi"}),
     ("front objects and optimizers", {"hvd_qsgd", "hvd_qsgd.__main__", "hvd_qsgd.compressor", "hvd_qsgd.block_sign",
                                       "hvd_qsgd.torch", "hvd_qsgd.torch.ef_sgdm", "hvd_qsgd.torch.periodic",

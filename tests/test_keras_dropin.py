@@ -26,7 +26,7 @@ from tests.helpers import launch_once
 
 WORKER = "tests/mp/keras_dropin.py"
 KERAS = ["tf_keras", "keras3"]
-CASES = ["none", "fp16", "qsgd", "warnings", "tape", "load_model", "collectives", "aliases"]
+CASES = ["none", "fp16", "qsgd", "warnings", "tape", "load_model", "collectives", "aliases", "sparse_as_dense"]
 # names of Horovod's modules that are its own imports, not its API
 NOT_API = {"K", "keras", "tf", "inspect", "warnings", "version", "is_version_greater_equal_than"}
 # Horovod's Spark estimators' checkpoint (a ModelCheckpoint whose filepath they set later); Keras 3's

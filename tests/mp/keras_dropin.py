@@ -248,6 +248,7 @@ def main():
     run("load_model", load_model_case, held)
     run("collectives", collectives_case)
     run("aliases", aliases_case)
+    run("sparse_as_dense", sparse_as_dense_case)
     if KERAS == "keras3":   # (tf_keras: Horovod's own optimizer, which refuses a loss scaler)
         run("loss_scaler", loss_scaler_case)
     hvd.shutdown()
@@ -348,6 +349,27 @@ def loss_scaler_case():
             assert "DistributedOptimizer(keras.optimizers.LossScaleOptimizer(optimizer)" in str(e), e
     finally:
         keras.mixed_precision.set_global_policy("float32")
+
+
+def sparse_as_dense_case():
+    """An Embedding's gradient (tf.IndexedSlices) densified by sparse_as_dense=True is compressed, as
+    compressor.md says, and the replicas stay identical. (tf_keras's fit hands the compressor a dense
+    gradient of static shape (None, 16), which went uncompressed, silently: it takes its variable's
+    shape now.)"""
+    rank = hvd.rank()
+    model = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(1000, 16),
+                              keras.layers.Flatten(), keras.layers.Dense(4)])
+    model.set_weights([np.random.default_rng(300).standard_normal(w.shape).astype(np.float32) * 0.1
+                       for w in model.get_weights()])
+    rng = np.random.default_rng(2000 + rank)
+    x, y = rng.integers(0, 1000, (STEPS * BATCH, 3)), rng.integers(0, 4, STEPS * BATCH)
+    c = hvd_qsgd.QSGD(4, seed=7)   # (default min_numel: the embedding, 16,000 elements, alone)
+    model.compile(optimizer=hvd.DistributedOptimizer(keras.optimizers.SGD(LR), compression=c, sparse_as_dense=True),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    model.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False)
+    assert c.stats["tensors"] == STEPS, c.stats
+    for i, w in enumerate(model.get_weights()):
+        identical(w, f"trained weight {i}")
 
 
 def run(case, fn, *args):

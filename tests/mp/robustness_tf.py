@@ -17,6 +17,7 @@ import horovod.tensorflow as hvd
 
 import hvd_qsgd
 from hvd_qsgd import codec, protocol, reduction
+from tests.mp.log_capture import logged
 from tests.mp.nonfinite import bad_input
 from tests.references import check_nonfinite, cleaned
 
@@ -294,11 +295,53 @@ def case_indexed_slices(n, rank):
                 check_exchange(c, gather(dense), g.numpy(), last_exchange(c), 1.0 / n, f"sparse_as_dense {red}")
 
 
+def case_shape_collision(n, rank):
+    """Ranks that disagree on a tensor's size, rank 0's compressed and the others' uncompressed with
+    the length of a control vector (float32 or float64): Horovod's mismatch error on every rank,
+    eagerly and traced, as without compression; the compressor works on after it. (An uncompressed
+    floating tensor went as a float64 vector of its own shape, and was summed with rank 0's control
+    vector, silently: now it has a leading axis of 1, which a control vector never has.)"""
+    length = protocol.control_length(n)
+    c = hvd_qsgd.QSGD(8, seed=SEED)
+    for dtype, how in itertools.product((tf.float32, tf.float64), ("eager", "tf.function")):
+        x = tf.ones([20000], tf.float32) if rank == 0 else tf.ones([length], dtype)
+        errors = []
+        for comp in (c, hvd.Compression.none):
+            def fn(t, comp=comp):
+                return hvd.allreduce(t, compression=comp, name=f"collide_{dtype.name}_{how}")
+            try:
+                (tf.function(fn) if how == "tf.function" else fn)(x)
+                errors.append(None)
+            except tf.errors.OpError as e:
+                errors.append(str(e))
+        # (Horovod's: shapes with compression, a control vector beside a float64 tensor; the
+        # control's float32 beside float64 is a dtype mismatch)
+        assert "Mismatched ALLREDUCE tensor shapes" in (errors[0] or ""), (dtype.name, how, errors[0])
+        assert "Mismatched" in (errors[1] or ""), (dtype.name, how, errors[1])
+    out = hvd.allreduce(tf.fill([20000], float(rank + 1)), compression=c, name="after_collide")
+    assert np.all(out.numpy() == (n + 1) / 2), out.numpy()[:4]   # (a constant quantizes exactly)
+
+
+def case_unknown_shape(n, rank):
+    """A tensor whose size is unknown where the step is traced (None in the input_signature) goes
+    through Horovod's allreduce uncompressed, counted, and the compressor says so; its result is
+    exact and in its own shape."""
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    fn = tf.function(lambda t: hvd.allreduce(t, compression=c, name="unknown"),
+                     input_signature=[tf.TensorSpec([None], tf.float32)])
+    with logged() as messages:
+        out = fn(tf.fill([20000], float(rank + 1)))
+    assert out.shape == (20000,) and np.all(out.numpy() == (n + 1) / 2), out.numpy()[:4]
+    assert c.stats["tensors"] == 0 and c.stats["raw_tensors"] == 1, c.stats
+    assert any("whose size is not known where the step is traced, goes uncompressed" in m for m in messages), messages
+
+
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-tape": case_nonfinite_tape,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "transposed": case_transposed, "integers": case_integers,
          "low-precision": case_low_precision, "indexed-slices": case_indexed_slices,
-         "unnamed-mismatch": case_unnamed_mismatch}
+         "unnamed-mismatch": case_unnamed_mismatch, "shape-collision": case_shape_collision,
+         "unknown-shape": case_unknown_shape}
 
 
 def main():

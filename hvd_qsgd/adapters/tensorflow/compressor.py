@@ -39,7 +39,6 @@ reaches the op through the occurrence input (``protocol.occurrence_seeding``) wi
 import threading
 import weakref
 from types import SimpleNamespace
-from typing import Any, NamedTuple
 
 import numpy as np
 import tensorflow as tf
@@ -49,7 +48,7 @@ from horovod.tensorflow.compression import Compressor
 from hvd_qsgd import _tf_ops as qops, codec, cost_model, errors, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
-from hvd_qsgd.adapters.tensorflow import verdict
+from hvd_qsgd.adapters.tensorflow import uncompressed, verdict
 from hvd_qsgd.adapters.tensorflow.state import TensorFlowState, state_variable
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
@@ -60,12 +59,6 @@ from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
 from hvd_qsgd.state import ExchangeNames, ResidualStore, StateHolders, numbered_key, traced_key, traced_label
 
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
-
-
-class _Raw(NamedTuple):
-    """The context of an uncompressed floating-point tensor sent as float64."""
-
-    dtype: Any
 
 
 class _Tensor:
@@ -126,9 +119,11 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
         if isinstance(tensor, tf.IndexedSlices):
             return tensor, None
         tensor = tf.convert_to_tensor(tensor)
+        if tensor.dtype in SOURCE_DTYPES and not tensor.shape.is_fully_defined():
+            tensor = uncompressed.with_static_shape(tensor, self)
         if (tensor.dtype not in SOURCE_DTYPES or not tensor.shape.is_fully_defined()
                 or tensor.shape.num_elements() < self.settings.min_numel):
-            return self._raw(tensor)
+            return uncompressed.send(self.run, tensor)
         caller = horovod_caller()
         ps = self._exchange_process_set(caller)
         seq, state_key = self._next_exchange()
@@ -144,20 +139,6 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
         ctx = self._open(tensor, ps, seq, state_key, set_ranks, set_ranks.index(grank))
         ctx.sum_join = caller.process_set is not None   # Horovod's own set: ranks missing from a Sum joined
         return self._encode(ctx, self._input(ctx, tensor), seq)
-
-    def _raw(self, tensor):
-        """An uncompressed tensor, counted: floating point as float64, so that a grouped allreduce
-        (one dtype per group in TensorFlow) can hold it with the control vectors; cast back in
-        decompress."""
-        n = tensor.shape.num_elements()
-        if n is None:
-            n = tf.size(tensor)
-        with self.run.collecting() as counted:
-            self.run.add(raw_elements=n, raw_tensors=1)
-        with tf.control_dependencies(counted):
-            if tensor.dtype.is_floating and tensor.dtype != tf.float64:
-                return tf.cast(tensor, tf.float64), _Raw(tensor.dtype)
-            return tf.identity(tensor), None
 
     def _open(self, tensor, ps, seq, state_key, set_ranks, set_rank):
         """The context of exchange ``seq``: its names (``wire``: its collectives'), messages, and
@@ -278,8 +259,8 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
             return tensor
         if ctx is errors.NOT_GIVEN:
             raise errors.class_given()
-        if isinstance(ctx, _Raw):
-            return tf.cast(tensor, ctx.dtype)
+        if isinstance(ctx, uncompressed.Raw):
+            return uncompressed.received(tensor, ctx)
         try:
             with self.run.collecting() as deps:
                 out = verdict.reduced(self.run, ctx, tensor)   # the chain's, or the joined ranks' result
