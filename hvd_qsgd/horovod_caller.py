@@ -174,6 +174,16 @@ def horovod_frame(ours: int = 0) -> Any:
     return frame
 
 
+def call_tensor_name(frame: Any, index: int) -> Optional[str]:
+    """The name Horovod's unnamed call running in ``frame`` (``horovod_frame``) gives its ``index``-th
+    tensor: ``name=`` of ``hvd.allreduce``, ``name=[index]`` of ``hvd.grouped_allreduce``; None where
+    it was given none."""
+    name = frame.f_locals.get("name")
+    if not isinstance(name, str) or not name:
+        return None
+    return f"{name}[{index}]" if frame.f_code.co_name.startswith("grouped") else name
+
+
 def _describe(process_set: Any, ranks) -> str:
     """A process set as messages name it."""
     if process_set is None or getattr(process_set, "process_set_id", None) == 0:

@@ -51,7 +51,7 @@ class Route(NamedTuple):
     seed_name: str         # the name its payload seed and messages use
     occurrence: int        # earlier exchanges of seed_name (the payload seed's counter)
     key: int               # the control vector's exchange key
-    residual_key: Hashable  # parameter name, or position within the step
+    residual_key: Hashable  # parameter name, the name Horovod's call gives it, or position within the step
     param: Optional[str]   # parameter name, or None
     slot: Optional[int]    # numbered slot taken, or None
 
@@ -129,8 +129,9 @@ class ExchangeNames:
                 self.slots.discard(slot)
             self.calls.end(slot)
 
-    def route(self, param: Optional[str]) -> Route:
-        """The route of the next exchange of a tensor (``param``: its parameter's name, or None)."""
+    def route(self, param: Optional[str], call_name: Optional[str] = None) -> Route:
+        """The route of the next exchange of a tensor (``param``: its parameter's name, or None;
+        ``call_name``: the name an unnamed Horovod call gives it, which keys its residual)."""
         with self._lock:
             if self.pending == 0:
                 self.position = 0
@@ -145,7 +146,8 @@ class ExchangeNames:
                 return Route(exchange, exchange, occurrence, key, param, param, None)
             seq, self.seq = self.seq, self.seq + 1
             slot = self._take_slot()
-            return Route(self.name(f"n{slot}"), self.name(f"s{seq}"), 0, numbered_key(slot), position, None, slot)
+            return Route(self.name(f"n{slot}"), self.name(f"s{seq}"), 0, numbered_key(slot),
+                         position if call_name is None else call_name, None, slot)
 
     def payload_seed(self, seed: int, set_rank: int, route: Route) -> int:
         """``protocol.payload_seed`` of the exchange on ``route``. A parameter's exchanges keep their

@@ -60,6 +60,11 @@ class UnnamedCalls:
                 del self._calls[thread]
         return call[1]
 
+    def held(self, frame: Any) -> int:
+        """How many items the call running in ``frame`` holds on this thread (0 for another's)."""
+        call = self._calls.get(threading.get_ident())
+        return len(call[1]) if call is not None and call[0] is frame else 0
+
     def hold(self, frame: Any, item: Any) -> None:
         """The call running in ``frame`` holds ``item`` until ``end(item)``."""
         with self._lock:

@@ -17,7 +17,8 @@ import pytest
 from tests.helpers import launch
 
 TORCH_CASES = ["nonfinite-allreduce", "nonfinite-optimizer", "nonfinite-error-feedback", "zeros", "empty", "scalar",
-               "noncontiguous", "integers", "sparse", "low-precision", "meta-device", "unnamed-mismatch"]
+               "noncontiguous", "integers", "sparse", "low-precision", "meta-device", "unnamed-mismatch",
+               "unnamed-state"]
 TF_CASES = ["nonfinite-allreduce", "nonfinite-tape", "nonfinite-error-feedback", "zeros", "empty", "scalar",
             "transposed", "integers", "low-precision", "indexed-slices", "unnamed-mismatch", "shape-collision",
             "unknown-shape"]

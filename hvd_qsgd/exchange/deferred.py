@@ -19,6 +19,7 @@ and forgets them, logged, once that call has ended without them: at the thread's
 """
 from hvd_qsgd import protocol
 from hvd_qsgd.exchange.joined import OVERLAPPED
+from hvd_qsgd.horovod_caller import call_tensor_name
 from hvd_qsgd.unnamed_calls import UnnamedCalls, warn_left
 
 
@@ -59,8 +60,10 @@ class DeferredSteps:
 
     def begin_call(self, frame):
         """Before an unnamed exchange of the Horovod call running in ``frame`` opens: forget what
-        this thread's earlier call left."""
+        this thread's earlier call left; the name that call gives the tensor, or None
+        (``horovod_caller.call_tensor_name``)."""
         self._forget(self.calls.begin(frame))
+        return call_tensor_name(frame, self.calls.held(frame))
 
     def _forget(self, left):
         """Forget the exchanges ``left`` by an unnamed call that raised before their decompress
@@ -83,3 +86,16 @@ class DeferredSteps:
                 self.names.release_slot(ex.route.slot)
         warn_left(len(left), self.owner,
                   "forgotten" + (f", but for {len(kept)} in a fused exchange shared with others" if kept else ""))
+
+
+def unnamed_state_fault(call_name, settings, policy):
+    """The error of a tensor of an unnamed Horovod call that names none (``call_name`` None), where
+    the compressor keeps state per tensor (a residual, a DQSGD schedule); else None. Such calls are
+    synchronous: each one's tensors are numbered from 0, so every call's first tensor would share one
+    residual, mixed silently where sizes agree. Reported through the control vector: every rank raises."""
+    if call_name is not None or not (settings.error_feedback or settings.server_error_feedback or policy.observes):
+        return None
+    return ValueError("the compressor keeps state per tensor (error feedback, DQSGD's bits), and this "
+                      "hvd.allreduce / hvd.grouped_allreduce gives the tensor no name to keep it by: pass "
+                      "name= (the same at every step, one per tensor or group), or hand the tensors over "
+                      "through hvd.DistributedOptimizer")

@@ -40,10 +40,12 @@ class ResidualSteps:
         old = self.residuals.get(key) if ex.settings.error_feedback else None
         if old is not None and element_count(old) != size:
             raise protocol.MismatchError(
-                f"{ex.where}: its error-feedback residual ({'parameter' if isinstance(key, str) else 'position'} "
+                f"{ex.where}: its error-feedback residual "
+                f"({'position' if isinstance(key, int) else 'parameter' if ex.route.param is not None else 'name'} "
                 f"{key!r}) has {element_count(old)} elements, what this rank encodes {size}: load_state_dict loaded "
                 "a checkpoint of another model or job, the tensors handed to the compressor changed order between "
-                "steps (pass named_parameters= to the compressor), or the node layout changed")
+                "steps (pass named_parameters= to the compressor), two tensors were given one name=, or the node layout "
+                "changed")
         return old
 
     def keep_residual(self, ex, residual):

@@ -62,7 +62,7 @@ from hvd_qsgd import backends, cost_model, protocol, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
-from hvd_qsgd.exchange.deferred import DeferredSteps
+from hvd_qsgd.exchange.deferred import DeferredSteps, unnamed_state_fault
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
 from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps
@@ -112,10 +112,10 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         opening is then found by it, ``hvd_qsgd.exchange.openings``). ``alone``: the tensor goes in no
         fused exchange or fusion buffer, which place tensors in the order they come: a gradient that
         Horovod's optimizer hands over in an order that differs between ranks (its ``synchronize()``).
-        ``call``: the frame of the unnamed Horovod call it comes from (``begin_call``), or None."""
-        if call is not None:
-            self.begin_call(call)
-        route = route or self.names.route(param)
+        ``call``: the frame of the unnamed Horovod call it comes from (``begin_call``), or None: the
+        tensor's state (residual, DQSGD schedule) is then keyed by the name that call gives it."""
+        call_name = self.begin_call(call) if call is not None else None   # (the tensor's, in Horovod's call)
+        route = route or self.names.route(param, call_name)
         s = self.policy.settings_for(route.residual_key)
         if where is None:
             where = (named_where(route.param) if route.param is not None else
@@ -127,6 +127,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         ex = Exchange.of(opening.fields, route=route, where=where)
         if call is not None:
             self.calls.hold(call, ex)
+            ex.fault = ex.fault or unnamed_state_fault(call_name, s, self.policy)
         return ex
 
     def open_exchange(self, route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank, world,

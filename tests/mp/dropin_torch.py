@@ -289,13 +289,16 @@ def reinit():
 
 
 def positional_checkpoint():
-    """Residuals checkpointed by position (tensors numbered by hvd.allreduce) and loaded into a compressor
-    that Horovod's optimizer hands named gradients: it says once that their residuals restart."""
+    """Residuals checkpointed by position (as earlier releases numbered hvd.allreduce's tensors; they
+    are kept by the call's name now) and loaded into a compressor that Horovod's optimizer hands named
+    gradients: it says once that their residuals restart."""
     old = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
     for i in range(2):
         hvd.allreduce(torch.randn(300), compression=old, name=f"positional.{i}")
     state = old.state_dict()
-    assert all(isinstance(k, int) for k in state["torch"]["residuals"]) and state["torch"]["residuals"], state
+    kept = state["torch"]["residuals"]
+    assert sorted(kept) == ["positional.0", "positional.1"], sorted(kept)
+    state["torch"]["residuals"] = {i: kept[f"positional.{i}"] for i in range(2)}   # (an earlier release's)
     new = hvd_qsgd.QSGD(4, min_numel=1, error_feedback=True)
     new.load_state_dict(state)
     with logged() as seen:

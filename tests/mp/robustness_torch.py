@@ -128,18 +128,18 @@ def case_nonfinite_error_feedback(n, rank):
         k = c._creation_index
         fp = codec.tensor_fingerprint("", (30 * 512,), "float32")
         xs = [bad_input(r, 30 * 512, 512) for r in range(n)]
-        out = hvd.allreduce(torch.from_numpy(xs[rank]), compression=c, name=f"ef1.{k}")
+        out = hvd.allreduce(torch.from_numpy(xs[rank]), compression=c, name=f"ef.{k}")
         check_exchange(c, xs, out, f"hvd_qsgd.{k}.s0", torch.float32, 1.0 / n, f"error feedback step 1 {red}")
-        e1 = c.state_dict()["torch"]["residuals"][0]
+        e1 = c.state_dict()["torch"]["residuals"][f"ef.{k}"]   # (kept by the call's name)
         new = xs[rank] - own_decode(c, xs[rank], f"hvd_qsgd.{k}.s0", fp)
         assert np.array_equal(e1.numpy(), np.where(np.isfinite(new), new, 0)), red
         assert torch.isfinite(e1).all() and not np.isfinite(new).all()
         g2 = torch.randn(30 * 512, generator=torch.Generator().manual_seed(rank))
-        out = hvd.allreduce(g2, compression=c, name=f"ef2.{k}")
+        out = hvd.allreduce(g2, compression=c, name=f"ef.{k}")
         assert torch.isfinite(out).all(), red
         check_exchange(c, [as_np(x) for x in gather(g2 + e1)], out, f"hvd_qsgd.{k}.s1", torch.float32, 1.0 / n,
                        f"error feedback step 2 {red}")
-        assert torch.isfinite(c.state_dict()["torch"]["residuals"][0]).all()
+        assert torch.isfinite(c.state_dict()["torch"]["residuals"][f"ef.{k}"]).all()
 
 
 def case_zeros(n, rank):
@@ -343,11 +343,43 @@ def case_meta_device(n, rank):
     assert torch.equal(out, torch.ones(20000))
 
 
+def case_unnamed_state(n, rank):
+    """hvd.allreduce / hvd.grouped_allreduce calls with a compressor keeping state per tensor (error
+    feedback): each tensor's residual is kept by the name the call gives it (name=; name=[i] in a
+    group), so tensors of one size in separate calls keep their own (they shared the first
+    position's: a tensor 10^4 times larger fed its residual into the other's result, silently).
+    Without a name such a call is refused on every rank, naming what to pass, and the compressor
+    works on after it."""
+    c = hvd_qsgd.QSGD(4, seed=SEED, error_feedback=True)
+    g = torch.Generator().manual_seed(rank)
+    for step in range(2):
+        big, small = torch.randn(20000, generator=g) * 100, torch.randn(20000, generator=g) * 0.01
+        hvd.allreduce(big, compression=c, name="state.big")
+        hvd.allreduce(small, compression=c, name="state.small")
+        hvd.grouped_allreduce([big, small], compression=c, name="state.group")
+    residuals = c.state_dict()["torch"]["residuals"]
+    assert set(residuals) == {"state.big", "state.small", "state.group[0]", "state.group[1]"}, sorted(residuals)
+    # a residual is at most a bucket's quantization step of its own tensor (|g + e| / s per element):
+    # the small tensors' stay on their scale, four orders of magnitude below the big ones'
+    for a, b in (("state.small", "state.big"), ("state.group[1]", "state.group[0]")):
+        assert residuals[a].abs().max() < 1e-2 * residuals[b].abs().max(), (a, b)
+    for call in (lambda: hvd.allreduce(torch.ones(20000), compression=c),
+                 lambda: hvd.grouped_allreduce([torch.ones(20000)], compression=c, name=None)):
+        try:
+            call()
+        except protocol.MismatchError as e:
+            assert "gives the tensor no name to keep it by: pass name=" in str(e), str(e)
+        else:
+            raise AssertionError("an unnamed call with error feedback was taken")
+    out = hvd.allreduce(torch.full((20000,), float(rank + 1)), compression=c, name="state.after")
+    assert torch.all(out == (n + 1) / 2), out[:4]   # (a constant quantizes exactly, its residual 0)
+
+
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
          "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
-         "unnamed-mismatch": case_unnamed_mismatch}
+         "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state}
 
 
 def main():
