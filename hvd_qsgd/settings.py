@@ -272,10 +272,12 @@ class Stats:
                     counted in raw_elements / raw_tensors; logged once)
     allreduce_bytes: bytes a ring allreduce of the compressed tensors in fp32 would have made this
                     rank receive, 2 (n-1)/n * 4 d per exchange (what ``hvd_qsgd.report`` compares with)
-    cross_bytes_sent / cross_bytes_received: of bytes_sent / bytes_received, those addressed to (or
-                    from) ranks on other nodes (the node layout: HVD_QSGD_RANKS_PER_NODE, else the
-                    framework's local size; 0 where it is not known), counted per destination as a
-                    direct send: what the node's link must carry (PyTorch and hvd_qsgd.mpi)
+    cross_bytes_sent / cross_bytes_received: the bytes addressed to (or from) ranks on other nodes
+                    (the node layout: HVD_QSGD_RANKS_PER_NODE, else the framework's local size; 0
+                    where it is not known), counted per destination as a direct send: what the node's
+                    link must carry (PyTorch and hvd_qsgd.mpi). So under allgather a payload counts
+                    once per rank on another node, and cross_bytes_sent can exceed bytes_sent, which
+                    counts it once
     encode_s:       seconds this rank spent encoding (compress: quantize, pack, error feedback)
     decode_s:       seconds spent decoding (decode-sum; scatter_allgather's reduce step, which decodes
                     and re-quantizes a chunk, counts here)

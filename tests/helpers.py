@@ -41,18 +41,19 @@ def mp_env():
     return env
 
 
-def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None):
+def launch(np_, controller, argv, timeout=180, expect_failure=False, env=None, hosts=None):
     """Run `argv` (a python script and its arguments) on np_ local ranks.
 
     controller: "gloo" or "mpi" (horovodrun), or "mpirun" (plain Open MPI, for mpi4py workers).
     On timeout the whole process group (launcher and ranks) is killed and the test fails. Returns the
     combined output; fails the test on a nonzero exit, or with ``expect_failure`` on a zero exit.
-    ``env``: extra environment variables.
+    ``env``: extra environment variables. ``hosts``: horovodrun's ``-H`` (default ``localhost:<np>``;
+    ``localhost:2,127.0.0.1:4`` makes two hosts of this machine, which Horovod tells apart).
     """
     if controller == "mpirun":
         cmd = [shutil.which("mpirun"), "-np", str(np_), "--oversubscribe", "--bind-to", "none"]
     else:
-        cmd = HOROVODRUN + ["-np", str(np_), "-H", f"localhost:{np_}", f"--{controller}"]
+        cmd = HOROVODRUN + ["-np", str(np_), "-H", hosts or f"localhost:{np_}", f"--{controller}"]
         if controller == "mpi":
             cmd += ["--mpi-args=--oversubscribe --bind-to none"]
     cmd += [sys.executable] + list(argv)

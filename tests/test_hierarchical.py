@@ -29,6 +29,14 @@ def test_hierarchical_equals_the_three_stage_reference_on_every_rank(np_, contro
         assert all("HVD_QSGD_RANKS_PER_NODE" in m for m in malformed + differ), out[-3000:]
 
 
+def test_uneven_hosts_resolve_auto_alike_and_refuse_the_hierarchical_reduction():
+    """Two hosts of 2 and 4 ranks (horovodrun -H localhost:2,127.0.0.1:4): "auto" flat on every rank
+    (it failed every step where ranks 0-1 took their own local_size for a node size), and the
+    hierarchical reduction refused on every rank, naming the hosts' different sizes."""
+    out = launch(6, "gloo", [WORKER, "uneven-hosts"], timeout=240, hosts="localhost:2,127.0.0.1:4")
+    assert len(re.findall(r"OK uneven-hosts\b", out)) == 6, out[-3000:]
+
+
 def test_tensorflow_hierarchical_equals_the_reference_on_every_rank():
     """The same chain through Horovod's TensorFlow allreduce (its cross stage an allgather): exact
     eagerly, over three traced steps with error feedback, in a tape step of three gradients, and

@@ -79,13 +79,17 @@ def ranks_per_node_override():
 
 def horovod_ranks_per_node(hvd):
     """The hierarchical reduction's node size under Horovod (``hvd``: its framework module):
-    ``HVD_QSGD_RANKS_PER_NODE``, else Horovod's local_size where Horovod's ranks fill its nodes one
-    after another (0, an error, where they do not)."""
+    ``HVD_QSGD_RANKS_PER_NODE``, else Horovod's local_size where its hosts all hold that many ranks
+    (Horovod's ``is_homogeneous``, alike on every rank) and its ranks fill them one after another;
+    else 0 (an error for the hierarchical reduction, and "auto" stays flat). Each rank's own
+    local_size alone said a node size on some ranks of uneven hosts (2 + 6: ranks 0-1 found nodes of
+    2, the others none), and "auto" resolved differently there: every step failed."""
     override = ranks_per_node_override()
     if override is not None:
         return override
-    size = hvd.local_size()
-    return size if hvd.local_rank() == hvd.rank() % size and hvd.cross_rank() == hvd.rank() // size else 0
+    size, rank = hvd.local_size(), hvd.rank()
+    homogeneous = hvd.mpi_ops._basics.is_homogeneous()
+    return size if homogeneous and hvd.local_rank() == rank % size and hvd.cross_rank() == rank // size else 0
 
 
 def node_layout(ranks_per_node, set_ranks, world, where):
@@ -96,9 +100,10 @@ def node_layout(ranks_per_node, set_ranks, world, where):
         return ranks_per_node or 0, ValueError(f"{where}: the hierarchical reduction runs over the global process set (this one "
                              f"holds {n} of {world} ranks); pass another reduction for process sets")
     if not ranks_per_node:
-        return 0, ValueError(f"{where}: the hierarchical reduction needs consecutive ranks on each node, and "
-                             "Horovod's ranks do not fill its nodes one after another: set "
-                             "HVD_QSGD_RANKS_PER_NODE on every rank, or pass another reduction")
+        return 0, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size, each holding "
+                             "consecutive ranks, and Horovod's are not (its hosts hold different numbers of "
+                             "ranks, or its ranks do not fill them one after another): pass another "
+                             "reduction (or, where the nodes are alike, set HVD_QSGD_RANKS_PER_NODE on every rank)")
     if n % ranks_per_node:
         return ranks_per_node, ValueError(f"{where}: the hierarchical reduction needs nodes of equal size: {n} ranks do not "
                              f"split into nodes of {ranks_per_node} (HVD_QSGD_RANKS_PER_NODE, else Horovod's "

@@ -84,6 +84,26 @@ def error_feedback():
     assert np.array_equal(mine, residuals[(rank // PER_NODE, rank % PER_NODE)]), "residual"
 
 
+def uneven_hosts():
+    """Horovod's hosts of 2 and 4 ranks (``-H localhost:2,127.0.0.1:4``, no HVD_QSGD_RANKS_PER_NODE):
+    "auto" resolves alike on every rank (flat: the hosts differ, Horovod's is_homogeneous), where
+    ranks 0-1 found nodes of 2 in their own local_size, resolved a 10,000-element tensor to the
+    hierarchical reduction and the others to allgather, and every step failed ("ranks disagree on the
+    compressor settings"); the hierarchical reduction is refused on every rank, naming unequal nodes."""
+    rank, n = hvd.rank(), hvd.size()
+    assert (hvd.local_size(), n) == ((2 if rank < 2 else 4), 6), (hvd.local_size(), n)
+    t = torch.randn(10000, generator=torch.Generator().manual_seed(rank))
+    out = hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, seed=SEED), name="uneven.auto")
+    copies = hvd.allgather(out.reshape(1, -1), name="uneven.copies")
+    assert all(torch.equal(copies[0], row) for row in copies), "results differ between ranks"
+    try:
+        hvd.allreduce(t, compression=hvd_qsgd.QSGD(4, seed=SEED, reduction="hierarchical"), name="uneven.hier")
+    except protocol.MismatchError as e:
+        assert "needs nodes of equal size" in str(e) and "hosts hold different numbers of ranks" in str(e), str(e)
+    else:
+        raise AssertionError("the hierarchical reduction ran on hosts of 2 and 4 ranks")
+
+
 def auto():
     """reduction="auto" (the default) on nodes of 2 ranks: for host tensors the link inside a node is
     10 Gbit/s by default, as fast as the node link's default, and a 1M-element tensor stays flat; told
@@ -142,7 +162,7 @@ def main():
     torch.set_num_threads(1)
     for name in sys.argv[1:]:
         if {"exact": exact, "error-feedback": error_feedback, "auto": auto, "layouts-differ": layouts_differ,
-                 "malformed-layout": malformed_layout}[name]() is not False:
+                "uneven-hosts": uneven_hosts, "malformed-layout": malformed_layout}[name]() is not False:
             print(f"OK {name}", flush=True)
 
 
