@@ -412,7 +412,7 @@ def python_verdict(r):
 some = vec(0) + vec(2)
 vectors = {"all, average": sum(vec(g) for g in ranks) / 4, "0 and 2, sum": some, "0 and 2, average over the set": some / 4,
            "0 and 2, average over them": some / 2, "0 and 2, settings differ": vec(0) + vec(2, settings_tag=8),
-           "0 alone, sum": vec(0)}
+           "0 alone, sum": vec(0), "weighted (Adasum)": 0.75 * vec(0) + 0.25 * vec(1) + 0.5 * (vec(2) + vec(3))}
 cases["verdicts"] = {k: [verdict(r, False), verdict(r, True), python_verdict(r)] for k, r in vectors.items()}
 print("RESULT " + json.dumps(cases))
 '''
@@ -439,7 +439,8 @@ def test_the_control_check_op_tells_a_join_from_a_smaller_set_as_the_pytorch_run
     """QsgdCheckControl on vectors reduced over ranks 0 and 2 of a 4-rank set: averaged over the set,
     a join (alpha 1/4, joined) wherever the compressor's set came from; summed, a join only where the
     set is Horovod's own (``sum_join``), else an error naming both causes; averaged over the two
-    alone, an allreduce over a smaller set; a settings disagreement among them, that error. The
+    alone, an allreduce over a smaller set, naming its ranks; a settings disagreement among them, that
+    error; a weighted sum over no set of ranks (Adasum), the op. The
     PyTorch runner's verdicts (protocol.check_control, joined_verdict) agree: the same native check."""
     v = control_op_cases()["verdicts"]
     assert v["all, average"] == [[0.25, False], [0.25, False], [0.25, False]], v
@@ -449,7 +450,14 @@ def test_the_control_check_op_tells_a_join_from_a_smaller_set_as_the_pytorch_run
     assert tf_sum_join == [1.0, True] and torch_sum == [1.0, True, [0, 2], False], v
     assert v["0 alone, sum"][1] == [1.0, True] and v["0 alone, sum"][2] == [1.0, True, [0], False], v
     tf_error, tf_error_too, python = v["0 and 2, average over them"]
-    assert "another process set" in tf_error and tf_error == tf_error_too and python is None, v
+    assert "reduced over global ranks [0, 2], but the compressor's process set is [0, 1, 2, 3]" in tf_error, v
+    assert tf_error == tf_error_too and python is None, v
+    # a weighted sum that is no sum over any ranks (Adasum's): the op named, as the runner names it
+    # (it was blamed on the process set)
+    tf_error, tf_error_too, python = v["weighted (Adasum)"]
+    assert python is None, v   # (not a join: the runner raises check_control's own error, the op's)
+    for said in (tf_error, tf_error_too):
+        assert "the reduction op is not a sum or an average" in said and "Adasum" in said, v
     tf_error, tf_error_too, python = v["0 and 2, settings differ"]
     assert "ranks disagree on the compressor settings" in tf_error and tf_error == tf_error_too, v
     assert "ranks disagree on the compressor settings" in python, v

@@ -606,10 +606,23 @@ class QsgdCheckControlOp : public OpKernel {
                                               qsgd_status_string(st)));
       return;
     }
-    if (st == QSGD_E_CTRL_MEMBERS) {
-      ctx->CtxFailure(errors::InvalidArgument(
-          where_, ": the tensor was not reduced over exactly the compressor's process set: the allreduce ran "
-          "over another process set (pass its process_set= to the compressor): ", qsgd_status_string(st)));
+    if (st == QSGD_E_CTRL_MEMBERS) {  // (protocol._membership_message): the participants a sum implies, if any
+      std::vector<int32_t> sum_of(size_t(world_ > 0 ? world_ : 1), 0);
+      int32_t m = 0;
+      if (qsgd_control_participants(v, r.NumElements(), world_, sum_of.data(), &m) == QSGD_OK &&
+          std::vector<int32_t>(sum_of.begin(), sum_of.begin() + m) != ranks_) {
+        std::string got, set;
+        for (int32_t i = 0; i < m; ++i) got += (i ? ", " : "") + std::to_string(sum_of[size_t(i)]);
+        for (int32_t i = 0; i < n; ++i) set += (i ? ", " : "") + std::to_string(ranks_[size_t(i)]);
+        ctx->CtxFailure(errors::InvalidArgument(
+            where_, ": the tensor was reduced over global ranks [", got, "], but the compressor's process set is [",
+            set, "]: pass the allreduce's process_set= to the compressor, and use the compressor on every rank "
+            "of that set"));
+      } else {  // no sum over any ranks: another op (Adasum's weighted sum passes the op check)
+        ctx->CtxFailure(errors::InvalidArgument(
+            where_, ": the reduction op is not a sum or an average; QSGD payloads are averaged (op=Average) or "
+            "summed (op=Sum), other ops (Min, Max, Product, Adasum) are not supported"));
+      }
       return;
     }
     OP_REQUIRES(ctx, st == QSGD_OK, FromStatus(st, where_));
