@@ -129,6 +129,17 @@ def test_join_with_uneven_data_gives_horovods_joined_result(np_):
         assert ok_lines(out, s) == np_, f"{s}:\n{out[-3000:]}"
 
 
+def test_a_join_that_would_overflow_horovods_buffer_is_refused_on_every_stepping_rank():
+    """At 7 ranks (tests/mp/join_guard.py): rank 0 joins early, and the others' next step, whose
+    collectives Horovod 0.28.1 would answer by writing past a buffer on its coordinator (the job
+    crashed: free(): invalid next size), is refused on each of them with a MismatchError naming it;
+    they join too and the job ends cleanly. Where the last rank joins, every write is in bounds and the
+    joined step runs (replicas identical)."""
+    out = launch(7, "gloo", ["tests/mp/join_guard.py", "low-joins", "high-joins"], timeout=300)
+    for s in ("low-joins", "high-joins"):
+        assert ok_lines(out, s) == 7, f"{s}:\n{out[-3000:]}"
+
+
 def test_stats_time_summary_and_warnings():
     """encode_s/decode_s/wait_s are non-negative and grow with every step; summary() agrees with the
     counters; a compressor never passed to the optimizer warns once that it is a no-op, one in use does

@@ -17,10 +17,17 @@ and forgets them, logged, once that call has ended without them: at the thread's
 (another frame), or at a decompress on that thread where the call's frame is no longer on its stack
 (an optimizer step after the failed call).
 """
+import threading
+
 from hvd_qsgd import protocol
 from hvd_qsgd.exchange.joined import OVERLAPPED
 from hvd_qsgd.horovod_caller import call_tensor_name
 from hvd_qsgd.unnamed_calls import UnnamedCalls, warn_left
+
+
+# the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
+NO_STAGES = threading.Event()
+NO_STAGES.set()
 
 
 class DeferredSteps:
@@ -53,7 +60,11 @@ class DeferredSteps:
         with self.lock:
             pending = self._deferred.pop(ex.group, [])
         direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
+        refused = not direct and self._refused_join(ex, reduced_control) is not None
         for e in pending:
+            if refused:   # (a presence allreduce, its name new since the join, would overflow Horovod's buffer:
+                e.started = NO_STAGES   # nothing starts, and each decompress raises, ``_check_control``)
+                continue
             (self._start_now if direct and e.reduction in OVERLAPPED else self._start_presence)(e)
 
     # -- the unnamed calls (``hvd_qsgd.unnamed_calls``) -------------------------------------

@@ -31,6 +31,7 @@ import time
 
 from hvd_qsgd import protocol
 from hvd_qsgd.exchange.chains import AllgatherChain, Exchange
+from hvd_qsgd.exchange.joined import joined_refusal
 from hvd_qsgd.state import Route
 
 
@@ -128,7 +129,9 @@ class FusedAllgatherChain:
         collective, and every member raises)."""
         b = ex.backend
         if len(ex.present) < len(ex.set_ranks):
-            ex.stage = "joined"
+            ex.stage, ex.stage_error = "joined", joined_refusal(len(ex.set_ranks), ex.present)
+            if ex.stage_error is not None:   # (every member's decompress raises it, alike on every stepping rank)
+                return
             like = next((m.payload for m in ex.members if m.payload is not None), None)
             own = b.concat([b.zeros(m.expect.numel, like) if m.payload is None else AllgatherChain.own_dequantized(m)
                             for m in ex.members])

@@ -24,6 +24,34 @@ def note_joined(where, joined=None):
                     "ranks" if joined is None else f"{joined} rank(s)")
 
 
+# Horovod 0.28.1's coordinator answers a collective it has not cached (one first negotiated after a
+# rank joined, as the joined path's allreduce always is: only responses of every rank are cached)
+# in Controller::ConstructResponse (horovod/common/controller.cc), whose vector of devices is sized
+# by the requests of the ranks still stepping and indexed by their rank in the set: it writes past
+# its end where a joined rank's number is below a stepping one's. glibc's allocation leaves room for
+# 6 entries, so from 7 ranks up the job crashes (free(): invalid pointer) or its memory is corrupted
+# silently; where the joined ranks are the set's last, every write is in bounds.
+JOIN_SAFE_RANKS = 6
+
+
+def joined_refusal(set_size, present=None):
+    """The error for a joined step of a process set of ``set_size`` ranks (``present``: the set ranks
+    still stepping, None where not known), where its reduction would write past Horovod's buffer
+    (see ``JOIN_SAFE_RANKS``); None where it is safe."""
+    if set_size <= JOIN_SAFE_RANKS or (present is not None and max(present) < len(present)):
+        return None
+    stepping = "some" if present is None else str(len(present))
+    return protocol.MismatchError(
+        f"{set_size - len(present) if present is not None else 'some'} rank(s) of the process set of {set_size} "
+        f"have joined (hvd.join) while {stepping} step on, and the others' tensor would then be reduced by a "
+        "collective Horovod 0.28.1 has not seen before the join, which from "
+        f"{JOIN_SAFE_RANKS + 1} ranks up, where a joined rank's number is below a stepping one's, writes past a "
+        "buffer on its coordinator (horovod/common/controller.cc, Controller::ConstructResponse) and crashes the "
+        "job or corrupts its memory: refused, on every rank still stepping. Give every rank the same number of "
+        "steps (drop the last, uneven batch), so that every rank reaches hvd.join() at the end, or let the ranks "
+        "with fewer batches be the last ones")
+
+
 class JoinedSteps:
     """Mixed into ``ExchangeRunner``, whose ``driver``, ``stats`` and ``wait`` it uses."""
 
@@ -51,6 +79,9 @@ class JoinedSteps:
                     "collective started before that could be known (Horovod cannot carry an allgather or alltoall "
                     "through a join): pass overlap=False to use hvd.join()") from None
             present, alpha, certain = verdict
+            refusal = joined_refusal(len(ex.set_ranks), present)
+            if refusal is not None:
+                raise protocol.MismatchError(f"{ex.where}: {refusal}") from None
             if not self._presence_known(carrier, None if certain else protocol.JOIN_WAIT_S):
                 raise protocol.MismatchError(f"{e} (or ranks {sorted(set(range(len(ex.set_ranks))) - set(present))} "
                                              "of the set joined (hvd.join) but never took part in this "
@@ -60,6 +91,17 @@ class JoinedSteps:
                     f"{ex.where}: the control vector was reduced over set ranks {present}, but the ranks "
                     f"still stepping (not joined with hvd.join) are {carrier.present}") from None
             return alpha
+
+    def _refused_join(self, ex, reduced):
+        """``joined_refusal`` of the step whose reduced control vector is ``reduced``, where it shows
+        ranks of ex's set joined (``protocol.joined_verdict``); else None."""
+        if len(ex.set_ranks) <= JOIN_SAFE_RANKS:
+            return None
+        try:
+            verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
+        except protocol.MismatchError:   # (another fault: the control check says it)
+            return None
+        return None if verdict is None else joined_refusal(len(ex.set_ranks), verdict[0])
 
     def _presence_known(self, ex, timeout):
         """Wait until the exchange's presence allreduce has completed (``timeout`` seconds at most,

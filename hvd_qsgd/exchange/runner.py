@@ -62,10 +62,10 @@ from hvd_qsgd import backends, cost_model, protocol, report
 from hvd_qsgd.driver import StagedDriver
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation, run_stages
 from hvd_qsgd.exchange.buffers import FusionBuffers
-from hvd_qsgd.exchange.deferred import DeferredSteps, unnamed_state_fault
+from hvd_qsgd.exchange.deferred import NO_STAGES, DeferredSteps, unnamed_state_fault
 from hvd_qsgd.exchange.fused import FusedGroups
 from hvd_qsgd.exchange.hierarchical import node_layout
-from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps
+from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps, joined_refusal
 from hvd_qsgd.exchange.openings import Openings
 from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
@@ -73,9 +73,6 @@ from hvd_qsgd.state import ExchangeNames, ResidualStore, named_where
 
 # verdicts kept at most before they are read (where a step's last decompress does not come)
 SETTLE_AT = 64
-# the ``started`` event of an exchange with no stage in the driver (one event for all: made once)
-NO_STAGES = threading.Event()
-NO_STAGES.set()
 
 
 class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
@@ -265,6 +262,9 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         if ex.fault is not None:  # the control check raises on every rank; nothing more starts
             return False
         if len(ex.present) < len(ex.set_ranks) and ex.reduction != "fused":  # (fused: once it closes)
+            refusal = joined_refusal(len(ex.set_ranks), ex.present)
+            if refusal is not None:
+                raise refusal   # (kept for its decompress: every stepping rank sees the same presence)
             ex.stage = "joined"
             own, ex.payload = ex.chain.own_dequantized(ex), None
             ex.handle = self.collectives.allreduce(own, f"{ex.route.exchange}.joined", ex.group)

@@ -32,7 +32,7 @@ from tensorflow.python.eager import record   # (whether a gradient tape is recor
 
 from hvd_qsgd import _tf_ops as qops, protocol
 from hvd_qsgd.exchange.chains import run_stages
-from hvd_qsgd.exchange.joined import note_joined
+from hvd_qsgd.exchange.joined import joined_refusal, note_joined
 
 
 # what the control op says of a disagreement on each tag of the control vector (the runner's words)
@@ -101,6 +101,10 @@ def joined_ranks(run, ctx, alpha, saved):
         mine = own(ctx.exchanges[0], *saved[0])
     else:
         mine = run.switch(ctx.index, [lambda ex=ex, p=p: own(ex, *p) for ex, p in zip(ctx.exchanges, saved)])
+    refusal = joined_refusal(len(ctx.set_ranks))   # (this branch runs only where ranks have joined: which, unknown)
+    if refusal is not None:   # a collective there would overflow Horovod's buffer: refused, on every stepping rank
+        with tf.control_dependencies([tf.debugging.Assert(False, [f"{ctx.where}: {refusal}"])]):
+            return tf.zeros_like(mine) * alpha
     summed = run.collectives.allreduce(mine, f"{ctx.wire}.joined", ctx.process_set)
     run.add(raw_elements=ctx.numel, raw_tensors=1, joined_exchanges=1)
     run.depend(tf.py_function(lambda: (note_joined(ctx.where), 0)[1], [], tf.int32))
