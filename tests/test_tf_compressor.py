@@ -52,6 +52,15 @@ def test_compat_v1_distributed_optimizer_in_a_session():
     assert ok_count(out, "v1") == 2, out[-3000:]
 
 
+def test_a_join_that_would_overflow_horovods_buffer_is_refused_on_every_stepping_rank():
+    """At 7 ranks, rank 0 joined: the others' traced step is refused, each with an error naming
+    Horovod's buffer (the job crashed: free(): invalid next size), and the job ends cleanly
+    (tests/mp/join_guard_tf.py)."""
+    out = launch(7, "gloo", ["tests/mp/join_guard_tf.py"], timeout=300)
+    results = sorted(re.findall(r"RESULT (\d+) (\d+) (True|False)", out))
+    assert results == [("0", "0", "True")] + [(str(r), "1", "True") for r in range(1, 7)], out[-3000:]
+
+
 def test_join_after_traced_steps_is_carried_as_horovods_joined_allreduce():
     """A rank that joins after two tf.function steps: the other rank's third step gives Horovod's
     joined result for allgather (Average, Sum), scatter_allgather and error feedback, counted as
