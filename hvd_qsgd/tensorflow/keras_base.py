@@ -20,6 +20,7 @@ import warnings
 import tensorflow as tf
 import horovod.tensorflow as hvd
 
+from hvd_qsgd.adapters.tensorflow.compressor import in_xla_context
 from hvd_qsgd.horovod_caller import reducing_gradient_of
 
 MARK = "_hvd_qsgd_wrapper"
@@ -73,12 +74,6 @@ def optimizer_variables(optimizer) -> list:
         return []
     variables = optimizer.variables
     return list(variables() if callable(variables) else variables)
-
-
-def in_xla_context() -> bool:
-    """Whether the function being traced is XLA-compiled (``jit_compile=True``)."""
-    from tensorflow.python.ops import control_flow_util
-    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
 
 
 def refuse_xla(who: str, optimizer) -> None:

@@ -61,6 +61,12 @@ from hvd_qsgd.state import ExchangeNames, ResidualStore, StateHolders, numbered_
 SOURCE_DTYPES = {tf.float32: "float32", tf.float16: "float16", tf.bfloat16: "bfloat16"}
 
 
+def in_xla_context() -> bool:
+    """Whether the function being traced is XLA-compiled (``jit_compile=True``)."""
+    from tensorflow.python.ops import control_flow_util
+    return bool(control_flow_util.GraphOrParentsInXlaContext(tf.compat.v1.get_default_graph()))
+
+
 class _Tensor:
     """The adapter's side of one compressed tensor between compress and decompress (each exchange's
     ``origin``): its names, shape, variables, DQSGD schedule, and the exchange of each bit width."""
@@ -124,6 +130,10 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
         if (tensor.dtype not in SOURCE_DTYPES or not tensor.shape.is_fully_defined()
                 or tensor.shape.num_elements() < self.settings.min_numel):
             return uncompressed.send(self.run, tensor)
+        if not tf.executing_eagerly() and in_xla_context():   # (at trace time, on every rank alike)
+            raise ValueError(f"hvd_qsgd: a {tensor.dtype.name} tensor of shape {tuple(tensor.shape.as_list())} is "
+                             "compressed in an XLA-compiled function (jit_compile=True), where hvd_qsgd's ops "
+                             "have no kernels: compile the step with jit_compile=False")
         caller = horovod_caller()
         ps = self._exchange_process_set(caller)
         seq, state_key = self._next_exchange()
