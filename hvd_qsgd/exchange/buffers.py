@@ -46,6 +46,7 @@ import operator
 import threading
 
 from hvd_qsgd import codec, codec_segments, protocol
+from hvd_qsgd.exchange.deferred import NO_STAGES
 from hvd_qsgd.state import Route
 
 RECENT = 16   # closed buffers whose layout ``recent`` keeps
@@ -113,16 +114,22 @@ class FusionBuffers:
         self._open[key] = buf
         return buf
 
-    def close(self, run, ex, direct=None):
+    def close(self, run, ex, how=None):
         """Member ``ex``'s buffer, closed on the first call for it (the first decompress of a member);
-        ``direct()``: whether its first collective is its chain's, without a presence allreduce (the
-        member's reduced control vector shows every rank stepping alike)."""
+        ``how()``: how it starts (``ExchangeRunner._first_collective``): "direct", its chain's first
+        collective, without a presence allreduce (the member's reduced control vector shows every
+        rank stepping alike); "presence"; None: nothing (ranks have joined, and Horovod would answer
+        the presence allreduce by writing past its buffer: each member's control check raises)."""
         buf = ex.fused
         with self._lock:
             if self._open.get(buf.group_key) is buf:
                 del self._open[buf.group_key]
-                buf.direct = direct is not None and direct()
-                self._close(run, buf)
+                start = "presence" if how is None else how()
+                buf.direct = start == "direct"
+                if start is None:
+                    buf.started = NO_STAGES
+                else:
+                    self._close(run, buf)
         return buf
 
     def _close(self, run, buf):

@@ -19,7 +19,6 @@ and forgets them, logged, once that call has ended without them: at the thread's
 """
 import threading
 
-from hvd_qsgd import protocol
 from hvd_qsgd.exchange.joined import OVERLAPPED
 from hvd_qsgd.horovod_caller import call_tensor_name
 from hvd_qsgd.unnamed_calls import UnnamedCalls, warn_left
@@ -54,18 +53,18 @@ class DeferredSteps:
         layout agreed: ``protocol.control_passes``), the chains' first collectives at once, as with
         ``overlap`` (where the reduction can start so): the presence allreduce could only confirm it,
         as the ranks that stepped for ex step for every exchange of the step. Otherwise their presence
-        allreduces: the verdict is a function of the reduced vector, so every rank decides alike."""
+        allreduces; or nothing, where a join refuses the step (``_first_collective``): the verdict is a
+        function of the reduced vector, so every rank decides alike."""
         if self.calls:   # an unnamed call that raised on this thread: its exchanges start nowhere
             self._forget(self.calls.ended())
         with self.lock:
             pending = self._deferred.pop(ex.group, [])
-        direct = protocol.control_passes(reduced_control, ex.world, ex.set_ranks)
-        refused = not direct and self._refused_join(ex, reduced_control) is not None
+        how = self._first_collective(ex, reduced_control)
         for e in pending:
-            if refused:   # (a presence allreduce, its name new since the join, would overflow Horovod's buffer:
-                e.started = NO_STAGES   # nothing starts, and each decompress raises, ``_check_control``)
-                continue
-            (self._start_now if direct and e.reduction in OVERLAPPED else self._start_presence)(e)
+            if how is None:
+                e.started = NO_STAGES
+            else:
+                (self._start_now if how == "direct" and e.reduction in OVERLAPPED else self._start_presence)(e)
 
     # -- the unnamed calls (``hvd_qsgd.unnamed_calls``) -------------------------------------
 

@@ -92,6 +92,17 @@ class JoinedSteps:
                     f"still stepping (not joined with hvd.join) are {carrier.present}") from None
             return alpha
 
+    def _first_collective(self, ex, reduced):
+        """How the exchanges that start at ex's decompress (its process set's deferred ones, a fusion
+        buffer closed there) start, decided from ex's reduced control vector, alike on every rank:
+        "direct" (their chains' first collectives) where it shows every rank of the set stepping
+        alike; None where ranks have joined and a presence allreduce, a collective new since the join,
+        would write past Horovod's buffer (``joined_refusal``: nothing starts, and each decompress
+        raises it, ``_check_control``); else "presence"."""
+        if protocol.control_passes(reduced, ex.world, ex.set_ranks):
+            return "direct"
+        return None if self._refused_join(ex, reduced) is not None else "presence"
+
     def _refused_join(self, ex, reduced):
         """``joined_refusal`` of the step whose reduced control vector is ``reduced``, where it shows
         ranks of ex's set joined (``protocol.joined_verdict``); else None."""

@@ -299,7 +299,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
                 self._start_deferred(ex, reduced_control)   # the step's deferred exchanges start now
             if group is self.buffers:  # a fusion buffer, closed here if still open: its first collective
                 # at once where every rank steps alike (the presence allreduce could only confirm it)
-                fused = group.close(self, ex, lambda: protocol.control_passes(reduced_control, ex.world, ex.set_ranks))
+                fused = group.close(self, ex, lambda: self._first_collective(ex, reduced_control))
             else:
                 fused = None if group is None else group.close(self, ex)   # a fused exchange
         except Exception:

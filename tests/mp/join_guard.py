@@ -9,6 +9,10 @@ printing ``OK <scenario>`` on every rank:
   every stepping rank (MismatchError naming Horovod's buffer), which then join too; no crash.
 * ``high-joins``: the last rank joins after one step: every write is in bounds, the joined step runs
   (Horovod's joined result, replicas identical on the stepping ranks).
+* ``buffered-low-joins``, ``buffered-high-joins``: the same with a fusion buffer (``fusion_mb``),
+  which closes at the first decompress and makes no presence allreduce while every rank steps: its
+  presence allreduce in the joined step was new since the join, and corrupted the coordinator's
+  memory (a segmentation fault in the next scenario).
 """
 import sys
 
@@ -20,12 +24,12 @@ import hvd_qsgd
 from hvd_qsgd.protocol import MismatchError
 
 
-def scenario(name, early):
+def scenario(name, early, **settings):
     rank, n = hvd.rank(), hvd.size()
     torch.manual_seed(0)
     model = nn.Linear(200, 100, bias=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                   named_parameters=model.named_parameters(), compression=hvd_qsgd.QSGD(4, seed=3))
+                                   named_parameters=model.named_parameters(), compression=hvd_qsgd.QSGD(4, seed=3, **settings))
     refused = []
     for step in range(1 if rank == early else 2):
         opt.zero_grad()
@@ -36,7 +40,7 @@ def scenario(name, early):
             refused.append(str(e))
     hvd.join()
     flags = hvd.allgather(torch.tensor([float(len(refused))]), name=f"{name}.refused")
-    if early == 0:
+    if early == 0:   # (rank 0 joined)
         assert flags.tolist() == [0.0] + [1.0] * (n - 1), flags.tolist()
         if rank:
             assert "writes past a buffer on its coordinator" in refused[0], refused
@@ -51,7 +55,8 @@ def scenario(name, early):
 def main():
     hvd.init()
     for name in sys.argv[1:]:
-        scenario(name, {"low-joins": 0, "high-joins": hvd.size() - 1}[name])
+        joins = name.rsplit("-", 2)[-2]
+        scenario(name, {"low": 0, "high": hvd.size() - 1}[joins], **({"fusion_mb": 1} if "buffered" in name else {}))
 
 
 if __name__ == "__main__":
