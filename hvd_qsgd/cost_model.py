@@ -50,6 +50,7 @@ With L = 1 these are the flat rows above. ``choose_in_nodes`` picks the fastest 
 flat two where the hierarchical reduction cannot run: server error feedback, a process set).
 """
 import functools
+import math
 import os
 from typing import Optional, Tuple
 
@@ -63,12 +64,34 @@ REDUCTIONS = ("allgather", "scatter_allgather")
 NODE_REDUCTIONS = REDUCTIONS + ("hierarchical",)
 
 
+def env_number(name: str, default: float, unit: str, zero: bool = False) -> float:
+    """The number of ``unit`` the environment variable ``name`` holds (``default`` where unset or
+    empty): a finite number above 0 (or 0 too, with ``zero``); else ValueError naming the variable."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and (value > 0 or zero and value == 0)):
+        raise ValueError(f"{name}={text!r}: expected a finite number of {unit} {'>= 0' if zero else '> 0'}")
+    return value
+
+
+def check_environment() -> None:
+    """Raise the ValueError of a malformed link variable (HVD_QSGD_LATENCY_US, HVD_QSGD_BANDWIDTH_GBITS,
+    HVD_QSGD_INTRA_GBITS) at once, where a compressor is made, not at the exchange that first reads it."""
+    link()
+    intra_link()
+
+
 def link(latency_s: Optional[float] = None, bandwidth_bps: Optional[float] = None) -> Tuple[float, float]:
     """(alpha, beta): the given values, else the environment's, else the defaults."""
     if latency_s is None:
-        latency_s = float(os.environ.get("HVD_QSGD_LATENCY_US", LATENCY_S * 1e6)) * 1e-6
+        latency_s = env_number("HVD_QSGD_LATENCY_US", LATENCY_S * 1e6, "microseconds", zero=True) * 1e-6
     if bandwidth_bps is None:
-        bandwidth_bps = float(os.environ.get("HVD_QSGD_BANDWIDTH_GBITS", BANDWIDTH_BPS * 8 / 1e9)) * 1e9 / 8
+        bandwidth_bps = env_number("HVD_QSGD_BANDWIDTH_GBITS", BANDWIDTH_BPS * 8 / 1e9, "Gbit/s") * 1e9 / 8
     if latency_s < 0 or bandwidth_bps <= 0:
         raise ValueError(f"the link model needs latency >= 0 and bandwidth > 0, got {latency_s} s and "
                          f"{bandwidth_bps} B/s (HVD_QSGD_LATENCY_US, HVD_QSGD_BANDWIDTH_GBITS)")
@@ -118,7 +141,7 @@ def intra_link(bandwidth_bps: Optional[float] = None, device: str = "cuda") -> f
     the default for tensors on ``device`` ("cuda", or "cpu": host tensors)."""
     if bandwidth_bps is None:
         default = INTRA_BANDWIDTH_BPS if device == "cuda" else HOST_INTRA_BANDWIDTH_BPS
-        bandwidth_bps = float(os.environ.get("HVD_QSGD_INTRA_GBITS", default * 8 / 1e9)) * 1e9 / 8
+        bandwidth_bps = env_number("HVD_QSGD_INTRA_GBITS", default * 8 / 1e9, "Gbit/s") * 1e9 / 8
     if not bandwidth_bps > 0:
         raise ValueError(f"the link inside a node needs a bandwidth > 0, got {bandwidth_bps} B/s (HVD_QSGD_INTRA_GBITS)")
     return bandwidth_bps

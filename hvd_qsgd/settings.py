@@ -126,6 +126,7 @@ class Settings:
                              f"chooses scatter_allgather): with reduction={reduction!r} no rank re-quantizes a sum, "
                              "so there is no server residual to keep")
         fusion_mb = _check_fusion_mb(fusion_mb, min_numel, fusion, server_error_feedback)
+        cost_model.check_environment()   # (the link variables, read later by "auto" and the reports)
         return cls(int(bits), int(bucket_size), norm, coding, int(min_numel), int(seed),
                    bool(error_feedback), bool(checksum), reduction, bool(server_error_feedback), link_gbps,
                    bool(fusion), bool(overlap), encoder, fusion_mb, bool(join))

@@ -214,6 +214,25 @@ def test_auto_weighs_the_hierarchical_reduction_on_nodes_of_several_ranks(monkey
         s.exchange_reduction(16, 10**6, 8, "cuda")
 
 
+@pytest.mark.parametrize("variable,value", [("HVD_QSGD_BANDWIDTH_GBITS", "abc"), ("HVD_QSGD_BANDWIDTH_GBITS", "10gbit"),
+                                            ("HVD_QSGD_BANDWIDTH_GBITS", "nan"), ("HVD_QSGD_BANDWIDTH_GBITS", "inf"),
+                                            ("HVD_QSGD_BANDWIDTH_GBITS", "0"), ("HVD_QSGD_INTRA_GBITS", "fast"),
+                                            ("HVD_QSGD_LATENCY_US", "-1"), ("HVD_QSGD_LATENCY_US", "50us")])
+def test_a_malformed_link_variable_is_refused_where_the_compressor_is_made(monkeypatch, variable, value):
+    """The link variables are read by "auto" and by the slowdown report, the latter first at the 50th
+    exchange: a value that is not a finite positive number (latency: >= 0) is refused at construction,
+    naming the variable and the value (it failed at step 50 with float()'s bare message)."""
+    import hvd_qsgd.tensorflow
+    monkeypatch.setenv(variable, value)
+    for make in (hvd_qsgd.QSGD, hvd_qsgd.tensorflow.QSGD):
+        with pytest.raises(ValueError, match=f"^{variable}={value!r}: expected a finite number of "):
+            make(4)
+    monkeypatch.setenv(variable, "")   # (empty: the default)
+    hvd_qsgd.QSGD(4)
+    monkeypatch.setenv("HVD_QSGD_LATENCY_US", "0")
+    hvd_qsgd.QSGD(4)
+
+
 def test_fusion_and_overlap_are_refused_where_they_do_not_run():
     """fusion=True, overlap=True and fusion_mb run in PyTorch; the TensorFlow compressor and the mpi4py
     reducer say so."""
