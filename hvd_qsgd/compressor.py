@@ -123,7 +123,7 @@ class QSGD(errors.NotCopied, report.Summarized):
         self._by_type: Dict[type, Any] = {}   # each tensor type's adapter, once asked
         self._lock = threading.Lock()
         self._learning_rate = None
-        self._calls = 0
+        self._calls = self._compressed = 0   # tensors handed over; compressed (not passed through as they are)
         self._never_called = report.NeverCalledWatch()
         _watch(self)
 
@@ -173,7 +173,10 @@ class QSGD(errors.NotCopied, report.Summarized):
         if tensor is errors.NOT_GIVEN:   # (the class given as the compression: ``self`` is the tensor)
             raise errors.class_given()
         self._calls += 1
-        return self._adapter_of(tensor).compress(tensor)
+        out = self._adapter_of(tensor).compress(tensor)
+        if out[1] is not None:
+            self._compressed += 1
+        return out
 
     def decompress(self, tensor: Any, ctx: Any = errors.NOT_GIVEN) -> Any:
         if ctx is errors.NOT_GIVEN:
@@ -283,7 +286,7 @@ def _watch(compressor: QSGD) -> None:
 
 def _on_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     for c in list(_live):
-        c._never_called.step(c._calls, repr(c))
+        c._never_called.step(c._calls, repr(c), c._compressed)
 
 
 def _at_exit() -> None:

@@ -164,13 +164,22 @@ class NeverCalledWatch:
         ``steps - 1 + NEVER_CALLED_STEPS`` steps without a call before warning."""
         self.patience = max(self.patience, int(steps) - 1 + NEVER_CALLED_STEPS)
 
-    def step(self, calls: int, where: str) -> bool:
-        """One optimizer step; ``calls``: tensors the compressor has handled so far. True if it warned."""
-        if calls or self._warned.is_set():
+    def step(self, calls: int, where: str, compressed: Optional[int] = None) -> bool:
+        """One optimizer step; ``calls``: tensors the compressor has been handed so far; ``compressed``:
+        how many of them it compressed (None: not known). True if it warned: never called, or handed
+        only tensors it sends uncompressed (each below ``min_numel``, or not floating point)."""
+        if calls and compressed != 0 or self._warned.is_set():
             return False
         self.steps += 1
         if self.steps < self.patience:
             return False
+        if calls:
+            self._warned.set()
+            log.warning("%s was handed %d tensors in %d optimizer steps and compressed none of them: each had fewer "
+                        "elements than min_numel, or was not a floating-point tensor, and went uncompressed "
+                        "(stats['raw_tensors']). Pass a smaller min_numel= to compress small tensors", where, calls,
+                        self.steps)
+            return True
         return self._warn(where, f"has not been called in {self.steps} optimizer steps")
 
     def at_exit(self, calls: int, where: str) -> bool:

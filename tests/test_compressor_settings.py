@@ -258,3 +258,15 @@ def test_join_is_on_by_default_and_off_only_when_asked():
     assert off.settings.join is False and "join=False" in repr(off)
     assert hvd_qsgd.tensorflow.QSGD(4, join=False).settings.join is False
     assert Settings.make(4, join=False).tag() != Settings.make(4).tag()
+
+
+def test_tensorflow_refuses_a_malformed_node_layout_where_the_compressor_is_made(monkeypatch):
+    """TensorFlow reads HVD_QSGD_RANKS_PER_NODE where each rank traces its step: malformed on one rank,
+    that rank raised alone there and the others waited for it. Refused at construction instead
+    (PyTorch reports it through the control vector, on every rank: tests/test_hierarchical.py)."""
+    import hvd_qsgd.tensorflow
+    monkeypatch.setenv("HVD_QSGD_RANKS_PER_NODE", "two")
+    with pytest.raises(ValueError, match="HVD_QSGD_RANKS_PER_NODE must be a positive integer, got 'two'"):
+        hvd_qsgd.tensorflow.QSGD(4)
+    monkeypatch.setenv("HVD_QSGD_RANKS_PER_NODE", "8")
+    hvd_qsgd.tensorflow.QSGD(4)

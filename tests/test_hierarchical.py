@@ -14,10 +14,10 @@ WORKER = "tests/mp/torch_hierarchical.py"
 
 @pytest.mark.parametrize("np_, controller", [(4, "gloo"), (6, "gloo"), (4, "mpi")])
 def test_hierarchical_equals_the_three_stage_reference_on_every_rank(np_, controller):
-    scenarios = ["exact", "error-feedback", "auto"] + (["malformed-layout", "layouts-differ"]
+    scenarios = ["exact", "error-feedback", "auto"] + (["malformed-layout", "layouts-differ", "malformed-link"]
                                                        if (np_, controller) == (4, "gloo") else [])
     out = launch(np_, controller, [WORKER] + scenarios, timeout=300, env={"HVD_QSGD_RANKS_PER_NODE": "2"})
-    for scenario in ("exact", "error-feedback", "auto"):
+    for scenario in ("exact", "error-feedback", "auto") + (("malformed-link",) if "malformed-link" in scenarios else ()):
         assert len(re.findall(rf"OK {scenario}\b", out)) == np_, out[-3000:]
     if "layouts-differ" in scenarios:
         raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)

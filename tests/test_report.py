@@ -140,6 +140,27 @@ def test_never_called_warns_after_steps_without_calls_and_not_otherwise(caplog):
     assert not any("used" in m or "called was" in m for m in messages)
 
 
+def test_a_compressor_handed_only_small_tensors_warns_that_it_compresses_none(caplog):
+    """A model whose every tensor is below min_numel goes uncompressed: said once, after
+    NEVER_CALLED_STEPS optimizer steps (a global hook counts them), naming min_numel; not where one
+    tensor was compressed, nor where the count is not known (PQASGD's calls)."""
+    import torch
+    import hvd_qsgd
+    model = torch.nn.Linear(50, 10)   # 500 + 10 elements, below the default min_numel
+    small, opt = hvd_qsgd.QSGD(4), torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
+        for _ in range(2 * report.NEVER_CALLED_STEPS):
+            for p in model.parameters():
+                assert small.compress(torch.ones_like(p))[1] is None   # (passed through as it is)
+            opt.step()
+        assert not report.NeverCalledWatch().step(4, "unknown")
+        assert not any(report.NeverCalledWatch().step(4, "some", compressed=1) for _ in range(5))
+    messages = [m for m in map(logging.LogRecord.getMessage, caplog.records) if m.startswith(f"{small!r} was handed")]
+    assert len(messages) == 1, messages
+    assert f"was handed {2 * report.NEVER_CALLED_STEPS} tensors in {report.NEVER_CALLED_STEPS} optimizer steps and " \
+           "compressed none of them" in messages[0] and "min_numel" in messages[0], messages
+
+
 AT_EXIT = r'''
 import sys
 import horovod.torch as hvd

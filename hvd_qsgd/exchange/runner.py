@@ -144,8 +144,11 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         layout): its chain, backend and node layout; the backend's fallback (counted with ``count``),
         or None."""
         n = len(ex.set_ranks)
-        red = ex.settings.exchange_reduction(n, ex.expect.numel, ex.per_node if n == ex.world else None,
-                                             ex.device_type)
+        try:
+            red = ex.settings.exchange_reduction(n, ex.expect.numel, ex.per_node if n == ex.world else None,
+                                                 ex.device_type)
+        except ValueError as e:   # (a link variable malformed since: this exchange's fault, raised on every rank)
+            red, ex.fault = "allgather", ex.fault or e
         ex.reduction, ex.chain = red, CHAINS[red]
         ex.backend, fallback = backends.choose(ex.device_type, ex.settings, red)
         if fallback and count:

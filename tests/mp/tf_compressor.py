@@ -968,6 +968,7 @@ def scenario_join():
             assert np.array_equal(got, np.full(20000, 3.0 / n, np.float32)), (c, got[:4])
             st = c.stats
             assert st["joined_exchanges"] == 1 and st["raw_tensors"] == 1 and st["tensors"] == 0, st
+            assert st["allreduce_bytes"] == 0, st   # (nothing compressed: no bytes saved to count)
     assert hvd.join() == 0
 
 
@@ -1004,6 +1005,8 @@ def scenario_join_traced():
     for c in (scatter, fed_back):
         st = c.stats
         assert int(st["joined_exchanges"]) == joined and int(st["tensors"]) == 2 and int(st["raw_tensors"]) == joined, st
+        # the compressed exchanges' fp32 allreduce, not the joined one's (it overstated bytes_saved)
+        assert int(st["allreduce_bytes"]) == 2 * int(2 * (n - 1) / n * 4 * 20000), st
     residuals = fed_back._adapters["tensorflow"].residuals.residuals
     assert len(residuals) == 1 and all(not np.any(v.numpy()) for v in residuals.values()), residuals
     assert hvd.join() == 0

@@ -146,6 +146,25 @@ def malformed_layout():
     raise AssertionError("a malformed layout did not raise")
 
 
+def malformed_link():
+    """A link variable malformed on one rank after its compressor was made (where "auto" reads it:
+    here the layout's choice, 4 ranks on nodes of 2): that exchange's fault, raised on every rank
+    (rank 0 naming the variable, the others that it could not encode), not on rank 0 alone while the
+    others wait for its control vector; the next exchange runs."""
+    c = hvd_qsgd.QSGD(4)
+    if hvd.rank() == 0:
+        os.environ["HVD_QSGD_BANDWIDTH_GBITS"] = "fast"
+    try:
+        hvd.allreduce(torch.randn(20000), compression=c, name="malformed_link")
+        raise AssertionError("a malformed link variable did not raise")
+    except protocol.MismatchError as e:
+        assert ("HVD_QSGD_BANDWIDTH_GBITS='fast'" if hvd.rank() == 0 else "1 rank(s) could not encode") in str(e), e
+    finally:
+        os.environ.pop("HVD_QSGD_BANDWIDTH_GBITS", None)
+    x = torch.full((20000,), float(hvd.rank()))
+    assert torch.allclose(hvd.allreduce(x, compression=c, name="malformed_link"), torch.full_like(x, 1.5)), "next exchange"
+
+
 def layouts_differ():
     os.environ["HVD_QSGD_RANKS_PER_NODE"] = "1" if hvd.rank() == 0 else str(PER_NODE)
     c = hvd_qsgd.QSGD(4, reduction="hierarchical")
@@ -162,7 +181,8 @@ def main():
     torch.set_num_threads(1)
     for name in sys.argv[1:]:
         if {"exact": exact, "error-feedback": error_feedback, "auto": auto, "layouts-differ": layouts_differ,
-                "uneven-hosts": uneven_hosts, "malformed-layout": malformed_layout}[name]() is not False:
+                "uneven-hosts": uneven_hosts, "malformed-layout": malformed_layout,
+                "malformed-link": malformed_link}[name]() is not False:
             print(f"OK {name}", flush=True)
 
 

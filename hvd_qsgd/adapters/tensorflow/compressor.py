@@ -45,13 +45,13 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from horovod.tensorflow.compression import Compressor
 
-from hvd_qsgd import _tf_ops as qops, codec, cost_model, errors, protocol, report, step_built
+from hvd_qsgd import _tf_ops as qops, codec, errors, protocol, report, step_built
 from hvd_qsgd.adapters.tensorflow import schedule as tf_schedule
 from hvd_qsgd.adapters.tensorflow.graph import GraphRun, TensorFlowOps
 from hvd_qsgd.adapters.tensorflow import uncompressed, verdict
 from hvd_qsgd.adapters.tensorflow.state import TensorFlowState, state_variable
 from hvd_qsgd.exchange.chains import CHAINS, Exchange, expectation
-from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, node_layout
+from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node, ranks_per_node_override, node_layout
 from hvd_qsgd.horovod_caller import exchange_process_set, horovod_caller, horovod_frame
 from hvd_qsgd.policy import FixedBits, ScheduledBits
 from hvd_qsgd.settings import (Settings, next_creation_index, process_set_key,
@@ -93,6 +93,7 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
                 raise ValueError(f"hvd_qsgd.tensorflow.QSGD: {name}={getattr(settings, name)!r} runs in PyTorch so "
                                  f"far (TensorFlow builds each exchange in the step's graph); pass {name}={off} in "
                                  "TensorFlow")
+        ranks_per_node_override()   # (malformed: refused here, not where one rank traces a step)
         self.settings = settings
         self.policy = policy if policy is not None else FixedBits(settings)
         if type(self.policy) not in (FixedBits, ScheduledBits):
@@ -206,8 +207,6 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
         ctx.exchanges = [self._exchange(ctx, v) for v in ctx.variants]
         inputs = [x, ctx.occurrence] + ([] if ctx.index is None else [ctx.index])
         with self.run.collecting() as deps:
-            # what a ring allreduce of the tensor would have cost (report.summary compares)
-            self.run.add(allreduce_bytes=int(cost_model.received_bytes("allreduce", len(ctx.set_ranks), 4 * ctx.numel)))
             if ctx.index is None:
                 ex = ctx.exchanges[0]
                 self.run.timed("encode_s", lambda: ex.chain.encode(self.run, ex, x) or ex.payload, *inputs)

@@ -30,7 +30,7 @@ import tensorflow as tf
 import horovod.tensorflow as hvd
 from tensorflow.python.eager import record   # (whether a gradient tape is recording: ``taped``)
 
-from hvd_qsgd import _tf_ops as qops, protocol
+from hvd_qsgd import _tf_ops as qops, cost_model, protocol
 from hvd_qsgd.exchange.chains import run_stages
 from hvd_qsgd.exchange.joined import joined_refusal, note_joined
 
@@ -83,7 +83,10 @@ def with_gradient(ctx, result):
 
 
 def stepping(run, ctx, alpha):
-    """Every rank of the set stepping: the reduction's chain (DQSGD: that of the bits chosen)."""
+    """Every rank of the set stepping: the reduction's chain (DQSGD: that of the bits chosen); counted
+    in ``allreduce_bytes`` (what a ring allreduce of the tensor would have cost: report.summary
+    compares; not in the joined branch, whose allreduce is that)."""
+    run.add(allreduce_bytes=cost_model.fp32_allreduce_bytes(len(ctx.set_ranks), ctx.numel))
     if ctx.index is None:
         return stages(run, ctx.exchanges[0], alpha)
     return run.switch(ctx.index, [lambda ex=ex: stages(run, ex, alpha) for ex in ctx.exchanges])
