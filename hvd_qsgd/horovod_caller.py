@@ -250,3 +250,23 @@ def traced_variable() -> Any:
                 return None
         frame = frame.f_back
     return None
+
+
+# Horovod's function that broadcasts an optimizer's state; it calls ``optimizer.step()`` where that
+# state is empty, to fill it (only there: on ranks whose state is not, it calls nothing)
+BROADCAST_OPTIMIZER_STATE = "broadcast_optimizer_state"
+FRAMES_TO_BROADCAST = 8   # (step's wrappers: torch's no_grad and its optimizer hooks)
+
+
+def in_horovod_state_broadcast() -> bool:
+    """Whether the caller runs inside Horovod's ``broadcast_optimizer_state`` (PyTorch), within a few
+    frames: an optimizer that exchanges in ``step()`` must then fill its state without a collective,
+    which the ranks whose state is not empty would never join."""
+    frame = sys._getframe(2)
+    for _ in range(FRAMES_TO_BROADCAST):
+        if frame is None:
+            return False
+        if frame.f_code.co_name == BROADCAST_OPTIMIZER_STATE and _module(frame).startswith("horovod."):
+            return True
+        frame = frame.f_back
+    return False

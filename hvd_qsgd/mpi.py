@@ -72,7 +72,11 @@ class QSGDReducer:
     (``hvd_qsgd.settings.Settings.make``) by name; the reducer keeps no error feedback.
     ``stats`` counts like the Horovod adapters (``hvd_qsgd.settings.Stats``)."""
 
-    def __init__(self, comm: Any = None, **settings: Any):
+    def __init__(self, comm: Any = None, *args: Any, **settings: Any):
+        if args or isinstance(comm, (bool, int, float, str, np.number)):
+            raise TypeError(f"hvd_qsgd.mpi.QSGDReducer(comm=None, **settings): the first argument is the mpi4py "
+                            f"communicator and the settings go by name (QSGDReducer(comm, bits=4, ...)), got "
+                            f"{', '.join(map(repr, (comm,) + args))} positionally")
         self.settings = Settings.from_arguments("hvd_qsgd.mpi.QSGDReducer", (), settings)
         if self.settings.error_feedback or self.settings.server_error_feedback:
             raise ValueError("hvd_qsgd.mpi.QSGDReducer keeps no error feedback: pass error_feedback=False and "

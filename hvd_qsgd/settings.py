@@ -229,7 +229,9 @@ class Settings:
         changed = [k for k in ("bits", "bucket_size", "norm", "coding") if theirs.get(k) != mine[k]]
         if changed:
             raise ValueError(f"{who}: the checkpoint was made with different settings "
-                             f"({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)})")
+                             f"({', '.join(f'{k}={theirs.get(k)!r}' for k in changed)}; this compressor's: "
+                             f"{', '.join(f'{k}={mine[k]!r}' for k in changed)}): its residuals hold what "
+                             "another quantizer dropped")
 
 
 @functools.lru_cache(maxsize=1024)

@@ -18,7 +18,7 @@ from tests.helpers import launch
 
 WORKER = "tests/mp/algorithms_torch.py"
 SCENARIOS = ["error-feedback", "dqsgd", "efsgdm-two-way", "efsgdm-one-way", "pqasgd-local", "pqasgd-average",
-             "pqasgd-elastic-state"]
+             "pqasgd-elastic-state", "state-broadcast"]
 
 
 def ok_lines(out, scenario):

@@ -270,3 +270,14 @@ def test_tensorflow_refuses_a_malformed_node_layout_where_the_compressor_is_made
         hvd_qsgd.tensorflow.QSGD(4)
     monkeypatch.setenv("HVD_QSGD_RANKS_PER_NODE", "8")
     hvd_qsgd.tensorflow.QSGD(4)
+
+
+@pytest.mark.parametrize("args", [(4,), (4, 512, "max"), (np.int64(4),), ("4",)])
+def test_the_mpi_reducer_refuses_settings_in_place_of_its_communicator(args):
+    """QSGDReducer(4) took 4 for the communicator, and failed at the first allreduce with an
+    AttributeError about Split_type; settings given positionally gave Python's bare TypeError."""
+    import hvd_qsgd.mpi
+    with pytest.raises(TypeError, match=r"QSGDReducer\(comm=None, \*\*settings\): the first argument is the mpi4py "
+                                        r"communicator and the settings go by name"):
+        hvd_qsgd.mpi.QSGDReducer(*args)
+    assert hvd_qsgd.mpi.QSGDReducer(object(), bits=4).settings.bits == 4

@@ -174,7 +174,7 @@ def distributed_optimizer(optimizer, name=None, device_dense="", device_sparse="
     if op not in (hvd.Average, hvd.Sum):
         raise ValueError(f"{WHO}: op must be hvd.Average or hvd.Sum (as Horovod's Keras optimizer), got {op}")
     if getattr(optimizer, "built", False) and int(optimizer.iterations) > 0:
-        warnings.warn(f"{WHO}.DistributedOptimizer: this optimizer has taken {int(optimizer.iterations)} step(s) "
+        warnings.warn(f"{WHO}: this optimizer has taken {int(optimizer.iterations)} step(s) "
                       "already: a model compiled with it keeps the training function Keras built then, which "
                       "would go on training locally, unreduced; compile the model again with it (model.compile"
                       "(optimizer=...)) after wrapping, or wrap it before compiling", UserWarning, stacklevel=3)

@@ -33,6 +33,9 @@ Use it in place of ``hvd.DistributedOptimizer`` (it already averages; do not wra
     ...; loss.backward(); opt.step(); opt.zero_grad()
 
 ``state_dict()`` holds the momentum buffers and the compressor's residuals (worker and server).
+Horovod's ``hvd.broadcast_optimizer_state`` (a resume where rank 0 loads the checkpoint; Horovod's
+elastic ``TorchState``) fills an empty state by calling ``step()`` on the ranks that hold none: that
+step makes the momentum buffers (zeros) and exchanges nothing, which the others would never join.
 """
 from typing import Any, Iterable, Optional, Tuple
 
@@ -42,6 +45,7 @@ import horovod.torch as hvd
 import hvd_qsgd
 from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
 from hvd_qsgd.block_sign import efsgdm_compression
+from hvd_qsgd.horovod_caller import in_horovod_state_broadcast
 
 
 class EFSGDM(torch.optim.Optimizer):
@@ -72,6 +76,11 @@ class EFSGDM(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if in_horovod_state_broadcast():   # (filling an empty state, on some ranks only: no exchange)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+            return loss
         params, updates = [], []
         for group in self.param_groups:
             lr, mu, wd = group["lr"], group["momentum"], group["weight_decay"]

@@ -47,6 +47,7 @@ import horovod.torch as hvd
 
 import hvd_qsgd
 from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
+from hvd_qsgd.horovod_caller import in_horovod_state_broadcast
 
 MOMENTUM_MODES = ("local", "average", "reset")
 
@@ -159,6 +160,11 @@ class PeriodicQuantizedAveraging:
     # -- checkpoints ---------------------------------------------------------------------------
 
     def state_dict(self):
+        if in_horovod_state_broadcast():   # (on every rank: its collectives, and a KeyError, never start)
+            raise TypeError("hvd.broadcast_optimizer_state takes a PyTorch optimizer, and a "
+                            "PeriodicQuantizedAveraging holds more (its anchor and step counters): load its "
+                            "checkpoint (state_dict()) on every rank, or in elastic training pass it to "
+                            "hvd_qsgd.torch.elastic.TorchState, whose sync broadcasts all of it")
         return {"optimizer": self.optimizer.state_dict(), "anchor": {n: t.clone() for n, t in self.anchor.items()},
                 "local_steps": self.local_steps, "syncs": self.syncs,
                 "compression": self.compression.state_dict() if hasattr(self.compression, "state_dict") else None}

@@ -291,7 +291,46 @@ def scenario_pqasgd_elastic_state(n, rank):
         raise AssertionError("pqasgd elastic: pickled")
 
 
+def scenario_state_broadcast(n, rank):
+    """Horovod's resume pattern (rank 0 loads the checkpoint, then hvd.broadcast_optimizer_state, as
+    Horovod's elastic TorchState's sync does too): Horovod fills an empty state by calling step() on
+    the ranks that hold none, and EFSGDM's exchange there waited forever for rank 0. Now that step
+    only makes the momentum buffers: every rank gets rank 0's, and the next step runs, replicas
+    alike. A PeriodicQuantizedAveraging, which holds more than an optimizer's state, is refused on
+    every rank, saying what to do (it failed with KeyError: 'state')."""
+    def efsgdm():
+        model = Model(7)
+        return model, hvd_qsgd.torch.EFSGDM(model.named_parameters(), lr=0.01, momentum=0.9,
+                                            compression=hvd_qsgd.BlockSign(block_size=256, min_numel=MIN_NUMEL))
+    model, opt = efsgdm()
+    for t in range(2):
+        step(opt, model, rank, t)
+    saved = opt.state_dict() if rank == 0 else None
+    model, opt = efsgdm()   # (a new process: rank 0 loads its checkpoint, the others start empty)
+    if rank == 0:
+        opt.load_state_dict(saved)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    mine = [opt.state[p]["momentum_buffer"].numpy().copy() for p in (model.w, model.b)]
+    root = hvd.broadcast_object(mine, root_rank=0, name="state_broadcast_momentum")
+    if not np.any(root[0]) or not all(np.array_equal(a, b) for a, b in zip(mine, root)):
+        raise AssertionError(f"state broadcast: rank {rank}'s momentum buffers are not rank 0's")
+    step(opt, model, rank, 2)
+    w = hvd.allgather(model.w.detach().reshape(1, -1), name="state_broadcast_w")
+    if not all(torch.equal(w[0], w[r]) for r in range(n)):
+        raise AssertionError("state broadcast: replicas differ after the next step")
+    pq = hvd_qsgd.torch.PeriodicQuantizedAveraging(torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(),
+                                                   period=2, compression=hvd_qsgd.QSGD(2, min_numel=MIN_NUMEL))
+    try:
+        hvd.broadcast_optimizer_state(pq, root_rank=0)
+    except TypeError as e:
+        assert "load its checkpoint (state_dict()) on every rank" in str(e), e
+    else:
+        raise AssertionError("state broadcast: a PeriodicQuantizedAveraging was taken")
+
+
 SCENARIOS = {
+    "state-broadcast": scenario_state_broadcast,
     "error-feedback": scenario_error_feedback,
     "dqsgd": scenario_dqsgd,
     "efsgdm-two-way": lambda n, r: scenario_efsgdm(n, r, "scatter_allgather"),

@@ -483,7 +483,8 @@ def scenario_error_feedback():
         hvd_qsgd.QSGD(4, seed=SEED, error_feedback=True).load_state_dict({"tensorflow": state})
         raise AssertionError("a checkpoint of 2 bits was loaded by a compressor of 4")
     except ValueError as e:
-        assert "checkpoint was made with different settings (bits=2, bucket_size=128)" in str(e), e
+        assert ("checkpoint was made with different settings (bits=2, bucket_size=128; this compressor's: bits=4, "
+                "bucket_size=512)") in str(e), e
     resumed = hvd_qsgd.QSGD(2, seed=SEED, error_feedback=True)
     resumed.load_state_dict({"tensorflow": state})
     loaded = dict(resumed._adapters["tensorflow"].residuals.residuals)
