@@ -301,7 +301,11 @@ _SETTINGS_HINT = "every rank must use the same compressor settings for the same 
 _TENSOR_HINT = ("the ranks handed different tensors to this exchange: the same tensor must have the same shape and "
                 "dtype on every rank, and with fusion=True or fusion_mb, where tensors take their places in the "
                 "order they reach the compressor, every rank must hand them over in the same order")
-_GATHERED_HINTS = {"numel": _TENSOR_HINT, "dtype": _TENSOR_HINT, "fingerprint": _TENSOR_HINT}
+# (checked after numel and dtype: those agree, and the tensors' shapes do not)
+_SHAPE_HINT = ("the ranks' tensors have the same number of elements and dtype but not the same shape (the "
+               "fingerprint hashes a tensor's name, shape and dtype; a fusion buffer's, its members' layout): "
+               + _TENSOR_HINT)
+_GATHERED_HINTS = {"numel": _TENSOR_HINT, "dtype": _TENSOR_HINT, "fingerprint": _SHAPE_HINT}
 _gathered_fields = operator.attrgetter(*GATHERED_FIELDS)
 
 

@@ -152,7 +152,8 @@ def _renamed(payload, **fields):
 
 @pytest.mark.parametrize("case, says", [
     ("bits", "disagree on bits"),
-    ("fingerprint", "disagree on fingerprint"),
+    ("fingerprint", "disagree on fingerprint (rank 0: 7, rank 1: 7, rank 2: 8); the ranks' tensors have the same "
+                    "number of elements and dtype but not the same shape"),
     ("truncated", "payload"),
     ("extra byte", "expected 3 payloads filling"),
     ("corrupted", "checksum"),
