@@ -7,6 +7,10 @@ TensorFlow, whose op names take no dots):
 
 * a known parameter's gradient travels as ``<prefix>.p.<name>`` and its payload seed counts the
   exchanges of that name so far (``occurrence``), so ranks may hand gradients over in any order;
+* a tensor that Horovod's call names (``hvd.allreduce(t, name=...)``; ``name[i]`` in a group)
+  travels as ``<prefix>.c.<name>``: threads sharing a compressor may call in an order that differs
+  between ranks. Its payload seed and messages use its number (below), which adds no state per name
+  (a name may be new at every step);
 * any other tensor is numbered in the order it reaches the compressor: the seq-th is labelled
   ``<prefix>.s<seq>`` (its payload seed, its messages) and travels as ``<prefix>.n<slot>``, where
   slot is the lowest number no unfinished numbered exchange holds. A slot is free again once
@@ -66,6 +70,13 @@ def _named_route(prefix: str, sep: str, param: str) -> tuple:
 
 
 @functools.lru_cache(maxsize=65536)
+def _called_route(prefix: str, sep: str, call_name: str) -> tuple:
+    """The exchange name and control key of a tensor that a Horovod call names (``name=``): apart
+    from the parameters' (``c`` for ``p``; keys of "call:" + the name, odd as theirs)."""
+    return f"{prefix}{sep}c{sep}{call_name}", 2 * protocol.small_hash("call:" + call_name, protocol.TAG_RANGE ** 2 // 2) + 1
+
+
+@functools.lru_cache(maxsize=65536)
 def named_where(param: str) -> str:
     """How messages name the exchange of parameter ``param`` (made once a name)."""
     return f"hvd_qsgd: tensor {param!r}"
@@ -81,7 +92,7 @@ class ExchangeNames:
         self.seq = 0              # numbered exchanges started (TensorFlow: every exchange)
         self.slots: Set[int] = set()       # numbered slots held by unfinished exchanges
         self.occurrences: Dict[str, int] = {}  # exchanges started per parameter name
-        self.in_flight: Set[str] = set()   # parameter names with an exchange pending
+        self.in_flight: Set[str] = set()   # exchange names of parameters and named calls with one pending
         self.pending = 0          # exchanges between compress and decompress
         self.position = 0         # position within the current step
         self._seeds: Dict[tuple, int] = {}   # the parameters' base payload seeds (``payload_seed``)
@@ -131,20 +142,27 @@ class ExchangeNames:
 
     def route(self, param: Optional[str], call_name: Optional[str] = None) -> Route:
         """The route of the next exchange of a tensor (``param``: its parameter's name, or None;
-        ``call_name``: the name an unnamed Horovod call gives it, which keys its residual)."""
+        ``call_name``: the name an unnamed Horovod call gives it, which routes it and keys its
+        residual). A name whose exchange is still in flight (given twice at once) is numbered."""
         with self._lock:
             if self.pending == 0:
                 self.position = 0
             position = self.position
             self.position += 1
             self.pending += 1
-            if param is not None and param not in self.in_flight:
-                self.in_flight.add(param)
-                occurrence = self.occurrences.get(param, 0)
-                self.occurrences[param] = occurrence + 1
+            if param is not None:
                 exchange, key = _named_route(self.prefix, self.sep, param)
-                return Route(exchange, exchange, occurrence, key, param, param, None)
+                if exchange not in self.in_flight:
+                    self.in_flight.add(exchange)
+                    occurrence = self.occurrences.get(param, 0)
+                    self.occurrences[param] = occurrence + 1
+                    return Route(exchange, exchange, occurrence, key, param, param, None)
             seq, self.seq = self.seq, self.seq + 1
+            if call_name is not None:
+                exchange, key = _called_route(self.prefix, self.sep, call_name)
+                if exchange not in self.in_flight:
+                    self.in_flight.add(exchange)
+                    return Route(exchange, self.name(f"s{seq}"), 0, key, call_name, None, None)
             slot = self._take_slot()
             return Route(self.name(f"n{slot}"), self.name(f"s{seq}"), 0, numbered_key(slot),
                          position if call_name is None else call_name, None, slot)
@@ -166,8 +184,8 @@ class ExchangeNames:
         """The exchange left compress-to-decompress (its collectives may still be pending)."""
         with self._lock:
             self.pending = max(0, self.pending - 1)
-            if route.param is not None:
-                self.in_flight.discard(route.param)
+            if route.slot is None:   # (a parameter's, or a call's by its name)
+                self.in_flight.discard(route.exchange)
 
     def reset(self) -> None:
         """Forget every exchange in progress (the counters stay: see ``counters``)."""
@@ -278,6 +296,13 @@ def element_count(array: Any) -> int:
     """The elements of a NumPy array, a tensor or a variable."""
     numel = getattr(array, "numel", None)
     return int(numel()) if callable(numel) else int(array.size)
+
+
+def called_where(route: Route, call_name: Optional[str], shape) -> str:
+    """How messages name a tensor of no parameter: by its label (``s<seq>``) and the name its call
+    gives it, if any."""
+    named = f" named {call_name!r}" if call_name is not None else ""
+    return f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]}{named} (shape {tuple(shape)})"
 
 
 def numbered_key(n: int) -> int:

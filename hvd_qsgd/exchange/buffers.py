@@ -47,6 +47,7 @@ import threading
 
 from hvd_qsgd import codec, codec_segments, protocol
 from hvd_qsgd.exchange.deferred import NO_STAGES
+from hvd_qsgd.exchange.fused import on_thread, opened_name
 from hvd_qsgd.state import Route
 
 RECENT = 16   # closed buffers whose layout ``recent`` keeps
@@ -79,16 +80,18 @@ class FusionBuffers:
         in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
         group = ex.group_key or BufferGroup.of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
         numel, bucket, cap = ex.expect.numel, group.bucket, group.cap
+        thread = on_thread(ex)
+        key = group if thread is None else (group, thread)
         with self._lock:
-            buf = self._open.get(group)
+            buf = self._open.get(key)
             if buf is None:
-                buf, offset = self._new(run, ex, group), 0
+                buf, offset = self._new(run, ex, key), 0
             else:
                 offset = -(-buf.expect.numel // bucket) * bucket
                 if offset + numel > cap:
-                    del self._open[group]
+                    del self._open[key]
                     self._close(run, buf)
-                    buf, offset = self._new(run, ex, group), 0
+                    buf, offset = self._new(run, ex, key), 0
             buf.members.append(ex)
             buf.offsets.append(offset)
             buf.expect.numel = end = offset + numel
@@ -97,16 +100,18 @@ class FusionBuffers:
             ex.route = _tuple_new(Route, (r.exchange, r.seed_name, r.occurrence,
                                           _member_key(r.key, buf.route.slot, offset), r.residual_key, r.param, r.slot))
             if -(-end // bucket) * bucket > group.room:  # full: no compressed tensor fits any more
-                del self._open[group]
+                del self._open[key]
                 self._close(run, buf)
 
     def _new(self, run, first, key):
         """A new open buffer of group ``key``, whose first member is ``first``."""
-        slot = self._names.take_slot()
-        name = self._names.name(f"b{slot}")
-        occurrence = self._occurrences[name]
-        self._occurrences[name] += 1
-        buf = run.open_exchange(Route(name, name, occurrence, 0, name, None, slot), f"hvd_qsgd: fusion buffer {name}",
+        name, slot = opened_name(self._names, first, "b")
+        if slot is None:   # (named after a call's tensor: seeded as that tensor, whose label is new each time)
+            seed_name, occurrence = first.route.seed_name, 0
+        else:
+            seed_name, occurrence = name, self._occurrences[name]
+            self._occurrences[name] += 1
+        buf = run.open_exchange(Route(name, seed_name, occurrence, 0, name, None, slot), f"hvd_qsgd: fusion buffer {name}",
                                 first.settings, 0, first.expect.dtype, first.device_type, first.group,
                                 first.set_ranks, first.global_rank, first.world, first.per_node)
         buf.members, buf.offsets, buf.lock, buf.group_key = [], [], threading.Lock(), key
@@ -174,11 +179,12 @@ class FusionBuffers:
     def _stage(self, buf, numel):
         """The members back to back at their offsets in the group's staging array, zeros between."""
         like = next((m.source for m in buf.members if m.source is not None), None)
-        b = buf.backend
-        out = self._staging.get(buf.group_key)
+        b, group = buf.backend, buf.group_key
+        group = group if type(group) is BufferGroup else group[0]   # (one array a group: staged under the lock)
+        out = self._staging.get(group)
         if out is None or b.length(out) < numel:
             out = b.zeros(max(numel, 0 if out is None else b.length(out)), like)
-            self._staging[buf.group_key] = out
+            self._staging[group] = out
         end = 0
         for m, o in zip(buf.members, buf.offsets):
             out[end:o] = 0

@@ -34,7 +34,7 @@ class DeferredSteps:
     and ``reset`` it uses."""
 
     def _init_deferred(self):
-        self._deferred = {}   # by process set: exchanges compressed, no collective started yet
+        self._deferred = {}   # by ``_waiting_key``: exchanges compressed, no collective started yet
         self.calls = UnnamedCalls()   # the exchanges of each thread's last unnamed call
 
     def _defers(self, ex):
@@ -44,11 +44,12 @@ class DeferredSteps:
     def _defer(self, ex):
         ex.stage = "deferred"
         with self.lock:
-            self._deferred.setdefault(ex.group, []).append(ex)
+            self._deferred.setdefault(_waiting_key(ex), []).append(ex)
 
     def _start_deferred(self, ex, reduced_control):
         """At a decompress of a deferred exchange ``ex``: the first collective of every exchange of
-        its process set compressed and not yet started, in the order compressed. Where ex's reduced
+        its process set (of an unnamed call: of its thread's call) compressed and not yet started, in
+        the order compressed. Where ex's reduced
         control vector shows every rank of the set stepping alike (no join, no failure, settings and
         layout agreed: ``protocol.control_passes``), the chains' first collectives at once, as with
         ``overlap`` (where the reduction can start so): the presence allreduce could only confirm it,
@@ -58,7 +59,7 @@ class DeferredSteps:
         if self.calls:   # an unnamed call that raised on this thread: its exchanges start nowhere
             self._forget(self.calls.ended())
         with self.lock:
-            pending = self._deferred.pop(ex.group, [])
+            pending = self._deferred.pop(_waiting_key(ex), [])
         how = self._first_collective(ex, reduced_control)
         for e in pending:
             if how is None:
@@ -96,6 +97,14 @@ class DeferredSteps:
                 self.names.release_slot(ex.route.slot)
         warn_left(len(left), self.owner,
                   "forgotten" + (f", but for {len(kept)} in a fused exchange shared with others" if kept else ""))
+
+
+def _waiting_key(ex):
+    """Which deferred exchanges start together: those of one process set; of an unnamed call, those
+    of one thread's call (its compress and decompress run on the calling thread, and threads that
+    share a compressor call at times that differ between ranks: one thread's decompress starting
+    another's exchanges would start them before that thread's control vector is reduced)."""
+    return (ex.group, threading.get_ident()) if ex.defer == "unnamed" else ex.group
 
 
 def unnamed_state_fault(call_name, settings, policy):

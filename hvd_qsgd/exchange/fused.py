@@ -52,8 +52,7 @@ class FusedGroups:
             fused = self._open.get(key)
             opened = fused is None
             if opened:
-                slot = self._names.take_slot()
-                name = self._names.name(f"f{slot}")
+                name, slot = opened_name(self._names, ex, "f")
                 fused = self._open[key] = Exchange(
                     route=Route(name, name, 0, 0, None, None, slot), where=f"hvd_qsgd: fused exchange {name}",
                     reduction="fused", chain=FusedAllgatherChain, backend=ex.backend, group=ex.group,
@@ -102,8 +101,27 @@ class FusedGroups:
 
 
 def key_of(ex):
-    """The group of an exchange: its process set and backend (a fused exchange's are its members')."""
-    return (id(ex.group), ex.backend.name, tuple(ex.set_ranks))
+    """The group of an exchange: its process set and backend (a fused exchange's are its members'); of
+    an unnamed call, its thread's too (``opened_name``)."""
+    return (id(ex.group), ex.backend.name, tuple(ex.set_ranks), on_thread(ex))
+
+
+def on_thread(ex):
+    """The thread whose call ``ex`` is of, for an unnamed Horovod call (compressed and decompressed on
+    the calling thread), else None: threads that share a compressor call in an order that differs
+    between ranks, so each thread's exchanges are fused or buffered apart."""
+    return threading.get_ident() if ex.defer == "unnamed" else None
+
+
+def opened_name(names, first, kind):
+    """(name, slot) of a fused exchange or fusion buffer (``kind``: "f", "b") opened by ``first``:
+    after ``first``'s own name where its call names it (``ExchangeNames.route``; the name is its
+    while it is in flight, so no other rank's thread takes it first), else the lowest free slot."""
+    r = first.route
+    if r.slot is None and r.param is None:
+        return f"{r.exchange}{names.sep}{kind}", None
+    slot = names.take_slot()
+    return names.name(f"{kind}{slot}"), slot
 
 
 class FusedAllgatherChain:

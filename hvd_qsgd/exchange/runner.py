@@ -69,7 +69,7 @@ from hvd_qsgd.exchange.joined import OVERLAPPED, JoinedSteps, joined_refusal
 from hvd_qsgd.exchange.openings import Openings
 from hvd_qsgd.exchange.residuals import ResidualSteps
 from hvd_qsgd.settings import Stats
-from hvd_qsgd.state import ExchangeNames, ResidualStore, named_where
+from hvd_qsgd.state import ExchangeNames, ResidualStore, called_where, named_where
 
 # verdicts kept at most before they are read (where a step's last decompress does not come)
 SETTLE_AT = 64
@@ -115,8 +115,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         route = route or self.names.route(param, call_name)
         s = self.policy.settings_for(route.residual_key)
         if where is None:
-            where = (named_where(route.param) if route.param is not None else
-                     f"hvd_qsgd: compressed tensor {route.seed_name.rsplit('.', 1)[1]} (shape {tuple(shape)})")
+            where = named_where(route.param) if route.param is not None else called_where(route, call_name, shape)
         opening = self.openings.of(self, route, where, s, numel, dtype, shape, device_type, group, set_ranks,
                                    global_rank, world, ranks_per_node, place, alone)
         if opening.fallback:

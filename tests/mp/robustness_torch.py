@@ -10,6 +10,7 @@ compare NaN-equal; the documented non-finite rule is checked by ``check_nonfinit
 import argparse
 import os
 import itertools
+import threading
 
 import numpy as np
 import torch
@@ -375,11 +376,98 @@ def case_unnamed_state(n, rank):
     assert torch.all(out == (n + 1) / 2), out[:4]   # (a constant quantizes exactly, its residual 0)
 
 
+def within_quantization(out, xs, c, what):
+    """out is the average of the per-rank inputs xs to within QSGD's deterministic bound: each rank's
+    element moves by less than one level step of its bucket (max norm: bucket max / s), so the
+    average by less than the ranks' steps averaged (a relative 1e-5 for float32 rounding).
+    scatter_allgather quantizes the average again, in buckets of each rank's chunk: by less than one
+    step of the largest magnitude that average can have (the exact one's, plus the bound so far)."""
+    s, bucket = codec.levels(c.settings.bits), c.settings.bucket_size
+    steps = []
+    for x in xs:
+        x = np.asarray(x, np.float32).reshape(-1)
+        pad = np.pad(np.abs(x), (0, -len(x) % bucket)).reshape(-1, bucket).max(axis=1)
+        steps.append(np.repeat(pad, bucket)[:len(x)] / s)
+    mean = np.mean([np.asarray(x, np.float32).reshape(-1) for x in xs], axis=0)
+    bound = np.mean(steps, axis=0)
+    if c.settings.reduction == "scatter_allgather":
+        bound = bound + (np.abs(mean).max() + bound.max()) / s
+    bound = bound * (1 + 1e-5) + 1e-30
+    err = np.abs(as_np(out).reshape(-1) - mean)
+    assert (err <= bound).all(), f"{what}: off by {float((err / bound).max()):.3f} of the bound"
+
+
+THREAD_SETTINGS = ({}, {"fusion": True}, {"fusion_mb": 1}, {"reduction": "scatter_allgather"},
+                   {"error_feedback": True})
+
+
+def case_threads_shared(n, rank):
+    """Threads sharing one compressor for hvd.allreduce / hvd.grouped_allreduce calls with name=
+    (docs/compressor.md, "Threads"): each call's exchanges go by the name it gives, so the order in
+    which threads reach the compressor, which differs between ranks, does not matter. Every call
+    completes on every rank (none raised "ranks disagree on the exchange key" or hung before),
+    with every setting that fuses or buffers tensors, and its result is identical on every rank and
+    within QSGD's bound of the exact average."""
+    for kw in THREAD_SETTINGS:
+        c = hvd_qsgd.QSGD(4, seed=SEED, min_numel=1000, **kw)
+        results, errors = {}, []
+
+        def work(t):
+            g = torch.Generator().manual_seed(100 * t + rank)
+            try:
+                for i in range(6):
+                    x = torch.randn(3000 + 700 * t, generator=g) * (rank + 1)
+                    if t == 3:   # a grouped call: its tensors named name[0], name[1]
+                        y = torch.randn(1200, generator=g)
+                        results[(t, i)] = ([x, y], hvd.grouped_allreduce([x, y], name="thr.group", compression=c))
+                    else:
+                        results[(t, i)] = ([x], [hvd.allreduce(x, name=f"thr.{t}", compression=c)])
+            except Exception as e:   # (reported below, on the main thread)
+                errors.append(f"thread {t}: {type(e).__name__}: {e}")
+
+        threads = [threading.Thread(target=work, args=(t,), daemon=True) for t in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout=120)
+        assert not errors, f"{kw}: {errors[:2]}"
+        assert not any(th.is_alive() for th in threads), f"{kw}: a call never returned"
+        assert c.stats["tensors"] == 30, (kw, c.stats["tensors"])   # (each call's tensors compressed)
+        for key in sorted(results):
+            ins, outs = results[key]
+            for x, out in zip(ins, outs):
+                if not c.settings.error_feedback:
+                    within_quantization(out, [as_np(v) for v in gather(x)], c, f"{kw} {key}")
+                check_identical(out, f"{kw} {key}")
+        if c.settings.error_feedback:
+            delivered_with_residuals(c, results)
+
+
+def delivered_with_residuals(c, results):
+    """Error feedback, per call name: what a tensor's calls delivered plus the ranks' last residuals
+    (averaged) is the average of what they were handed, to float32 rounding (each rank's encoded
+    v_i = x_i + e_(i-1) leaves e_i = v_i - q_i, so q_1 + ... + q_k = x_1 + ... + x_k - e_k): each
+    call's residual is kept by its own name, whichever thread reached the compressor first."""
+    residuals = c.state_dict()["torch"]["residuals"]
+    names = {(t, j): f"thr.group[{j}]" if t == 3 else f"thr.{t}" for t in range(4) for j in range(2 if t == 3 else 1)}
+    assert set(residuals) == set(names.values()), sorted(residuals)
+    for (t, j), name in sorted(names.items()):
+        calls = [results[(t, i)] for i in range(6)]
+        handed = sum(ins[j] for ins, _ in calls)
+        delivered = sum(outs[j] for _, outs in calls)
+        want = np.mean([as_np(v) for v in gather(handed)], axis=0)
+        left = np.mean([as_np(v) for v in gather(residuals[name].reshape(handed.shape))], axis=0)
+        scale = 6 * max(float(ins[j].abs().max()) for ins, _ in calls)
+        err = np.abs(as_np(delivered) + left - want).max()
+        assert err <= 1e-5 * scale, (name, err, scale)
+
+
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
          "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
-         "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state}
+         "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state,
+         "threads-shared": case_threads_shared}
 
 
 def main():
