@@ -40,6 +40,7 @@ DEFAULT_LINKS_GBPS = (1.0, 10.0, 100.0)
 MIN_EXCHANGES = 50      # exchanges counted before the slowdown check speaks (first calls warm up)
 CHECK_EVERY = 32        # exchanges between two slowdown checks after that (``SlowdownWatch.observe``)
 NEVER_CALLED_STEPS = 3  # optimizer steps with no compression before the no-op warning
+MANY_COMPRESSORS = 256  # compressors used in one process of a multi-rank job before ``note_used`` warns
 
 
 def summary(stats: Dict[str, Any], links_gbps: Iterable[float] = DEFAULT_LINKS_GBPS) -> Dict[str, Any]:
@@ -195,3 +196,32 @@ class NeverCalledWatch:
                     "optimizer; Horovod's Keras DistributedOptimizer never calls it for a Keras 3 optimizer "
                     "(docs/compressor.md#tensorflow)", where, what)
         return True
+
+
+_used = 0
+_used_lock = threading.Lock()
+
+
+def note_used(world_size: Any) -> bool:
+    """A compressor's framework adapter is made (the front ``QSGD`` makes it at its first use), in a
+    job of ``world_size()`` ranks (Horovod's ``size``; not initialised: one); True where that makes ``MANY_COMPRESSORS`` in this process of a multi-rank job, and it
+    warned: a compressor made anew for each step or call (``hvd.allreduce(x,
+    compression=hvd_qsgd.QSGD(4))`` in a loop) names every collective anew, as its creation index is
+    in every name, and Horovod negotiates each again and evicts its cached ones (measured 1.6x
+    slower a step, docs/compressor.md, "How payloads find each other")."""
+    global _used
+    with _used_lock:
+        _used += 1
+        count = _used
+    if count != MANY_COMPRESSORS:
+        return False
+    try:
+        if world_size() <= 1:
+            return False
+    except ValueError:   # (Horovod not initialised)
+        return False
+    log.warning("hvd_qsgd: %d compressors have been used in this process: a compressor made anew for each step or "
+                "call names every collective anew (its creation index is in every name), which Horovod negotiates "
+                "again and again, evicting its cache (measured 1.6x slower a step). Make each compressor once "
+                "and keep it (docs/compressor.md, \"How payloads find each other\")", count)
+    return True

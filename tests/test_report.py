@@ -161,6 +161,37 @@ def test_a_compressor_handed_only_small_tensors_warns_that_it_compresses_none(ca
            "compressed none of them" in messages[0] and "min_numel" in messages[0], messages
 
 
+def test_the_compressor_that_makes_many_in_a_multi_rank_process_warns_once(caplog, monkeypatch):
+    """The MANY_COMPRESSORS-th compressor used in a process of a multi-rank job warns, once, saying to
+    make a compressor once; not in a one-rank process or before Horovod is initialised. Each
+    framework adapter, made where the front compressor is first used or by the user, counts."""
+    def not_initialised():
+        raise ValueError("Horovod has not been initialized; use hvd.init().")
+
+    monkeypatch.setattr(report, "_used", report.MANY_COMPRESSORS - 2)
+    with caplog.at_level(logging.WARNING, logger="hvd_qsgd"):
+        assert [report.note_used(lambda: 2) for _ in range(3)] == [False, True, False]
+        for size in (lambda: 1, not_initialised):
+            monkeypatch.setattr(report, "_used", report.MANY_COMPRESSORS - 1)
+            assert not report.note_used(size)
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1 and f"{report.MANY_COMPRESSORS} compressors have been used" in messages[0] \
+        and "Make each compressor once and keep it" in messages[0], messages
+    import torch
+    import tensorflow as tf
+    import hvd_qsgd.tensorflow
+    import hvd_qsgd.torch
+    counted = []
+    monkeypatch.setattr(report, "note_used", counted.append)
+    front = hvd_qsgd.QSGD(4)
+    assert counted == []
+    front.compress(torch.ones(4))
+    front.compress(torch.ones(4))
+    hvd_qsgd.torch.QSGD(4)
+    hvd_qsgd.tensorflow.QSGD(4).compress(tf.ones(4))
+    assert len(counted) == 3, counted
+
+
 AT_EXIT = r'''
 import sys
 import horovod.torch as hvd

@@ -63,6 +63,7 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         self.settings = settings = Settings.given("hvd_qsgd.torch.QSGD", settings, args, kwargs)
         self.policy = policy if policy is not None else FixedBits(settings)
         self._creation_index = next_creation_index() if creation_index is None else creation_index
+        report.note_used(hvd.size)
         self.runner = ExchangeRunner(HorovodTorchCollectives(), self._creation_index, settings, self.policy,
                                      owner=repr(self))
         self._learning_rate = None   # residual key -> learning rate now, or None

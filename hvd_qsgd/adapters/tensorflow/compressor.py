@@ -100,6 +100,7 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
             raise TypeError(f"hvd_qsgd.tensorflow.QSGD: a {type(self.policy).__name__} policy is not one the "
                             "TensorFlow adapter knows (FixedBits, ScheduledBits)")
         self._creation_index = next_creation_index() if creation_index is None else creation_index
+        report.note_used(hvd.size)
         self._given_process_set = process_set   # None: Horovod's call says (hvd_qsgd.horovod_caller)
         self._lock, self._learning_rate = threading.Lock(), None
         self.names = ExchangeNames(self._creation_index, "_")   # seq: every compress; slots: eager exchanges
