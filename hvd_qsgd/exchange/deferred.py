@@ -49,9 +49,9 @@ class DeferredSteps:
     def _start_deferred(self, ex, reduced_control):
         """At a decompress of a deferred exchange ``ex``: the first collective of every exchange of
         its process set (of an unnamed call: of its thread's call) compressed and not yet started, in
-        the order compressed. Where ex's reduced
-        control vector shows every rank of the set stepping alike (no join, no failure, settings and
-        layout agreed: ``protocol.control_passes``), the chains' first collectives at once, as with
+        the order compressed. Where ex's reduced control vector shows every rank of the set stepping
+        alike (no join, no failure, settings and layout agreed: ``protocol.control_passes``), the
+        chains' first collectives at once, as with
         ``overlap`` (where the reduction can start so): the presence allreduce could only confirm it,
         as the ranks that stepped for ex step for every exchange of the step. Otherwise their presence
         allreduces; or nothing, where a join refuses the step (``_first_collective``): the verdict is a
