@@ -51,10 +51,9 @@ class DeferredSteps:
         its process set (of an unnamed call: of its thread's call) compressed and not yet started, in
         the order compressed. Where ex's reduced control vector shows every rank of the set stepping
         alike (no join, no failure, settings and layout agreed: ``protocol.control_passes``), the
-        chains' first collectives at once, as with
-        ``overlap`` (where the reduction can start so): the presence allreduce could only confirm it,
-        as the ranks that stepped for ex step for every exchange of the step. Otherwise their presence
-        allreduces; or nothing, where a join refuses the step (``_first_collective``): the verdict is a
+        chains' first collectives at once, as with ``overlap`` (where the reduction can start so): the
+        presence allreduce could only confirm it, as the ranks that stepped for ex step for every
+        exchange of the step. Otherwise their presence allreduces; or nothing, where a join refuses the step (``_first_collective``): the verdict is a
         function of the reduced vector, so every rank decides alike."""
         if self.calls:   # an unnamed call that raised on this thread: its exchanges start nowhere
             self._forget(self.calls.ended())
