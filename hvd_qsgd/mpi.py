@@ -115,7 +115,7 @@ class QSGDReducer:
         alpha = 1.0 / n if op == "average" else 1.0
         if x.dtype.name not in _FLOATS or x.size < s.min_numel:
             self.runner.stats.add(raw_elements=x.size, raw_tensors=1)
-            self._agree(name, x, "raw")
+            self._agree(name, x, "raw", op)
             out = self.collectives.run_allreduce(x, comm)
             if op != "average":
                 return out
@@ -128,7 +128,7 @@ class QSGDReducer:
         ex = self.runner.open(name, x.size, x.dtype.name, x.shape, "cpu", comm, list(range(n)), rank, n,
                               route=Route(exchange, exchange, occurrence, 0, name, name, None),
                               where=f"hvd_qsgd.mpi: tensor {name!r}", ranks_per_node=self._ranks_per_node())
-        self._agree(name, x, ex.tag_reduction())
+        self._agree(name, x, ex.tag_reduction(), op)
         if ex.fault is not None:  # alike on every rank: the layout agreed
             raise ex.fault
         self.runner.encode(ex, np.ascontiguousarray(x, dtype=np.float32).reshape(-1))
@@ -149,16 +149,17 @@ class QSGDReducer:
         node.Free()
         return size if local == self.comm.Get_rank() % size else 0
 
-    def _agree(self, name, x, red):
+    def _agree(self, name, x, red, op):
         """Allgather every rank's record of this exchange; raise on every rank if they differ."""
         s = self.settings
         head = (_REDUCTION_CODES.get(red.split("/")[0], 0), int(x.size), codec.tensor_fingerprint(name, x.shape, x.dtype.name),
-                s.tag(red))
+                s.tag(red), op)
         records = self.comm.allgather(head)
-        differ = [r for r, rec in enumerate(records) if rec[:4] != records[0][:4]]
+        differ = [r for r, rec in enumerate(records) if rec != records[0]]
         if differ:
             what = ("tensor (name, shape or dtype)" if any(rec[2] != records[0][2] for rec in records) else
-                    "compressor settings or reduction")
+                    f"op (rank 0: {records[0][4]!r}, rank {differ[0]}: {records[differ[0]][4]!r})"
+                    if any(rec[4] != records[0][4] for rec in records) else "compressor settings or reduction")
             raise protocol.MismatchError(
                 f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with rank 0 on the {what}: every rank "
                 "must reduce the same tensors in the same order with the same settings")

@@ -28,7 +28,7 @@ from tests.helpers import launch_once, raised_in
 ENV = (("HOROVOD_DYNAMIC_PROCESS_SETS", "1"),)
 TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter",
          "positional-checkpoint", "late-fusion", "differentiable"]
-DISAGREE = ["disagree-set", "disagree-names", "disagree-shared"]
+DISAGREE = ["disagree-set", "disagree-names", "disagree-shared", "disagree-unused-fusion", "disagree-unused-buffers"]
 
 
 def torch_launch(np_):
@@ -61,6 +61,11 @@ def test_a_compressor_told_another_set_or_names_than_the_optimizer_or_shared_by_
         "disagree-shared": r"MismatchError: hvd_qsgd: tensor 'generator\.fc\d\.\w+': two parameters named 'generator\.fc\d\.\w+' "
                            r"\(of two models, or of two optimizers\) hand their gradients to one compressor, which keeps "
                            r"error-feedback residuals by parameter name",
+        # a parameter used on some ranks only, with fusion or fusion buffers (places taken in order)
+        "disagree-unused-fusion": r"MismatchError: hvd_qsgd: .*every parameter must get a gradient (in the backward "
+                                  r"pass )?on every rank or on none.*fusion=False and fusion_mb=0",
+        "disagree-unused-buffers": r"MismatchError: hvd_qsgd: .*(gets|get) a gradient on (some ranks only|every rank "
+                                   r"or on none).*fusion_mb=0",
     }
     for s, pattern in patterns.items():
         raised = raised_in(out, s)

@@ -20,11 +20,13 @@ def test_mpi4py_reductions_equal_the_single_process_references(np_):
 
 
 def test_mpi4py_mismatches_raise_on_every_rank():
-    out = launch(3, "mpirun", [WORKER, "mismatch-bits", "mismatch-reduction", "mismatch-name"], timeout=120)
+    out = launch(3, "mpirun", [WORKER, "mismatch-bits", "mismatch-reduction", "mismatch-name", "mismatch-op",
+                               "mismatch-op-raw"], timeout=120)
     raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)
-    assert len(raised) == 9, out[-3000:]
+    assert len(raised) == 15, out[-3000:]
     assert sum("compressor settings or reduction" in m for m in raised) == 6
     assert sum("on the tensor (name, shape or dtype)" in m for m in raised) == 3
+    assert sum("on the op (rank 0: 'average', rank 1: 'sum')" in m for m in raised) == 6
 
 
 @pytest.mark.parametrize("np_", [4, 6])

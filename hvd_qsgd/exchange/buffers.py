@@ -335,6 +335,6 @@ def _layout_fingerprint(fingerprints, offsets, numel, dtype):
 
 
 def _labels(members, shown=4):
-    names = [m.route.seed_name.rsplit(".", 1)[-1] for m in members[:shown]]
+    names = [m.route.param or m.route.seed_name.rsplit(".", 1)[-1] for m in members[:shown]]
     return ", ".join(names) + (f" and {len(members) - shown} more" if len(members) > shown else "")
 

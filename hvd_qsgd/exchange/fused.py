@@ -29,7 +29,7 @@ Two collectives per fused exchange replace two per member.
 import threading
 import time
 
-from hvd_qsgd import protocol
+from hvd_qsgd import codec, protocol
 from hvd_qsgd.exchange.chains import AllgatherChain, Exchange
 from hvd_qsgd.exchange.joined import joined_refusal
 from hvd_qsgd.state import Route
@@ -216,9 +216,12 @@ class FusedAllgatherChain:
                 raise ex.stage_error   # as the runner raises it: elastic training resets on it
             if ex.stage_error is not None:
                 mine = [m for m in ex.members if m.fault is not None]
+                said = str(ex.stage_error)   # (the cut's own error names the exchange already)
                 raise protocol.MismatchError(
-                    f"{ex.where}: {ex.stage_error}" + (f" (this rank could not encode {mine[0].where}: {mine[0].fault})"
-                                                       if mine else "")) from ex.stage_error
+                    (said if said.startswith(ex.where) else f"{ex.where}: {said}")
+                    + (f" (this rank could not encode {mine[0].where}: {mine[0].fault})" if mine else
+                       f"; {protocol.FUSED_HINT}" if isinstance(ex.stage_error, codec.PayloadError) else "")
+                ) from ex.stage_error
             return ex.payload
 
 

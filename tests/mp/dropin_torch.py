@@ -155,6 +155,9 @@ def disagreement(kind):
         if kind == "set":
             c = hvd_qsgd.QSGD(4, min_numel=1, process_set=hvd.global_process_set)
             run(c, "sgd", mine, False, steps=1)
+        elif kind.startswith("unused-"):   # fc3 unused on rank 0: its gradient comes late there alone
+            fusion = {"unused-fusion": dict(fusion=True), "unused-buffers": dict(fusion_mb=1)}[kind]
+            run(hvd_qsgd.QSGD(4, min_numel=1, **fusion), "sgd", hvd.global_process_set, True, steps=1)
         else:
             c = hvd_qsgd.QSGD(4, min_numel=1, named_parameters=[(f"other.{k}", v) for k, v in model.named_parameters()])
             run(c, "sgd", hvd.global_process_set, False, steps=1, model=model)
@@ -315,7 +318,7 @@ def main():
             try:
                 disagreement(s[len("disagree-"):])
             except Exception as e:
-                print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:500]} (scenario {s})", flush=True)
+                print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:1500]} (scenario {s})", flush=True)
                 continue
             print(f"NOT RAISED (scenario {s})", flush=True)
             sys.exit(1)

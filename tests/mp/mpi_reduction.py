@@ -131,6 +131,9 @@ def scenario(comm, name):
                     inputs(20000, n)[rank], "w")
             elif kind == "name":
                 QSGDReducer(comm).allreduce(inputs(20000, n)[rank], "w" if rank else "v")
+            elif kind in ("op", "op-raw"):   # (each rank scaled its own result: they differed, silently)
+                numel = 20000 if kind == "op" else 100
+                QSGDReducer(comm).allreduce(inputs(numel, n)[rank], "w", op="sum" if rank == 1 else "average")
         except protocol.MismatchError as e:
             print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             return
