@@ -57,7 +57,9 @@ def default_bucket_size(bits: int) -> int:
 @dataclass(frozen=True)
 class Settings:
     """Compressor settings. Those in ``tag()`` must agree on every rank; ``seed``, ``checksum``,
-    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice. ``link_gbps`` only
+    ``error_feedback`` and ``server_error_feedback`` are each rank's own choice in PyTorch (in
+    TensorFlow error feedback changes the traced graph, whose uncompressed allreduces Horovod names
+    by their nodes' places in it: ranks that differ wait on different names). ``link_gbps`` only
     enters through the reduction "auto" resolves to, which is in the tag: ranks whose links make them
     resolve a tensor differently are told apart, never left to wait on different collectives."""
 

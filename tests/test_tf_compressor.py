@@ -98,6 +98,8 @@ def test_keras3_tape_and_fit_equal_single_process_decode_on_every_rank(np_, cont
     # reports first: rank 0 traced (20000, 30000), rank 1 (30000, 20000)
     ("order", r"InvalidArgumentError: hvd_qsgd: .*payloads disagree on numel "
               r"\(rank 0: (20000, rank 1: 30000|30000, rank 1: 20000)\); the ranks handed different tensors"),
+    # rank 0 made one compressor more (the ranks waited forever: Horovod's allreduce names differed)
+    ("creation-order", r"InvalidArgumentError: hvd_qsgd: .*ranks disagree on the compressor creation order"),
     # a rank without the compressor: Horovod's own check of the allreduced tensors' dtypes; a rank
     # whose op is still pending when another has stopped gets Horovod's shutdown error
     ("no-compression", r"Error: (Mismatched data types: One rank had type float(32|64), but another rank had "
@@ -115,7 +117,7 @@ def test_mismatch_fails_the_step_on_every_rank(kind, pattern):
 # One launch runs the two mismatches, then the join scenario: each error fails a step after its
 # exchange completed, so Horovod is whole for the next. Horovod's own dtype error leaves a tensor
 # pending on one rank: "no-compression" runs in a launch of its own.
-SHARED_LAUNCH = ("mismatch-bits", "mismatch-order", "join")
+SHARED_LAUNCH = ("mismatch-bits", "mismatch-order", "mismatch-creation-order", "join")
 
 
 def step_failures_launch(scenarios):

@@ -925,6 +925,19 @@ def mismatch(kind):
         # reduce finds the payloads' fingerprints disagree and sends an empty reduced chunk
         c = hvd_qsgd.QSGD(4, reduction="scatter_allgather")
         t = tf.constant(np.ones((20000,) if rank == 0 else (200, 100), np.float32))
+    elif kind == "creation-order":
+        # rank 0 makes one compressor more first: Horovod names its graph allreduce of the control
+        # vector after that tensor's name, which held the compressor's number (every rank waited
+        # forever); rank 1 makes one after, so that later scenarios' numbers agree again
+        extra = hvd_qsgd.QSGD(8) if rank == 0 else None
+        c = hvd_qsgd.QSGD(4)
+        try:
+            @tf.function
+            def traced():   # (no name=: Horovod names it after the tensor, as the tape does)
+                return hvd.allreduce(t, compression=c)
+            return traced()
+        finally:
+            extra = extra or hvd_qsgd.QSGD(8)
     elif kind == "join-off":
         return join_off(rank)
     else:

@@ -230,7 +230,7 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
         # optimized, reduced once for every step, and a rank's hvd.join() would go unseen
         index = tf.zeros([], tf.int32) if ctx.index is None else tf.cast(ctx.index, tf.int32)
         control = qops.load().qsgd_control_vector(tf.constant(np.stack(vectors), dtype=tf.float64), index,
-                                                  where=ctx.where, name=f"{ctx.wire}_control")
+                                                  where=ctx.where, name=control_name(ctx.wire))
         return control, ctx
 
     def _exchange(self, ctx, v):
@@ -286,6 +286,14 @@ class TensorFlowCompressor(errors.NotCopied, report.Summarized, TensorFlowState,
             return result
         finally:  # eager: the exchange's collectives have run (or, after a failed check, never started)
             self.names.release_slot(ctx.slot)
+
+
+def control_name(wire):
+    """The control vector op's name: ``wire`` without the compressor's number. Horovod names its
+    graph allreduce of what compress returns after that tensor's name, so a number that differs
+    between ranks (compressors made in different orders) left their allreduces under different
+    names, and every rank waited forever; this way they meet, and the control check says why."""
+    return "hvd_qsgd_control_" + wire.split("_", 3)[3]   # (hvd_qsgd_<k>_<label>)
 
 
 TensorFlowCompressor.__signature__ = Settings.signature(process_set=None, settings=None, policy=None, creation_index=None)
