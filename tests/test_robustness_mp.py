@@ -18,7 +18,7 @@ from tests.helpers import launch
 
 TORCH_CASES = ["nonfinite-allreduce", "nonfinite-optimizer", "nonfinite-error-feedback", "zeros", "empty", "scalar",
                "noncontiguous", "integers", "sparse", "low-precision", "meta-device", "unnamed-mismatch",
-               "unnamed-state", "threads-shared"]
+               "unnamed-state", "threads-shared", "direct-decompress"]
 TF_CASES = ["nonfinite-allreduce", "nonfinite-tape", "nonfinite-error-feedback", "zeros", "empty", "scalar",
             "transposed", "integers", "low-precision", "indexed-slices", "unnamed-mismatch", "shape-collision",
             "unknown-shape"]

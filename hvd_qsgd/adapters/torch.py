@@ -99,7 +99,8 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         if tensor is errors.NOT_GIVEN:   # (the class given as the compression: ``self`` is the tensor)
             raise errors.class_given()
         if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)}")
+            raise TypeError(f"hvd_qsgd.torch.QSGD.compress: expected a torch.Tensor, got {type(tensor)} "
+                            "(hvd_qsgd.QSGD serves PyTorch and TensorFlow; hvd_qsgd.tensorflow.QSGD, TensorFlow)")
         numel = tensor.numel()
         if tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES or numel < self.settings.min_numel:
             self.runner.stats.add(raw_elements=numel, raw_tensors=1)

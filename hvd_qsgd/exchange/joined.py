@@ -5,6 +5,8 @@ import logging
 import threading
 import time
 
+import numpy as np
+
 from hvd_qsgd import protocol
 
 log = logging.getLogger("hvd_qsgd")
@@ -67,6 +69,12 @@ class JoinedSteps:
         try:
             return protocol.check_control(reduced, ex.world, ex.set_ranks, ex.where, fault_message=fault)
         except protocol.MismatchError as e:
+            if len(ex.set_ranks) > 1 and np.array_equal(reduced, self.control(ex)):   # (not reduced at all)
+                raise protocol.MismatchError(
+                    f"{ex.where}: decompress was given what compress returned, not reduced: the compressor works "
+                    "inside Horovod's allreduce (compress, then hvd.allreduce of what it returned, with op Sum or "
+                    "Average, then decompress), as Horovod's optimizer and hvd.allreduce(t, compression=...) "
+                    "call it") from None
             verdict = protocol.joined_verdict(reduced, ex.world, ex.set_ranks, ex.where)
             if verdict is None or ex.set_rank is None:
                 raise

@@ -397,6 +397,23 @@ def within_quantization(out, xs, c, what):
     assert (err <= bound).all(), f"{what}: off by {float((err / bound).max()):.3f} of the bound"
 
 
+def case_direct_decompress(n, rank):
+    """decompress given what compress returned, without Horovod's allreduce between (a misuse of the
+    Compressor API that Horovod's own lossless compressors let pass): every rank raises, saying so
+    (it said the vector was reduced over one rank while all step, as of a join); the compressor
+    works on after it."""
+    c = hvd_qsgd.QSGD(4, seed=SEED)
+    t = torch.randn(20000, generator=torch.Generator().manual_seed(rank))
+    try:
+        c.decompress(*c.compress(t))
+    except protocol.MismatchError as e:
+        assert "decompress was given what compress returned, not reduced" in str(e), str(e)
+    else:
+        raise AssertionError("an unreduced control vector was taken")
+    out = hvd.allreduce(torch.full((20000,), float(rank + 1)), compression=c, name="direct.after")
+    assert torch.all(out == (n + 1) / 2), out[:4]
+
+
 THREAD_SETTINGS = ({}, {"fusion": True}, {"fusion_mb": 1}, {"reduction": "scatter_allgather"},
                    {"error_feedback": True})
 
@@ -467,7 +484,7 @@ CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer":
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
          "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
          "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state,
-         "threads-shared": case_threads_shared}
+         "threads-shared": case_threads_shared, "direct-decompress": case_direct_decompress}
 
 
 def main():
