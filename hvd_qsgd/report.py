@@ -205,10 +205,11 @@ _used_lock = threading.Lock()
 def note_used(world_size: Any) -> bool:
     """A compressor's framework adapter is made (the front ``QSGD`` makes it at its first use), in a
     job of ``world_size()`` ranks (Horovod's ``size``; not initialised: one); True where that makes
-    ``MANY_COMPRESSORS`` in this process of a multi-rank job, and it warned: a compressor made anew for each step or call (``hvd.allreduce(x,
-    compression=hvd_qsgd.QSGD(4))`` in a loop) names every collective anew, as its creation index is
-    in every name, and Horovod negotiates each again and evicts its cached ones (measured 1.6x
-    slower a step, docs/compressor.md, "How payloads find each other")."""
+    ``MANY_COMPRESSORS`` in this process of a multi-rank job, and it warned: a compressor made anew
+    for each step or call (``hvd.allreduce(x, compression=hvd_qsgd.QSGD(4))`` in a loop) names every
+    collective anew, as its creation index is in every name, and Horovod negotiates each again and
+    evicts its cached ones (measured 1.6x slower a step, docs/compressor.md, "How payloads find each
+    other")."""
     global _used
     with _used_lock:
         _used += 1

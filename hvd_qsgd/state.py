@@ -64,16 +64,12 @@ KEPT_SEEDS = 4096   # parameters' base seeds kept at most (then the store starts
 
 
 @functools.lru_cache(maxsize=65536)
-def _named_route(prefix: str, sep: str, param: str) -> tuple:
-    """A parameter's exchange name and control key (made once: one is needed per exchange)."""
-    return f"{prefix}{sep}p{sep}{param}", 2 * protocol.small_hash(param, protocol.TAG_RANGE ** 2 // 2) + 1
-
-
-@functools.lru_cache(maxsize=65536)
-def _called_route(prefix: str, sep: str, call_name: str) -> tuple:
-    """The exchange name and control key of a tensor that a Horovod call names (``name=``): apart
-    from the parameters' (``c`` for ``p``; keys of "call:" + the name, odd as theirs)."""
-    return f"{prefix}{sep}c{sep}{call_name}", 2 * protocol.small_hash("call:" + call_name, protocol.TAG_RANGE ** 2 // 2) + 1
+def _named_route(prefix: str, sep: str, name: str, kind: str = "p") -> tuple:
+    """The exchange name and control key (odd) of a parameter's gradient (``kind`` "p") or of a
+    tensor that a Horovod call names (``name=``; "c": keyed apart, by "call:" + the name); made once:
+    one is needed per exchange."""
+    hashed = name if kind == "p" else "call:" + name
+    return f"{prefix}{sep}{kind}{sep}{name}", 2 * protocol.small_hash(hashed, protocol.TAG_RANGE ** 2 // 2) + 1
 
 
 @functools.lru_cache(maxsize=65536)
@@ -159,7 +155,7 @@ class ExchangeNames:
                     return Route(exchange, exchange, occurrence, key, param, param, None)
             seq, self.seq = self.seq, self.seq + 1
             if call_name is not None:
-                exchange, key = _called_route(self.prefix, self.sep, call_name)
+                exchange, key = _named_route(self.prefix, self.sep, call_name, "c")
                 if exchange not in self.in_flight:
                     self.in_flight.add(exchange)
                     return Route(exchange, self.name(f"s{seq}"), 0, key, call_name, None, None)

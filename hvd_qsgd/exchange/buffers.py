@@ -46,8 +46,8 @@ import operator
 import threading
 
 from hvd_qsgd import codec, codec_segments, protocol
-from hvd_qsgd.exchange.deferred import NO_STAGES
-from hvd_qsgd.exchange.fused import on_thread, opened_name
+from hvd_qsgd.exchange.deferred import NO_STAGES, on_thread
+from hvd_qsgd.exchange.fused import opened_name
 from hvd_qsgd.state import Route
 
 RECENT = 16   # closed buffers whose layout ``recent`` keeps
@@ -80,8 +80,7 @@ class FusionBuffers:
         in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
         group = ex.group_key or BufferGroup.of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
         numel, bucket, cap = ex.expect.numel, group.bucket, group.cap
-        thread = on_thread(ex)
-        key = group if thread is None else (group, thread)
+        key = group, on_thread(ex)   # (an unnamed call's: its thread's buffers)
         with self._lock:
             buf = self._open.get(key)
             if buf is None:
@@ -111,9 +110,10 @@ class FusionBuffers:
         else:
             seed_name, occurrence = name, self._occurrences[name]
             self._occurrences[name] += 1
-        buf = run.open_exchange(Route(name, seed_name, occurrence, 0, name, None, slot), f"hvd_qsgd: fusion buffer {name}",
-                                first.settings, 0, first.expect.dtype, first.device_type, first.group,
-                                first.set_ranks, first.global_rank, first.world, first.per_node)
+        buf = run.open_exchange(Route(name, seed_name, occurrence, 0, name, None, slot),
+                                f"hvd_qsgd: fusion buffer {name}", first.settings, 0, first.expect.dtype,
+                                first.device_type, first.group, first.set_ranks, first.global_rank, first.world,
+                                first.per_node)
         buf.members, buf.offsets, buf.lock, buf.group_key = [], [], threading.Lock(), key
         buf.origin = first.origin   # (where an empty payload goes: overlap, a rank that cannot encode it)
         self._open[key] = buf
@@ -179,8 +179,7 @@ class FusionBuffers:
     def _stage(self, buf, numel):
         """The members back to back at their offsets in the group's staging array, zeros between."""
         like = next((m.source for m in buf.members if m.source is not None), None)
-        b, group = buf.backend, buf.group_key
-        group = group if type(group) is BufferGroup else group[0]   # (one array a group: staged under the lock)
+        b, group = buf.backend, buf.group_key[0]   # (one array a group, whatever the thread: staged under the lock)
         out = self._staging.get(group)
         if out is None or b.length(out) < numel:
             out = b.zeros(max(numel, 0 if out is None else b.length(out)), like)

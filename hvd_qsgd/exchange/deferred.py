@@ -53,8 +53,9 @@ class DeferredSteps:
         alike (no join, no failure, settings and layout agreed: ``protocol.control_passes``), the
         chains' first collectives at once, as with ``overlap`` (where the reduction can start so): the
         presence allreduce could only confirm it, as the ranks that stepped for ex step for every
-        exchange of the step. Otherwise their presence allreduces; or nothing, where a join refuses the step (``_first_collective``): the verdict is a
-        function of the reduced vector, so every rank decides alike."""
+        exchange of the step. Otherwise their presence allreduces; or nothing, where a join refuses
+        the step (``_first_collective``): the verdict is a function of the reduced vector, so every
+        rank decides alike."""
         if self.calls:   # an unnamed call that raised on this thread: its exchanges start nowhere
             self._forget(self.calls.ended())
         with self.lock:
@@ -98,12 +99,18 @@ class DeferredSteps:
                   "forgotten" + (f", but for {len(kept)} in a fused exchange shared with others" if kept else ""))
 
 
+def on_thread(ex):
+    """The thread whose call ``ex`` is of, for an unnamed Horovod call (compressed and decompressed on
+    the calling thread), else None: threads that share a compressor call in an order that differs
+    between ranks, so each thread's exchanges start, fuse and fill buffers apart."""
+    return threading.get_ident() if ex.defer == "unnamed" else None
+
+
 def _waiting_key(ex):
     """Which deferred exchanges start together: those of one process set; of an unnamed call, those
-    of one thread's call (its compress and decompress run on the calling thread, and threads that
-    share a compressor call at times that differ between ranks: one thread's decompress starting
-    another's exchanges would start them before that thread's control vector is reduced)."""
-    return (ex.group, threading.get_ident()) if ex.defer == "unnamed" else ex.group
+    of one thread's call (``on_thread``: one thread's decompress starting another's exchanges would
+    start them before that thread's control vector is reduced)."""
+    return ex.group, on_thread(ex)
 
 
 def unnamed_state_fault(call_name, settings, policy):

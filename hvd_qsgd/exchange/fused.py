@@ -31,6 +31,7 @@ import time
 
 from hvd_qsgd import codec, protocol
 from hvd_qsgd.exchange.chains import AllgatherChain, Exchange
+from hvd_qsgd.exchange.deferred import on_thread
 from hvd_qsgd.exchange.joined import joined_refusal
 from hvd_qsgd.state import Route
 
@@ -104,13 +105,6 @@ def key_of(ex):
     """The group of an exchange: its process set and backend (a fused exchange's are its members'); of
     an unnamed call, its thread's too (``opened_name``)."""
     return (id(ex.group), ex.backend.name, tuple(ex.set_ranks), on_thread(ex))
-
-
-def on_thread(ex):
-    """The thread whose call ``ex`` is of, for an unnamed Horovod call (compressed and decompressed on
-    the calling thread), else None: threads that share a compressor call in an order that differs
-    between ranks, so each thread's exchanges are fused or buffered apart."""
-    return threading.get_ident() if ex.defer == "unnamed" else None
 
 
 def opened_name(names, first, kind):
