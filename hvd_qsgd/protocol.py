@@ -256,15 +256,17 @@ def tag_explanation(name):
                                "or their environment resolves them differently (HVD_QSGD_RANKS_PER_NODE: the "
                                "node layout; HVD_QSGD_BANDWIDTH_GBITS, HVD_QSGD_INTRA_GBITS, "
                                "HVD_QSGD_LATENCY_US: the links reduction=\"auto\" weighs); with fusion_mb, a "
-                               "tensor in a fusion buffer on some ranks and alone on others: a parameter that gets a "
-                               "gradient on some ranks only at a step (Horovod's synchronize() hands it over late "
-                               "on the others; train such a model with fusion_mb=0)",
+                               "tensor in a fusion buffer on some ranks and alone on others: a parameter of no "
+                               "buffer plan (DynamicQSGD's) that gets a gradient on some ranks only at a step "
+                               "(Horovod's synchronize() hands it over late on the others; train such a model "
+                               "with fusion_mb=0)",
     }.get(name, "ranks handed tensors to the compressor in different orders (a dynamic graph, or "
                 "parameters without gradients on some ranks); pass named_parameters= to the "
-                "compressor so payloads are matched by name (with fusion=True or fusion_mb, the order "
-                "places tensors in fused exchanges and fusion buffers, and must be the same on every rank, "
-                "and every parameter must get a gradient on every rank or on none: train a model whose "
-                "ranks use different parameters with fusion=False and fusion_mb=0)")
+                "compressor so payloads are matched by name (with fusion=True, and fusion_mb for tensors of "
+                "no buffer plan, the order places tensors in fused exchanges and fusion buffers, and must be "
+                "the same on every rank, and every parameter must get a gradient on every rank or on none: "
+                "train a model whose ranks use different parameters with fusion=False, or fusion_mb with "
+                "Horovod's optimizer, which plans the buffers)")
     return f"{name}: {hint}"
 
 
@@ -304,11 +306,12 @@ _SETTINGS_HINT = "every rank must use the same compressor settings for the same 
 # a payload of another tensor: the same name on another shape or dtype, or, where payloads are
 # placed by order, tensors handed over in different orders
 _TENSOR_HINT = ("the ranks handed different tensors to this exchange: the same tensor must have the same shape and "
-                "dtype on every rank, and with fusion=True or fusion_mb, where tensors take their places in the "
-                "order they reach the compressor, every rank must hand them over in the same order and every "
-                "parameter must get a gradient in the backward pass on every rank or on none (one used on some "
-                "ranks only at a step is handed over by Horovod's synchronize() on the others, where it goes "
-                "alone: train such a model with fusion=False and fusion_mb=0)")
+                "dtype on every rank, and with fusion=True (and fusion_mb for tensors of no buffer plan), where "
+                "tensors take their places in the order they reach the compressor, every rank must hand them "
+                "over in the same order and every parameter must get a gradient in the backward pass on every "
+                "rank or on none (one used on some ranks only at a step is handed over by Horovod's "
+                "synchronize() on the others, where it goes alone: train such a model with fusion=False, or "
+                "fusion_mb with Horovod's optimizer, which plans the buffers)")
 FUSED_HINT = _TENSOR_HINT.replace("this exchange", "this fused exchange")
 # (checked after numel and dtype: those agree, and the tensors' shapes do not)
 _SHAPE_HINT = ("the ranks' tensors have the same number of elements and dtype but not the same shape (the "

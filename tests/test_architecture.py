@@ -40,7 +40,7 @@ LAYERS = [
                                       "hvd_qsgd.exchange.hierarchical", "hvd_qsgd.exchange.fused",
                                       "hvd_qsgd.exchange.buffers", "hvd_qsgd.exchange.residuals",
                                       "hvd_qsgd.exchange.openings", "hvd_qsgd.exchange.joined",
-                                      "hvd_qsgd.exchange.deferred"}),
+                                      "hvd_qsgd.exchange.deferred", "hvd_qsgd.exchange.buffer_plan"}),
     ("framework adapters", {"hvd_qsgd.adapters", "hvd_qsgd.adapters.torch", "hvd_qsgd.adapters.torch_params",
                             "hvd_qsgd.adapters.torch_places",
                             "hvd_qsgd.adapters.torch_collectives", "hvd_qsgd.adapters.tensorflow",

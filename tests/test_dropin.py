@@ -4,8 +4,9 @@ tests/mp/dropin_tf.py), under real horovodrun jobs, one launch per rank count an
 * PyTorch: ``hvd.DistributedOptimizer(..., compression=hvd_qsgd.QSGD(4), process_set=...)`` with the
   compressor told nothing: it takes the process set and the parameter names from Horovod's optimizer
   (``hvd_qsgd.horovod_caller``). Over the even/odd process sets, and with ranks whose unused
-  branches differ, both reductions, the same parameters are updated as uncompressed and the replicas
-  are identical within each set. A compressor given another set, or other names, than the
+  branches differ, both reductions and fusion buffers (planned from the optimizer's parameters, also
+  with overlap), the same parameters are updated as uncompressed and the replicas are identical
+  within each set. A compressor given another set, or other names, than the
   optimizer's fails the step on every rank, naming both; so does one with error feedback handed to
   two models whose parameters have the same names (their residuals would mix). Residuals
   checkpointed by position, loaded into a compressor that now takes the optimizer's names, restart
@@ -26,9 +27,9 @@ import pytest
 from tests.helpers import launch_once, raised_in
 
 ENV = (("HOROVOD_DYNAMIC_PROCESS_SETS", "1"),)
-TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter",
-         "positional-checkpoint", "late-fusion", "differentiable"]
-DISAGREE = ["disagree-set", "disagree-names", "disagree-shared", "disagree-unused-fusion", "disagree-unused-buffers"]
+TORCH = ["process-set-allgather", "process-set-scatter", "branches-allgather", "branches-scatter", "branches-buffers",
+         "branches-buffers_overlap", "process-set-buffers", "positional-checkpoint", "late-fusion", "differentiable"]
+DISAGREE = ["disagree-set", "disagree-names", "disagree-shared", "disagree-unused-fusion"]
 
 
 def torch_launch(np_):
@@ -61,11 +62,10 @@ def test_a_compressor_told_another_set_or_names_than_the_optimizer_or_shared_by_
         "disagree-shared": r"MismatchError: hvd_qsgd: tensor 'generator\.fc\d\.\w+': two parameters named 'generator\.fc\d\.\w+' "
                            r"\(of two models, or of two optimizers\) hand their gradients to one compressor, which keeps "
                            r"error-feedback residuals by parameter name",
-        # a parameter used on some ranks only, with fusion or fusion buffers (places taken in order)
+        # a parameter used on some ranks only, with fusion=True (places taken in order; fusion buffers
+        # are planned from the optimizer's parameters: branches-buffers)
         "disagree-unused-fusion": r"MismatchError: hvd_qsgd: .*every parameter must get a gradient (in the backward "
-                                  r"pass )?on every rank or on none.*fusion=False and fusion_mb=0",
-        "disagree-unused-buffers": r"MismatchError: hvd_qsgd: .*(gets|get) a gradient on (some ranks only|every rank "
-                                   r"or on none).*fusion_mb=0",
+                                  r"pass )?on every rank or on none.*fusion=False, or fusion_mb with Horovod's optimizer",
     }
     for s, pattern in patterns.items():
         raised = raised_in(out, s)

@@ -5,6 +5,7 @@ for bit on every "rank", and counts the bytes it sent. (Under horovodrun and mpi
 tests/test_torch_compressor.py, tests/test_hierarchical.py, tests/test_mpi_reduction.py.)"""
 import sys
 import threading
+from collections import deque
 
 import numpy as np
 import pytest
@@ -345,3 +346,54 @@ def test_a_new_unnamed_call_on_a_thread_is_handed_what_the_earlier_one_left():
     assert names.take_call_slot(second) == 0 and names.slots == {0}
     names.release_slot(0)
     assert names.take_call_slot(third) == 0 and names.take_slot() == 1
+
+
+def test_a_planned_buffer_places_its_members_by_the_optimizers_order_whatever_order_they_come_in():
+    """Fusion buffers planned from the optimizer's parameters (hvd_qsgd.exchange.buffer_plan): the
+    plan packs the gradients that would go in a buffer (of the group's dtype and device, between
+    min_numel and a buffer's capacity) in the order given, each at the next multiple of the bucket
+    size, a new buffer where one does not fit or where no compressed tensor fits any more; members
+    that come in another order land at their planned offsets, and a buffer closes once its last
+    member is there, named after its plan, its layout in offset order."""
+    from hvd_qsgd.exchange.buffer_plan import ParameterOrder, plan_of
+    s = Settings.make(bits=4, bucket_size=512, min_numel=1000, fusion_mb=0.02)   # 5,242 elements a buffer
+    group = ThreadGroup(1)
+    group.local.rank = 0
+    runner = ExchangeRunner(group, 0, s, FixedBits(s), owner="test")
+    entries = [("a", 1500, "float32", "cpu"), ("small", 999, "float32", "cpu"), ("b", 1500, "float32", "cpu"),
+               ("half", 1500, "float16", "cpu"), ("c", 2000, "float32", "cpu"), ("big", 6000, "float32", "cpu"),
+               ("d", 1200, "float32", "cpu"), ("e", 4500, "float32", "cpu"), ("gpu", 1500, "float32", "cuda")]
+    order = ParameterOrder(entries)
+    sizes = {n: k for n, k, _, _ in entries}
+    came = ["c", "a", "e", "d", "b"]   # (another order than the plan's)
+    opened = [runner.open(n, sizes[n], "float32", (sizes[n],), "cpu", None, [0], 0, 1, order=order) for n in came]
+    plan = plan_of(order, opened[0].group_key)
+    # a at 0, b at 1536, c at 3072 (ends 5072 <= 5,242, past the room of 4,242: the buffer is full);
+    # d at 0 (ends 1200); e at 1536 would end past 5,242: a buffer of its own, full (the last buffer
+    # closes as it fills only where full, or with overlap: else at the first decompress)
+    assert plan.places == {"a": (0, 0), "b": (0, 1536), "c": (0, 3072), "d": (1, 0), "e": (2, 0)}
+    assert (plan.numels, plan.counts, plan.open_last) == ([5072, 1200, 4500], [3, 1, 1], False)
+    assert plan_of(ParameterOrder(entries[:1]), opened[0].group_key).open_last
+    for i, ex in enumerate(opened):
+        runner.encode(ex, np.full(ex.expect.numel, float(i), dtype=np.float32))
+        runner.start(ex)
+    assert {ex.route.param: ex.offset for ex in opened} == {n: o for n, (_, o) in plan.places.items()}
+    names = [name for name, _, _ in runner.buffers.recent]
+    assert names == [f"hvd_qsgd.0.b{order.tag}.{i}" for i in (2, 1, 0)], names   # (closed as each filled)
+    assert [[(m.rsplit(".", 1)[1], o) for m, o, _ in members] for _, _, members in runner.buffers.recent] == \
+        [[("e", 0)], [("d", 0)], [("a", 0), ("b", 1536), ("c", 3072)]]
+    # a planned member that never comes (a sparse gradient, reduced without the compressor) takes no
+    # room: the buffer, closed at the first decompress of a member, packs those there
+    other = ExchangeRunner(group, 1, s, FixedBits(s), owner="test")
+    there = [other.open(n, sizes[n], "float32", (sizes[n],), "cpu", None, [0], 0, 1, order=order) for n in ("c", "a")]
+    for ex in there:
+        other.encode(ex, np.ones(ex.expect.numel, dtype=np.float32))
+        other.start(ex)
+    assert other.buffers.recent == deque()   # (b has not come: open)
+    other.buffers.close(other, there[0], lambda: "presence")
+    assert [(m.rsplit(".", 1)[1], o, k) for m, o, k in other.buffers.recent[-1][2]] == [("a", 0, 1500), ("c", 1536, 2000)]
+    assert [ex.offset for ex in there] == [1536, 0] and there[0].fused.expect.numel == 3536
+    late = runner.open("x", 1500, "float32", (1500,), "cpu", None, [0], 0, 1, order=order)   # (not in the plan)
+    runner.encode(late, np.zeros(1500, dtype=np.float32))
+    runner.start(late)
+    assert late.fused.plan is None and late.offset == 0

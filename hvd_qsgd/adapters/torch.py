@@ -67,7 +67,8 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         self.runner = ExchangeRunner(HorovodTorchCollectives(), self._creation_index, settings, self.policy,
                                      owner=repr(self))
         self._learning_rate = None   # residual key -> learning rate now, or None
-        self._places = TensorPlaces(process_set, state_by_key(settings, self.policy.observes))   # where exchanges go
+        planned = SOURCE_DTYPES if settings.fusion_mb and type(self.policy) is FixedBits else None   # (buffer_plan)
+        self._places = TensorPlaces(process_set, state_by_key(settings, self.policy.observes), planned)
         if named_parameters is not None:
             self.bind(named_parameters)
 
@@ -131,7 +132,7 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         place = self._places.of(tensor, shape, dtype, device, caller, world, rank)
         ex = self.runner.open(place.param, numel, SOURCE_DTYPES[dtype], shape, device.type, place.ps, place.set_ranks,
                               rank, world, ranks_per_node=place.per_node, place=place, alone=place.alone,
-                              call=horovod_frame(ours=2) if caller.name is None else None)
+                              call=horovod_frame(ours=2) if caller.name is None else None, order=place.order)
         # (the tensor, where the result must carry its gradient back to it)
         graph_input = tensor if tensor.requires_grad and torch.is_grad_enabled() else None
         ex.origin, ex.fault = (shape, dtype, device, graph_input), place.fault or ex.fault

@@ -17,10 +17,12 @@ exchanges fail, on every rank.
 """
 import logging
 import threading
+import weakref
 
 import horovod.torch as hvd
 
 from hvd_qsgd import protocol
+from hvd_qsgd.exchange.buffer_plan import ParameterOrder
 from hvd_qsgd.exchange.hierarchical import horovod_ranks_per_node
 from hvd_qsgd.horovod_caller import exchange_process_set
 from hvd_qsgd.settings import set_ranks as process_set_ranks
@@ -35,11 +37,11 @@ class Place:
     ranks per node, or the fault that keeps it from being kept. Known by its identity (the runner's
     ``hvd_qsgd.exchange.openings`` finds the tensor's opening by it)."""
 
-    __slots__ = ("ps", "set_ranks", "param", "per_node", "fault", "alone")
+    __slots__ = ("ps", "set_ranks", "param", "per_node", "fault", "alone", "order")
 
-    def __init__(self, ps, set_ranks, param, per_node, fault, alone=False):
+    def __init__(self, ps, set_ranks, param, per_node, fault, alone=False, order=None):
         self.ps, self.set_ranks, self.param, self.per_node, self.fault = ps, set_ranks, param, per_node, fault
-        self.alone = alone
+        self.alone, self.order = alone, order
 
 
 class TensorPlaces:
@@ -47,8 +49,10 @@ class TensorPlaces:
     the bound (name, parameter) pairs, the process set given, Horovod's ranks per node (read once,
     again after ``reset``). Thread-safe."""
 
-    def __init__(self, given_process_set, state_by_name=None):
+    def __init__(self, given_process_set, state_by_name=None, planned_dtypes=None):
         self._given = given_process_set   # None: Horovod's call says
+        self._planned_dtypes = planned_dtypes   # {torch dtype: its name} where fusion buffers are planned, or None
+        self._orders = weakref.WeakKeyDictionary()   # Horovod's optimizer -> its ParameterOrder
         self._state_by_name = state_by_name   # what the compressor keeps by parameter name, or None
         self._holders = StateHolders()        # the parameter that holds each name
         self._lock = threading.Lock()
@@ -99,7 +103,8 @@ class TensorPlaces:
         if self._state_by_name is not None and caller.parameter is not None:
             fault = self._held_by_another(caller)
             if fault is not None:   # (this exchange's own place, not kept)
-                return Place(place.ps, place.set_ranks, place.param, place.per_node, place.fault or fault, place.alone)
+                return Place(place.ps, place.set_ranks, place.param, place.per_node, place.fault or fault, place.alone,
+                             place.order)
         return place
 
     def _held_by_another(self, caller):
@@ -152,5 +157,37 @@ class TensorPlaces:
                 per_node = self._per_node = horovod_ranks_per_node(hvd)   # until reset (elastic)
             except ValueError as e:  # HVD_QSGD_RANKS_PER_NODE malformed: this exchange's fault, on every rank
                 per_node, fault = 0, fault or e
-        # (a gradient Horovod's synchronize() hands over comes in an order that differs between ranks)
-        return Place(ps, process_set_ranks(ps, world), param, per_node, fault, alone=caller.late)
+        # (a gradient Horovod's synchronize() hands over comes in an order that differs between ranks:
+        # it goes alone, unless its fusion buffer is planned from the optimizer's parameters)
+        order = self._order_of(caller.optimizer) if caller.name is not None and caller.optimizer is not None else None
+        return Place(ps, process_set_ranks(ps, world), param, per_node, fault, alone=caller.late and order is None,
+                     order=order)
+
+    def _order_of(self, optimizer):
+        """The ``ParameterOrder`` of Horovod's optimizer ``optimizer`` (worked out once), where fusion
+        buffers are planned (``hvd_qsgd.exchange.buffer_plan``); else None: the gradients take the
+        open buffers in the order they come."""
+        if self._planned_dtypes is None:
+            return None
+        with self._lock:
+            if optimizer not in self._orders:
+                self._orders[optimizer] = order = parameter_order(optimizer, self._planned_dtypes)
+                if order is None:
+                    log.warning("hvd_qsgd: the fusion buffers of %s's gradients are not planned (its parameters "
+                                "could not be read): they take their places in the order they come, which must "
+                                "be the same on every rank", type(optimizer).__name__)
+            return self._orders[optimizer]
+
+
+def parameter_order(optimizer, dtypes):
+    """The gradients Horovod's PyTorch ``optimizer`` hands over each step (those of the parameters
+    that required one when it was made; ``synchronize()`` hands zeros for one that got none), in
+    reverse order of its parameter groups, those of ``dtypes`` only; None where it has not the fields
+    read (not Horovod's ``_DistributedOptimizer``)."""
+    try:
+        names, wanted, groups = optimizer._parameter_names, optimizer._requires_update, optimizer.param_groups
+        params = [p for g in groups for p in g["params"] if p in wanted]
+        return ParameterOrder((names[p], p.numel(), dtypes[p.dtype], p.device.type)
+                              for p in reversed(params) if p.dtype in dtypes)
+    except (AttributeError, KeyError, TypeError):
+        return None

@@ -3,15 +3,18 @@ payload per buffer.
 
 Without them every compressed tensor pays its own encode, payload collectives and decode, each at a
 fixed price in Python and in Horovod's negotiation (docs/performance.md, "Per-tensor cost"). With
-``fusion_mb``, a tensor that fits joins its group's open buffer (one group per process set, backend,
-settings and dtype), at the buffer's next multiple of ``bucket_size``, so that it keeps its own QSGD
-buckets (no bucket holds two tensors); the buffer is then one exchange of its own, through the chain
-of the reduction its size resolves to (``hvd_qsgd.exchange.chains``):
+``fusion_mb``, a tensor that fits joins a buffer of its group (one group per process set, backend,
+settings and dtype), at a multiple of ``bucket_size``, so that it keeps its own QSGD buckets (no
+bucket holds two tensors): its planned buffer and offset, where the optimizer that hands it over
+plans them (``hvd_qsgd.exchange.buffer_plan``), else the open buffer's next multiple; the buffer is
+then one exchange of its own, through the chain of the reduction its size resolves to
+(``hvd_qsgd.exchange.chains``):
 
     add         compress: the tensor kept (not copied: Horovod's contract, as for its own
-                allreduce, is that it is not written before synchronize) at its offset; a tensor
-                that does not fit closes the open buffer first and opens the next one, and a buffer
-                too full for any compressed tensor (``min_numel``) closes at once. The tensor's
+                allreduce, is that it is not written before synchronize) at its offset; a planned
+                buffer closes once its last member is there; otherwise a tensor that does not fit
+                closes the open buffer first and opens the next one, and a buffer too full for any
+                compressed tensor (``min_numel``) closes at once. The tensor's
                 control vector carries the buffer and the offset in its exchange key, so ranks that
                 fused differently fail the control check, on every rank, before any rank waits on a
                 buffer
@@ -46,6 +49,7 @@ import operator
 import threading
 
 from hvd_qsgd import codec, codec_segments, protocol
+from hvd_qsgd.exchange.buffer_plan import plan_of
 from hvd_qsgd.exchange.deferred import NO_STAGES, on_thread
 from hvd_qsgd.exchange.fused import opened_name
 from hvd_qsgd.state import Route
@@ -77,9 +81,16 @@ class FusionBuffers:
 
     def add(self, run, ex):
         """Place member ``ex`` (its input in ``ex.source``; None after a fault: zeros hold its place)
-        in its group's open buffer, closing that buffer first where ``ex`` does not fit."""
+        in its planned buffer (``hvd_qsgd.exchange.buffer_plan``), or else in its group's open buffer,
+        closing that buffer first where ``ex`` does not fit."""
         group = ex.group_key or BufferGroup.of(ex)   # (a member's: its opening's, hvd_qsgd.exchange.openings)
         numel, bucket, cap = ex.expect.numel, group.bucket, group.cap
+        if ex.order is not None:
+            plan = plan_of(ex.order, group)
+            planned = plan.places.get(ex.route.param)
+            if (planned is not None and plan.numels[planned[0]] >= planned[1] + numel
+                    and self._add_planned(run, ex, group, plan, *planned)):
+                return
         key = group, on_thread(ex)   # (an unnamed call's: its thread's buffers)
         with self._lock:
             buf = self._open.get(key)
@@ -102,10 +113,36 @@ class FusionBuffers:
                 del self._open[key]
                 self._close(run, buf)
 
-    def _new(self, run, first, key):
-        """A new open buffer of group ``key``, whose first member is ``first``."""
-        name, slot = opened_name(self._names, first, "b")
-        if slot is None:   # (named after a call's tensor: seeded as that tensor, whose label is new each time)
+    def _add_planned(self, run, ex, group, plan, index, offset):
+        """Place ``ex`` at its planned ``offset`` in buffer ``index`` of its plan, which closes once its
+        last member is there; False where that place is taken (a second gradient of the parameter
+        before the buffer closed: it takes the open buffer of its group)."""
+        key = group, plan, index
+        with self._lock:
+            buf = self._open.get(key)
+            if buf is not None and offset in buf.offsets:
+                return False
+            if buf is None:
+                buf = self._new(run, ex, key, self._names.name(f"b{plan.tag}.{index}"))
+                buf.plan = plan
+            buf.members.append(ex)
+            buf.offsets.append(offset)
+            ex.fused, ex.offset = buf, offset
+            r = ex.route
+            ex.route = _tuple_new(Route, (r.exchange, r.seed_name, r.occurrence,
+                                          _member_key(r.key, buf.route.exchange, offset), r.residual_key, r.param,
+                                          r.slot))
+            if len(buf.members) == plan.counts[index] and (
+                    ex.settings.overlap or not plan.open_last or index < len(plan.counts) - 1):
+                del self._open[key]
+                self._close(run, buf)
+        return True
+
+    def _new(self, run, first, key, planned_name=None):
+        """A new open buffer of group ``key``, whose first member is ``first`` (named
+        ``planned_name``, where its plan names it)."""
+        name, slot = (planned_name, None) if planned_name is not None else opened_name(self._names, first, "b")
+        if slot is None and planned_name is None:   # (named after a call's tensor: seeded as that tensor)
             seed_name, occurrence = first.route.seed_name, 0
         else:
             seed_name, occurrence = name, self._occurrences[name]
@@ -139,10 +176,17 @@ class FusionBuffers:
 
     def _close(self, run, buf):
         """Encode the buffer (its members at their offsets) and start its presence allreduce."""
+        if buf.plan is not None:   # (the members there in the plan's order, packed: one that never came
+            buf.members.sort(key=_OFFSET)   # takes no room, as on every rank where it did not)
+            bucket, end = buf.group_key[0].bucket, 0
+            for m in buf.members:
+                m.offset = -(-end // bucket) * bucket
+                end = m.offset + m.expect.numel
+            buf.offsets = list(map(_OFFSET, buf.members))
         members, offsets = buf.members, buf.offsets
+        buf.expect.numel = numel = offsets[-1] + members[-1].expect.numel
         buf.pending = len(members)
         buf.where = f"{buf.where} of {len(members)} tensors ({_labels(members)})"
-        buf.expect.numel = numel = offsets[-1] + members[-1].expect.numel
         buf.expect.fingerprint = _layout_fingerprint(tuple(map(_FINGERPRINT, members)), tuple(offsets), numel,
                                                      buf.expect.dtype)
         run.resolve(buf)
@@ -322,6 +366,7 @@ def _member_key(key, slot, offset):
 
 _FINGERPRINT, _SEED_NAME = operator.attrgetter("expect.fingerprint"), operator.attrgetter("route.seed_name")
 _NUMEL, _SOURCE = operator.attrgetter("expect.numel"), operator.attrgetter("source")
+_OFFSET = operator.attrgetter("offset")
 _NONE = type(None)
 _tuple_new = tuple.__new__   # (a Route of its fields in order, without its generated __new__)
 

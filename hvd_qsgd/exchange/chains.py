@@ -28,7 +28,7 @@ class Exchange:
               "own_len", "stage", "present", "stage_error", "reduce_error", "gather_handle", "started", "origin",
               "layout", "nodes", "cross", "fused", "members", "lock", "pending", "gathered", "scale", "cut", "offsets",
               "offset", "source", "per_node", "device_type", "group_key", "direct", "defer", "control_base", "alone",
-              "alpha")
+              "alpha", "order", "plan")
     COUNTERS = ("sent", "received", "cross_sent", "cross_received")
 
     def __init__(self, **fields):

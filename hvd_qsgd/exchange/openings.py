@@ -25,24 +25,24 @@ class Openings:
         self._kept = {}
 
     def of(self, run, route, where, settings, numel, dtype, shape, device_type, group, set_ranks, global_rank,
-           world, per_node, place=None, alone=False):
+           world, per_node, place=None, alone=False, order=None):
         """The opening of a tensor (``ExchangeRunner.open``'s arguments), made through ``run`` the first
         time and kept. Settings and group are known by their ids: the opening holds both in its fields,
         so each id stays theirs while it is kept (the bits policies hand out one settings object per
         bit width). ``place``: the caller's object for the other arguments (known by its identity,
         and kept in the key), or None. ``alone``: the tensor goes in no fused exchange or fusion buffer
-        (``ExchangeRunner.open``)."""
+        (``ExchangeRunner.open``); ``order``: the ``ParameterOrder`` that plans its fusion buffer, or None."""
         if place is not None:
-            key = (id(settings), route.param, place, alone)
+            key = (id(settings), route.param, place, alone, order)
         else:
             key = (id(settings), numel, dtype, tuple(shape), route.param, device_type, id(group), tuple(set_ranks),
-                   global_rank, world, per_node, alone)
+                   global_rank, world, per_node, alone, order)
         opening = self._kept.get(key)
         if opening is not None:
             return opening
         ex = run.open_exchange(route, where, settings, numel, dtype, device_type, group, set_ranks, global_rank,
                                world, per_node, codec.tensor_fingerprint(route.param or "", shape, dtype))
-        ex.alone = alone
+        ex.alone, ex.order = alone, order
         fallback = None
         if FusionBuffers.takes(ex):
             ex.reduction = "buffered"   # its fusion buffer's chain carries it (hvd_qsgd.exchange.buffers)

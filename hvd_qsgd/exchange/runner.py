@@ -101,7 +101,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
     # -- compress -----------------------------------------------------------------------------
 
     def open(self, param, numel, dtype, shape, device_type, group, set_ranks, global_rank, world, route=None,
-             where=None, ranks_per_node=None, place=None, alone=False, call=None):
+             where=None, ranks_per_node=None, place=None, alone=False, call=None, order=None):
         """A new exchange of a tensor of ``numel`` elements of ``dtype`` ("float32", "float16",
         "bfloat16") over ``group`` (global ranks ``set_ranks``); ``param``: its parameter's name.
         ``route`` and ``where``: the caller's own naming (``hvd_qsgd.mpi``), else the runner's.
@@ -109,6 +109,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         opening is then found by it, ``hvd_qsgd.exchange.openings``). ``alone``: the tensor goes in no
         fused exchange or fusion buffer, which place tensors in the order they come: a gradient that
         Horovod's optimizer hands over in an order that differs between ranks (its ``synchronize()``).
+        ``order``: the optimizer's ``ParameterOrder`` that plans its fusion buffer, or None.
         ``call``: the frame of the unnamed Horovod call it comes from (``begin_call``), or None: the
         tensor's state (residual, DQSGD schedule) is then keyed by the name that call gives it."""
         call_name = self.begin_call(call) if call is not None else None   # (the tensor's, in Horovod's call)
@@ -117,7 +118,7 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
         if where is None:
             where = named_where(route.param) if route.param is not None else called_where(route, call_name, shape)
         opening = self.openings.of(self, route, where, s, numel, dtype, shape, device_type, group, set_ranks,
-                                   global_rank, world, ranks_per_node, place, alone)
+                                   global_rank, world, ranks_per_node, place, alone, order)
         if opening.fallback:
             backends.note_fallback(opening.fallback, self.stats)
         ex = Exchange.of(opening.fields, route=route, where=where)

@@ -6,7 +6,8 @@ odd ranks); the compressor is given no set and takes Horovod's, also through a u
 (``Wrapped``, with Adam).
 ``branches-<reduction>``: rank 0's loss leaves a layer unused, so its gradient reaches the compressor
 last on rank 0 (Horovod's ``synchronize`` submits it) and in backward order elsewhere; the
-compressor is given no names and takes the optimizer's.
+compressor is given no names and takes the optimizer's. ``<reduction>``: ``REDUCTIONS``, fusion
+buffers among them, which place that gradient where the optimizer's parameters plan it.
 
 Each runs the step with ``hvd.Compression.none`` first (the reference) and then with QSGD, for SGD
 with momentum and for Adam: the same parameters must be updated as in the reference, and the
@@ -105,13 +106,19 @@ def sets():
     return even, odd, (even if hvd.rank() % 2 == 0 else odd)
 
 
+REDUCTIONS = {"allgather": dict(reduction="allgather"), "scatter": dict(reduction="scatter_allgather"),
+              # fusion buffers planned from the optimizer's parameters (hvd_qsgd.exchange.buffer_plan)
+              "buffers": dict(reduction="allgather", fusion_mb=1),
+              "buffers_overlap": dict(reduction="scatter_allgather", fusion_mb=1, overlap=True)}
+
+
 def scenario(name, kind, reduction):
     even, odd, mine = sets() if kind == "process-set" else (None, None, hvd.global_process_set)
     try:
         for optimizer in OPTIMIZERS:
             label = f"{kind}-{reduction}-{optimizer}"
             ref = run(hvd.Compression.none, optimizer, mine, kind == "branches")
-            c = hvd_qsgd.QSGD(4, min_numel=1, reduction=reduction)
+            c = hvd_qsgd.QSGD(4, min_numel=1, **REDUCTIONS[reduction])
             # with Adam the optimizer holds a user's wrapper of the compressor, through whose compress
             # the compressor still learns Horovod's set and names
             got = run(c if optimizer == "sgd" else Wrapped(c), optimizer, mine, kind == "branches")
@@ -155,9 +162,8 @@ def disagreement(kind):
         if kind == "set":
             c = hvd_qsgd.QSGD(4, min_numel=1, process_set=hvd.global_process_set)
             run(c, "sgd", mine, False, steps=1)
-        elif kind.startswith("unused-"):   # fc3 unused on rank 0: its gradient comes late there alone
-            fusion = {"unused-fusion": dict(fusion=True), "unused-buffers": dict(fusion_mb=1)}[kind]
-            run(hvd_qsgd.QSGD(4, min_numel=1, **fusion), "sgd", hvd.global_process_set, True, steps=1)
+        elif kind == "unused-fusion":   # fc3 unused on rank 0: its gradient comes late there alone
+            run(hvd_qsgd.QSGD(4, min_numel=1, fusion=True), "sgd", hvd.global_process_set, True, steps=1)
         else:
             c = hvd_qsgd.QSGD(4, min_numel=1, named_parameters=[(f"other.{k}", v) for k, v in model.named_parameters()])
             run(c, "sgd", hvd.global_process_set, False, steps=1, model=model)
@@ -335,7 +341,7 @@ def main():
             reinit()
             continue
         kind, reduction = s.rsplit("-", 1)
-        scenario(s, kind, {"allgather": "allgather", "scatter": "scatter_allgather"}[reduction])
+        scenario(s, kind, reduction)
 
 
 if __name__ == "__main__":
