@@ -82,9 +82,11 @@ class QSGD(errors.NotCopied, report.Summarized):
                      rank (default False; docs/compressor.md, "Overlap")
     fusion_mb:       PyTorch: gather the tensors into fusion buffers of up to this many MiB of float32,
                      each quantized as one payload and exchanged as one tensor (each tensor at a
-                     bucket boundary of its buffer, with its own checks and residual; every rank must
-                     hand tensors over in the same order; ``hvd_qsgd.exchange.buffers``); not with
-                     fusion, overlap or server_error_feedback; the same on every rank (default 0: off)
+                     bucket boundary of its buffer, with its own checks and residual, at the place
+                     Horovod's optimizer's parameters plan for it; tensors of no plan in the order
+                     they come; ``hvd_qsgd.exchange.buffers``; with overlap, a full buffer goes on
+                     the wire during the backward pass); not with fusion or server_error_feedback;
+                     the same on every rank (default 0: off)
     encoder:         the encoder version, 2 (default) or 1 (the payload bytes of earlier releases;
                      docs/wire-format.md, "Encoders"); receivers decode both; the same on every rank
     join:            whether ``hvd.join()`` can be used (default True): exchanges made while ranks
