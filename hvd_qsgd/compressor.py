@@ -176,7 +176,7 @@ class QSGD(errors.NotCopied, report.Summarized):
             raise errors.class_given()
         self._calls += 1
         out = self._adapter_of(tensor).compress(tensor)
-        if out[1] is not None:
+        if out[1] is not None and not getattr(out[1], "uncompressed", False):   # (an uncompressed one's context)
             self._compressed += 1
         return out
 

@@ -106,11 +106,12 @@ class QSGDReducer:
     def allreduce(self, x, name, op="average"):
         """The average (or sum) of ``x`` over the ranks, every rank bit-identical; same shape and dtype
         (an integer average: the sum times 1/n truncated toward zero, as Horovod's)."""
-        if op not in ("average", "sum"):
-            raise ValueError(f"hvd_qsgd.mpi: op must be 'average' or 'sum', got {op!r}")
         x = np.asarray(x)
         if self._node_size is None:  # every rank's first exchange, whatever its tensor: the same call
             self._node_size = self._learn_node_size()
+        if op not in ("average", "sum"):   # (after the other ranks' records: an op of one rank raises on all)
+            self._agree(name, x, "raw", op)
+            raise ValueError(f"hvd_qsgd.mpi: op must be 'average' or 'sum', got {op!r}")
         comm, s, n = self.comm, self.settings, self.comm.Get_size()
         alpha = 1.0 / n if op == "average" else 1.0
         if x.dtype.name not in _FLOATS or x.size < s.min_numel:
@@ -155,14 +156,16 @@ class QSGDReducer:
         head = (_REDUCTION_CODES.get(red.split("/")[0], 0), int(x.size), codec.tensor_fingerprint(name, x.shape, x.dtype.name),
                 s.tag(red), op)
         records = self.comm.allgather(head)
-        differ = [r for r, rec in enumerate(records) if rec != records[0]]
-        if differ:
-            what = ("tensor (name, shape or dtype)" if any(rec[2] != records[0][2] for rec in records) else
-                    f"op (rank 0: {records[0][4]!r}, rank {differ[0]}: {records[differ[0]][4]!r})"
-                    if any(rec[4] != records[0][4] for rec in records) else "compressor settings or reduction")
+        if any(rec != records[0] for rec in records):   # (named against the most ranks alike; ties: rank 0's)
+            alike = max(([r for r, rec in enumerate(records) if rec == one] for one in records), key=len)
+            base = records[alike[0]]
+            differ = [r for r, rec in enumerate(records) if rec != base]
+            what = ("tensor (name, shape or dtype)" if any(rec[2] != base[2] for rec in records) else
+                    f"op (rank {alike[0]}: {base[4]!r}, rank {differ[0]}: {records[differ[0]][4]!r})"
+                    if any(rec[4] != base[4] for rec in records) else "compressor settings or reduction")
             raise protocol.MismatchError(
-                f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with rank 0 on the {what}: every rank "
-                "must reduce the same tensors in the same order with the same settings")
+                f"hvd_qsgd.mpi: tensor {name!r}: ranks {differ} disagree with ranks {alike} on the {what}: every "
+                "rank must reduce the same tensors in the same order with the same settings")
 
 
 QSGDReducer.__signature__ = inspect.Signature(

@@ -21,12 +21,16 @@ def test_mpi4py_reductions_equal_the_single_process_references(np_):
 
 def test_mpi4py_mismatches_raise_on_every_rank():
     out = launch(3, "mpirun", [WORKER, "mismatch-bits", "mismatch-reduction", "mismatch-name", "mismatch-op",
-                               "mismatch-op-raw"], timeout=120)
+                               "mismatch-op-invalid", "mismatch-op-raw"], timeout=120)
     raised = re.findall(r"RAISED MismatchError: (.*?)(?=RAISED|OK|\n|$)", out)
-    assert len(raised) == 15, out[-3000:]
+    assert len(raised) == 18, out[-3000:]
     assert sum("compressor settings or reduction" in m for m in raised) == 6
-    assert sum("on the tensor (name, shape or dtype)" in m for m in raised) == 3
+    # (named against the most ranks alike: rank 0 is the one that differs)
+    assert sum("ranks [0] disagree with ranks [1, 2] on the tensor (name, shape or dtype)" in m for m in raised) == 3
     assert sum("on the op (rank 0: 'average', rank 1: 'sum')" in m for m in raised) == 6
+    # an op refused on one rank raises on every rank, and the next exchange (op-raw) still meets
+    assert sum("ranks [1] disagree with ranks [0, 2] on the op (rank 0: 'average', rank 1: 'max')" in m
+               for m in raised) == 3, out[-3000:]
 
 
 @pytest.mark.parametrize("np_", [4, 6])

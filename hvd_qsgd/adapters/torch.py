@@ -40,7 +40,7 @@ from horovod.torch import mpi_ops
 from horovod.torch.compression import Compressor
 
 from hvd_qsgd import backends, error_feedback, errors, report, threads
-from hvd_qsgd.adapters.torch_collectives import HorovodTorchCollectives
+from hvd_qsgd.adapters.torch_collectives import AS_ROW, HorovodTorchCollectives, uncompressed
 from hvd_qsgd.adapters.torch_params import group_learning_rate, named_parameter_list
 from hvd_qsgd.adapters.torch_places import TensorPlaces
 from hvd_qsgd.exchange.chains import Exchange
@@ -105,7 +105,7 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         numel = tensor.numel()
         if tensor.layout != torch.strided or tensor.dtype not in SOURCE_DTYPES or numel < self.settings.min_numel:
             self.runner.stats.add(raw_elements=numel, raw_tensors=1)
-            return tensor, None
+            return uncompressed(tensor)
         if _horovod_session() is not self.runner.session:
             self._new_session()
         device = tensor.device
@@ -154,8 +154,8 @@ class TorchCompressor(errors.NotCopied, report.Summarized, Compressor):
         return tensor.detach().reshape(-1).cpu().float().contiguous().numpy()
 
     def decompress(self, tensor: torch.Tensor, ex: Optional[Exchange] = errors.NOT_GIVEN) -> torch.Tensor:
-        if ex is None:
-            return tensor
+        if ex is None or ex is AS_ROW:
+            return tensor if ex is None else tensor.squeeze(0)
         if ex is errors.NOT_GIVEN:
             raise errors.class_given()
         reduced = tensor.numpy() if tensor.is_cpu and not tensor.requires_grad else tensor.detach().cpu().numpy()

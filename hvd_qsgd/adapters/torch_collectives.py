@@ -13,6 +13,30 @@ from horovod.common.exceptions import HorovodInternalError, HostsUpdatedInterrup
 from hvd_qsgd.exchange.collectives import Collectives
 
 
+class _AsRow:
+    """The context of an uncompressed float64 vector, which Horovod reduces with a leading axis of
+    length 1 (``uncompressed``)."""
+
+    uncompressed = True   # (not counted as compressed: ``hvd_qsgd.QSGD.compress``)
+
+    def __repr__(self):
+        return "hvd_qsgd: uncompressed float64 vector, sent as one row"
+
+
+AS_ROW = _AsRow()
+
+
+def uncompressed(tensor):
+    """(what Horovod reduces, the context) for a tensor the compressor does not quantize: the tensor
+    itself, but a float64 vector as a row (shape ``(1, n)``), so that it never has a control vector's
+    shape (float64, one axis): where ranks disagree on a tensor (one rank's of 15 float64 elements,
+    another's compressed), Horovod's shape check then fails on every rank, where the two were
+    summed, silently (the TensorFlow adapter's ``uncompressed`` sends every floating tensor so)."""
+    if tensor.dtype is torch.float64 and tensor.dim() == 1 and tensor.layout == torch.strided:
+        return tensor.unsqueeze(0), AS_ROW
+    return tensor, None
+
+
 class _Handle:
     __slots__ = ("horovod", "like")
 

@@ -134,6 +134,8 @@ def scenario(comm, name):
             elif kind in ("op", "op-raw"):   # (each rank scaled its own result: they differed, silently)
                 numel = 20000 if kind == "op" else 100
                 QSGDReducer(comm).allreduce(inputs(numel, n)[rank], "w", op="sum" if rank == 1 else "average")
+            elif kind == "op-invalid":   # (rank 1's op is refused on every rank, after the records' allgather)
+                QSGDReducer(comm).allreduce(inputs(20000, n)[rank], "w", op="max" if rank == 1 else "average")
         except protocol.MismatchError as e:
             print(f"RAISED {type(e).__name__}: {' '.join(str(e).split())[:300]}", flush=True)
             return

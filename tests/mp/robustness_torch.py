@@ -479,12 +479,36 @@ def delivered_with_residuals(c, results):
         assert err <= 1e-5 * scale, (name, err, scale)
 
 
+def case_shape_collision(n, rank):
+    """A float64 vector of a control vector's length (uncompressed) on rank 0 where the others hand
+    the same call a compressed tensor, and the other way round: Horovod's own mismatch error on
+    every rank, as without compression (the two were summed, silently: rank 0 got the others' control
+    vectors in its data); a float64 vector on every rank keeps its shape and Horovod's exact result,
+    and is not counted as compressed."""
+    length = protocol.control_length(n)
+    comp = hvd_qsgd.QSGD(4)
+    for i, odd in enumerate((0, n - 1)):
+        x = torch.full((length,), 2.0, dtype=torch.float64) if rank == odd else torch.ones(20000)
+        try:
+            hvd.allreduce(x, name=f"collision.{i}", compression=comp)
+        except HorovodInternalError as e:
+            assert "Mismatched" in str(e), (i, str(e))
+        else:
+            raise AssertionError(f"rank {odd} alone with a float64 vector: no error")
+    v = torch.arange(length, dtype=torch.float64) * (rank + 1)
+    out = hvd.allreduce(v, name="collision.alike", compression=comp)
+    assert out.shape == v.shape and torch.equal(out, torch.arange(length, dtype=torch.float64) * (n + 1) / 2), out
+    # (the compressed tensors of the first two calls only)
+    assert comp._compressed == sum(rank != odd for odd in (0, n - 1)), comp._compressed
+
+
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
          "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
          "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state,
-         "threads-shared": case_threads_shared, "direct-decompress": case_direct_decompress}
+         "threads-shared": case_threads_shared, "direct-decompress": case_direct_decompress,
+         "shape-collision": case_shape_collision}
 
 
 def main():

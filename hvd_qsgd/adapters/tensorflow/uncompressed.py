@@ -28,6 +28,7 @@ class Raw(NamedTuple):
     """The context of an uncompressed floating-point tensor (sent as float64, with a leading axis)."""
 
     dtype: Any
+    uncompressed = True   # (not counted as compressed: ``hvd_qsgd.QSGD.compress``)
 
 
 def with_static_shape(tensor, owner):
