@@ -266,7 +266,9 @@ def tag_explanation(name):
                 "no buffer plan, the order places tensors in fused exchanges and fusion buffers, and must be "
                 "the same on every rank, and every parameter must get a gradient on every rank or on none: "
                 "train a model whose ranks use different parameters with fusion=False, or fusion_mb with "
-                "Horovod's optimizer, which plans the buffers)")
+                "Horovod's optimizer, which plans the buffers); with reduction=\"hierarchical\", whose node stage "
+                "sums the tensors uncompressed, the key holds the tensor's shape and dtype too: the same tensor "
+                "must have the same shape and dtype on every rank")
     return f"{name}: {hint}"
 
 

@@ -127,6 +127,33 @@ def test_efsgdm_refuses_bad_arguments(kwargs, error, match):
         EFSGDM(_named(), **kwargs)
 
 
+def test_averaging_optimizers_refuse_a_compressor_with_state_that_another_one_holds():
+    """EFSGDM and PeriodicQuantizedAveraging hand the compressor their updates keyed by place in the
+    step: a second optimizer on the same compressor with error feedback (or DQSGD's schedules) would
+    share the first's residuals, silently; refused, naming the cause. Without such state, or once
+    the first optimizer is gone, it may be shared."""
+    import gc
+    import torch
+    from hvd_qsgd.torch import EFSGDM, PeriodicQuantizedAveraging
+    shared = hvd_qsgd.BlockSign(256)
+    first = EFSGDM(_named(), lr=0.1, compression=shared)
+    with pytest.raises(ValueError, match=r"EFSGDM: this compressor already serves another averaging optimizer "
+                                         r"\(EFSGDM\) and keeps error-feedback residuals"):
+        EFSGDM(_named(), lr=0.1, compression=shared)
+    named = _named()
+    with pytest.raises(ValueError, match="PeriodicQuantizedAveraging: this compressor already serves"):
+        PeriodicQuantizedAveraging(torch.optim.SGD([p for _, p in named], lr=0.1), named, period=2,
+                                   compression=shared)
+    del first
+    gc.collect()
+    EFSGDM(_named(), lr=0.1, compression=shared)   # (the first is gone)
+    stateless = hvd_qsgd.QSGD(2)
+    for _ in range(2):
+        named = _named()
+        PeriodicQuantizedAveraging(torch.optim.SGD([p for _, p in named], lr=0.1), named, period=2,
+                                   compression=stateless, broadcast=False)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(period=0), ValueError, "period must be an integer >= 1"),
     (dict(period=2.0), ValueError, "period must be an integer >= 1"),

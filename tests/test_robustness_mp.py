@@ -9,7 +9,8 @@ exact), error feedback stays finite after a non-finite step, all-zero gives exac
 integer/bool/sparse tensors get Horovod's own behaviour, fp16/bf16 keep their dtype and are exact,
 a PyTorch tensor on the meta device is refused on every rank naming tensor and device, an
 uncompressed float64 vector where another rank's tensor is compressed fails Horovod's shape check on
-every rank (never summed with a control vector), and tf.IndexedSlices take Horovod's allgather path.
+every rank (never summed with a control vector), so does a tensor of another shape or dtype under the
+hierarchical reduction on one node, and tf.IndexedSlices take Horovod's allgather path.
 """
 import re
 
@@ -19,7 +20,8 @@ from tests.helpers import launch
 
 TORCH_CASES = ["nonfinite-allreduce", "nonfinite-optimizer", "nonfinite-error-feedback", "zeros", "empty", "scalar",
                "noncontiguous", "integers", "sparse", "low-precision", "meta-device", "unnamed-mismatch",
-               "unnamed-state", "threads-shared", "direct-decompress", "shape-collision"]
+               "unnamed-state", "threads-shared", "direct-decompress", "shape-collision",
+               "hierarchical-shapes"]
 TF_CASES = ["nonfinite-allreduce", "nonfinite-tape", "nonfinite-error-feedback", "zeros", "empty", "scalar",
             "transposed", "integers", "low-precision", "indexed-slices", "unnamed-mismatch", "shape-collision",
             "unknown-shape"]

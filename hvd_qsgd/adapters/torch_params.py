@@ -1,7 +1,11 @@
 """What the PyTorch adapter and the optimizers built on it share about parameters: checked
 (name, parameter) lists, the averaging of named tensors through a compressor, and the learning
 rate of a parameter's group (for error feedback that follows the learning rate)."""
+import weakref
+
 import horovod.torch as hvd
+
+from hvd_qsgd.state import state_by_key
 
 
 def named_parameter_list(named_parameters, who, empty_ok=False):
@@ -15,6 +19,24 @@ def named_parameter_list(named_parameters, who, empty_ok=False):
     if len({n for n, _ in named}) != len(named):
         raise ValueError(f"{who}: parameter names must be unique")
     return named
+
+
+def claim_compressor(compression, owner, who):
+    """Refuse ``compression`` for the averaging optimizer ``owner`` (``who``) where another live one
+    holds it and it keeps state by key (error-feedback residuals, DQSGD's schedules): the tensors
+    ``average_named`` hands it are keyed by their place in each optimizer's step, so two optimizers'
+    states would mix, silently. A compressor without such state may be shared."""
+    settings, policy = getattr(compression, "settings", None), getattr(compression, "_policy", None)
+    kept = None if settings is None or policy is None else state_by_key(settings, policy("torch").observes)
+    if kept is None:
+        return
+    held = getattr(compression, "_averaged_by", None)
+    other = None if held is None else held()
+    if other is not None and other is not owner:
+        raise ValueError(f"{who}: this compressor already serves another averaging optimizer ({type(other).__name__}) "
+                         f"and keeps {kept} by the place of each update in a step, where the two optimizers' would "
+                         "mix: give each optimizer its own compressor")
+    compression._averaged_by = weakref.ref(owner)
 
 
 def average_named(compression, named_tensors, prefix, process_set):

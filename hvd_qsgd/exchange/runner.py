@@ -229,7 +229,10 @@ class ExchangeRunner(ResidualSteps, JoinedSteps, DeferredSteps):
     def control(self, ex):
         """The control vector of the exchange (``hvd_qsgd.protocol``), for Horovod's allreduce."""
         base = ex.control_base or ex.control_fields()   # (its opening's, where it has one)
-        key = (base, ex.route.key, ex.fault is not None)
+        # (hierarchical: the key holds the tensor's shape and dtype too, which no header checks where the node
+        # stage sums the tensors uncompressed and no payload crosses a node: one node)
+        key = (base, ex.route.key if ex.layout is None else protocol.small_hash(
+            f"{ex.route.key}|{ex.expect.fingerprint}", protocol.TAG_RANGE ** 2), ex.fault is not None)
         vector = self._controls.get(key)
         if vector is None:  # (made once per tensor and outcome: Horovod reduces a copy in place)
             if len(self._controls) > 4096:

@@ -43,7 +43,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
-from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
+from hvd_qsgd.adapters.torch_params import average_named, claim_compressor, named_parameter_list
 from hvd_qsgd.block_sign import efsgdm_compression
 from hvd_qsgd.horovod_caller import in_horovod_state_broadcast
 
@@ -68,6 +68,7 @@ class EFSGDM(torch.optim.Optimizer):
         super().__init__([p for _, p in named], dict(lr=float(lr), momentum=float(momentum),
                                                      weight_decay=float(weight_decay)))
         self.compression = compression
+        claim_compressor(compression, self, "EFSGDM")
         self.process_set = process_set if process_set is not None else hvd.global_process_set
 
     @torch.no_grad()

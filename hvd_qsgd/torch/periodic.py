@@ -46,7 +46,7 @@ import torch
 import horovod.torch as hvd
 
 import hvd_qsgd
-from hvd_qsgd.adapters.torch_params import average_named, named_parameter_list
+from hvd_qsgd.adapters.torch_params import average_named, claim_compressor, named_parameter_list
 from hvd_qsgd.horovod_caller import in_horovod_state_broadcast
 
 MOMENTUM_MODES = ("local", "average", "reset")
@@ -92,6 +92,7 @@ class PeriodicQuantizedAveraging:
         self.named_parameters = named
         self.period = period
         self.compression = hvd_qsgd.QSGD(2) if compression is None else compression
+        claim_compressor(self.compression, self, "PeriodicQuantizedAveraging")
         watch = getattr(self.compression, "_never_called", None)
         if watch is not None:  # called at syncs only: no no-op warning before the first one is due
             watch.expect_calls_every(period)

@@ -502,13 +502,32 @@ def case_shape_collision(n, rank):
     assert comp._compressed == sum(rank != odd for odd in (0, n - 1)), comp._compressed
 
 
+def case_hierarchical_shapes(n, rank):
+    """reduction="hierarchical" on one node (every rank's tensor summed uncompressed, no payload
+    crossing a node to carry a header): a tensor of another shape, or another dtype, on the last rank
+    raises on every rank, as Horovod's own allreduce and the other reductions do (it was summed as the
+    same tensor, silently); the same tensor alike on every rank then gives the exact average."""
+    comp = hvd_qsgd.QSGD(4, reduction="hierarchical")
+    odd = rank == n - 1
+    for i, x in enumerate((torch.ones(2, 10000) if odd else torch.ones(20000),
+                           torch.ones(20000, dtype=torch.float16 if odd else torch.float32))):
+        try:
+            hvd.allreduce(x, name=f"hierarchical.shapes.{i}", compression=comp)
+        except hvd_qsgd.MismatchError as e:
+            assert "exchange key" in str(e) and "shape and dtype" in str(e), (i, str(e))
+        else:
+            raise AssertionError(f"case {i}: no error")
+    out = hvd.allreduce(torch.full((20000,), float(rank + 1)), name="hierarchical.shapes.alike", compression=comp)
+    assert torch.all(out == (n + 1) / 2), out[:4]
+
+
 CASES = {"nonfinite-allreduce": case_nonfinite_allreduce, "nonfinite-optimizer": case_nonfinite_optimizer,
          "nonfinite-error-feedback": case_nonfinite_error_feedback, "zeros": case_zeros, "empty": case_empty,
          "scalar": case_scalar, "noncontiguous": case_noncontiguous, "integers": case_integers,
          "sparse": case_sparse, "low-precision": case_low_precision, "meta-device": case_meta_device,
          "unnamed-mismatch": case_unnamed_mismatch, "unnamed-state": case_unnamed_state,
          "threads-shared": case_threads_shared, "direct-decompress": case_direct_decompress,
-         "shape-collision": case_shape_collision}
+         "shape-collision": case_shape_collision, "hierarchical-shapes": case_hierarchical_shapes}
 
 
 def main():

@@ -83,7 +83,10 @@ class TensorFlowState:
             raise ValueError(
                 f"hvd_qsgd: the gradients of two variables ({_named(held)}, {_named(variable)}) reach one compressor at the "
                 f"same place ({key}) of traced functions named alike, and it keeps {kept} by that place, where theirs "
-                "would mix: give each model's training step (or tape) its own compressor (a hvd_qsgd.QSGD(...) each)")
+                "would mix: give each model's training step (or tape) its own compressor (a hvd_qsgd.QSGD(...) each); "
+                "where one model's trainable variables changed (a layer frozen, and the model compiled again with the "
+                "same optimizer), the places moved: compile with a new DistributedOptimizer and a new compressor (the "
+                "residuals of the old places are dropped)")
 
     def _server_residual(self, ctx, v):
         """This rank's server residual of the exchange ``ctx`` (its chunk's elements, zero at first)."""
