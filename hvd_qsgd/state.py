@@ -226,6 +226,8 @@ def residuals_belong_here(state: Dict[str, Any], hvd: Any, who: str) -> bool:
     saved, here = (state.get("rank"), state.get("size")), tuple(checkpoint_origin(hvd).values())
     if saved[0] is None or here[0] is None or saved == here:
         return True
+    if not any(map(state.get, RESIDUAL_FIELDS)):   # (none to drop, no error feedback: not a word)
+        return False
     log.warning("%s: the checkpoint was made on rank %s of %s, this is rank %s of %s: its error-feedback "
                 "residuals are that rank's (the part of its own gradients not yet delivered), so this rank's start "
                 "from zero; to resume each rank's, save and load a checkpoint per rank (e.g. "

@@ -194,6 +194,11 @@ def check_resume(rank):
         plain.load_state_dict(saved)
     assert plain.state_dict()["torch"]["residuals"] == {} and len(messages) == 1, messages
     assert "holds error-feedback residuals, and this compressor keeps none (error_feedback=False)" in messages[0]
+    # rank 0's checkpoint without residuals (no error feedback) loads on every rank without a word
+    bare = hvd.broadcast_object(plain.state_dict(), root_rank=0, name="check_resume_bare")
+    with logged() as messages:
+        hvd_qsgd.QSGD(2, seed=SEED, named_parameters=model.named_parameters()).load_state_dict(bare)
+    assert messages == [], messages
 
 
 def check_optimizer(model, compressor, bits, bucket, passes=1, scale=None, **kwargs):
